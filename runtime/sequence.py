@@ -1,0 +1,86 @@
+"""One request's token stream and KV bookkeeping (torch-free)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from enum import Enum, auto
+
+from runtime.sampling_params import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's length reached
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class Sequence:
+    """Prompt plus generated tokens, and where their KV lives.
+
+    `num_computed_tokens` counts tokens whose K/V is in the pool; the model
+    runner computes `token_ids[num_computed_tokens:num_computed_tokens + n]`
+    and only the scheduler's update() advances the counter.
+    `block_table` lists physical block ids, logical block i at index i.
+    """
+
+    def __init__(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        seq_id: int | str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.seq_id = next(_seq_counter) if seq_id is None else seq_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params or SamplingParams()
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, status={self.status.name})"
+        )
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
