@@ -1,0 +1,94 @@
+"""`bucketserve buckets`: print the shape buckets that warm-up would compile, before starting."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from bucket_manager.bucket_file import BucketFileError
+from bucket_manager.config import BUCKET_FILE_ENV, STRATEGIES, BucketRange, ShapeBucketConfig
+from bucket_manager.shape_buckets import ShapeBuckets
+
+_RANGE_FLAGS = {
+    "prompt_bs": ("--prompt-bs", "prompt", "bs"),
+    "prompt_seq": ("--prompt-seq", "prompt", "query"),
+    "prompt_ctx": ("--prompt-ctx", "prompt", "ctx"),
+    "decode_bs": ("--decode-bs", "decode", "bs"),
+    "decode_block": ("--decode-block", "decode", "blocks"),
+}
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "buckets",
+        help="print the prompt and decode shape buckets a configuration generates",
+        description=(
+            "Print the shape-bucket configuration and the generated prompt and decode buckets "
+            "in the warm-up log format. Flags override the config file. The 'file' strategy "
+            f"reads --file, the config's `file`, or ${BUCKET_FILE_ENV}."
+        ),
+    )
+    parser.add_argument("--config", type=Path, help="service YAML (its `shape_buckets` section)")
+    parser.add_argument("--strategy", choices=STRATEGIES)
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--file", help="bucket file for the 'file' strategy")
+    for dest, (flag, phase, dim) in _RANGE_FLAGS.items():
+        parser.add_argument(
+            flag,
+            dest=dest,
+            type=int,
+            nargs="+",
+            metavar="N",
+            help=f"{phase} {dim}: MIN STEP MAX [LIMIT]",
+        )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = build_config(args)
+        shapes = ShapeBuckets(config, log=False)
+    except (ValueError, BucketFileError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(shapes.describe()))
+    return 0
+
+
+def build_config(args: argparse.Namespace) -> ShapeBucketConfig:
+    """The config file's section with the flags laid over it, validated once."""
+    data = dict(load_section(args.config)) if args.config else {}
+    top = {
+        "strategy": args.strategy,
+        "block_size": args.block_size,
+        "max_model_len": args.max_model_len,
+        "file": args.file,
+    }
+    data.update({k: v for k, v in top.items() if v is not None})
+    for dest, (flag, phase, dim) in _RANGE_FLAGS.items():
+        values = getattr(args, dest)
+        if values is not None:
+            section = data.get(phase) or {}
+            if not isinstance(section, dict):
+                raise ValueError(f"shape_buckets.{phase} must be a mapping")
+            data[phase] = {**section, dim: BucketRange.from_value(values, flag)}
+    return ShapeBucketConfig.from_dict(data)
+
+
+def load_section(path: Path) -> dict[str, Any]:
+    """The `shape_buckets` mapping of a service YAML (also under `buckets:`), or the whole file."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ValueError(f"cannot read config {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"config {path} must be a mapping")
+    data = data.get("buckets", data)
+    return data.get("shape_buckets", data)

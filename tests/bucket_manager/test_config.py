@@ -1,0 +1,107 @@
+import pytest
+
+from bucket_manager import (
+    BatchingConfig,
+    BucketManagerConfig,
+    BucketRange,
+    Policy,
+    PromptShapeConfig,
+    RequestBucketConfig,
+    ShapeBucketConfig,
+    TenantClass,
+    TenantConfig,
+)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda: ShapeBucketConfig(strategy="cubic"),
+            "ShapeBucketConfig.strategy must be one of 'exponential', 'linear', 'file'; "
+            "got 'cubic'",
+        ),
+        (
+            lambda: ShapeBucketConfig(prompt=PromptShapeConfig(query=BucketRange(128, 128, 1024))),
+            "prompt.query.limit is required by the exponential strategy",
+        ),
+        (lambda: ShapeBucketConfig(block_size=0), "block_size must be an integer >= 1"),
+        (lambda: PromptShapeConfig(bs=BucketRange(0, 1, 4)), "prompt.bs.min must be an integer"),
+        (lambda: BucketRange(10, 1, 5), "range.max must be an integer >= 10, got 5"),
+        (lambda: BucketRange(1, 0, 5), "range.step must be an integer >= 1, got 0"),
+        (lambda: RequestBucketConfig(theta=1.5), r"theta must be a number in \[0.0, 1.0\]"),
+        (lambda: RequestBucketConfig(lookup="hash"), "lookup must be one of 'bisect', 'linear'"),
+        (lambda: RequestBucketConfig(shape_edge_snap=0.6), "shape_edge_snap must be a number in"),
+        (lambda: RequestBucketConfig(max_len=True), "max_len must be an integer >= 2, got True"),
+        (lambda: BatchingConfig(safety_fraction=0), "safety_fraction must be a number"),
+        (lambda: BatchingConfig(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
+        (
+            lambda: TenantConfig("chat", policy="sjf"),
+            "tenant 'chat': online tenants are served by earliest arrival, so policy must be",
+        ),
+        (
+            lambda: TenantConfig("x", tenant_class="batch"),
+            "tenant 'x': tenant_class must be one of 'online', 'offline'; got 'batch'",
+        ),
+        (
+            lambda: TenantConfig("x", tenant_class="offline", policy="lifo"),
+            "tenant 'x': policy must be one of 'fcfs', 'sjf', 'ljf'; got 'lifo'",
+        ),
+        (lambda: TenantConfig("x", weight=0), "tenant 'x': weight must be a number"),
+        (lambda: TenantConfig("x", max_wait_s=-1.0), "tenant 'x': max_wait_s must be a number"),
+        (lambda: TenantConfig(""), "TenantConfig.name must be a non-empty string"),
+        (
+            lambda: BucketManagerConfig(tenants=(TenantConfig("a"), TenantConfig("a"))),
+            r"duplicate tenant names \['a'\]",
+        ),
+        (lambda: BucketManagerConfig(tenants=()), "must name at least one tenant"),
+    ],
+)
+def test_invalid_config_names_the_field_and_allowed_values(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_from_dict_builds_the_nested_config():
+    config = BucketManagerConfig.from_dict(
+        {
+            "request_buckets": {"max_len": 4096, "theta": 0.6},
+            "shape_buckets": {
+                "strategy": "linear",
+                "max_model_len": 4096,
+                "prompt": {"bs": [1, 2, 8], "query": {"min": 128, "step": 256, "max": 4096}},
+                "decode": {"blocks": [16, 16, 512]},
+            },
+            "batching": {"max_num_seqs": 32},
+            "tenants": [
+                {"name": "chat", "priority": -1, "ttft_slo_s": 0.5},
+                {"name": "batch", "class": "offline", "policy": "ljf", "weight": 2},
+            ],
+        }
+    )
+    assert config.request_buckets == RequestBucketConfig(max_len=4096, theta=0.6)
+    assert config.shape_buckets.prompt.query == BucketRange(128, 256, 4096)
+    assert config.shape_buckets.decode.blocks == BucketRange(16, 16, 512)
+    assert config.shape_buckets.decode.bs == BucketRange(1, 2, 4, 3)  # default kept
+    assert config.batching.max_num_seqs == 32
+    chat, batch = config.tenants
+    assert (chat.tenant_class, chat.policy, chat.priority, chat.ttft_slo_s) == (
+        TenantClass.ONLINE, Policy.FCFS, -1, 0.5
+    )
+    assert (batch.tenant_class, batch.policy, batch.weight) == (TenantClass.OFFLINE, Policy.LJF, 2)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"request_bucket": {}}, r"buckets: unknown keys \['request_bucket'\]; allowed keys are"),
+        ({"shape_buckets": {"prompt": {"query": [10, 1, 5, 3]}}}, "prompt.query.max must be"),
+        ({"shape_buckets": {"prompt": {"query": [1, 2]}}}, r"prompt.query must be \[min"),
+        ({"tenants": {"name": "a"}}, "buckets.tenants must be a list of tenant mappings"),
+        ({"tenants": [{"name": "a", "slo": 1}]}, r"buckets.tenants\[0\]: unknown keys \['slo'\]"),
+        ({"batching": 5}, "batching must be a mapping, got int"),
+    ],
+)
+def test_from_dict_rejects_unknown_keys_and_bad_values(data, message):
+    with pytest.raises(ValueError, match=message):
+        BucketManagerConfig.from_dict(data)
