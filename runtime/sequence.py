@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.detokenizer import Detokenizer
 
 _seq_counter = itertools.count()
 
@@ -22,6 +27,24 @@ class FinishReason(str, Enum):
     LENGTH = "length"  # max_tokens or the model's length reached
     CANCELLED = "cancelled"
     ERROR = "error"
+
+
+@dataclass
+class SequenceMetrics:
+    """Monotonic timestamps (time.monotonic()) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first output token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
 
 
 class Sequence:
@@ -47,11 +70,14 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params or SamplingParams()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.metrics = SequenceMetrics(self.arrival_time)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string matched
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.num_preemptions = 0
+        self.detokenizer: Detokenizer | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -75,12 +101,21 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V is not in the pool yet: the next step's work."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
 
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    @property
+    def output_text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

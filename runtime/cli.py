@@ -1,0 +1,59 @@
+"""`bucketserve offline`: chat completions for a few prompts with the in-process engine."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+DEFAULT_PROMPTS = (
+    "What is the capital of France?",
+    "Name one fruit.",
+    "Explain in two sentences what a KV cache is in a transformer.",
+    "Write a haiku about continuous batching.",
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "offline",
+        help="generate replies to chat prompts in this process (no Ray, no server)",
+        description="Generate replies to chat prompts with the in-process engine "
+        "(continuous batching over a paged KV cache) and print them.",
+    )
+    parser.add_argument(
+        "prompts", nargs="*", metavar="PROMPT", help="user messages (default: a few examples)"
+    )
+    parser.add_argument(
+        "--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per reply (128)")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default), else sampling"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, hpu or auto")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from runtime.llm import LLM
+    from runtime.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(
+            temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+        )
+    except ValueError as exc:
+        raise SystemExit(f"bucketserve offline: {exc}") from exc
+    prompts = args.prompts or list(DEFAULT_PROMPTS)
+    llm = LLM(args.model, device=args.device)
+    start = time.perf_counter()
+    outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, False)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(prompts, outputs, strict=True):
+        print(f"### {prompt}\n{out.text.strip()}\n[{len(out.token_ids)} tokens, "
+              f"{out.finish_reason.value}]\n")
+    total = sum(len(out.token_ids) for out in outputs)
+    print(f"{len(outputs)} replies, {total} tokens in {elapsed:.1f} s "
+          f"({total / elapsed:.1f} tok/s)")
+    return 0

@@ -1,0 +1,168 @@
+"""The one place that knows about cpu / cuda / hpu: placement, dtype, memory, graphs."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import psutil
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+GraphFn = Callable[..., torch.Tensor]
+
+# oneDNN's fp32 GEMM is ~2x MKL's on the AMD CPUs we run on (MKL picks a slow path there).
+_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+_USE_ONEDNN = _ONEDNN_LINEAR is not None and torch.backends.mkldnn.is_available()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, through oneDNN for float32 on CPU."""
+    if _USE_ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu":
+        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def _habana():
+    """habana_frameworks.torch, or None; imported lazily so any machine can import us."""
+    try:
+        return importlib.import_module("habana_frameworks.torch")
+    except ImportError:
+        return None
+
+
+class Device:
+    """A torch.device plus the per-backend hooks the model runner needs.
+
+    `name` is "auto" (cuda if available, else hpu if habana imports, else cpu),
+    "cpu", "cuda", "cuda:<i>" or "hpu".
+    """
+
+    def __init__(self, name: str = "auto") -> None:
+        self.torch_device = self._resolve(name)
+        self.type = self.torch_device.type
+        self._graph_pool = None
+
+    def __repr__(self) -> str:
+        return f"Device({self.torch_device})"
+
+    @staticmethod
+    def _resolve(name: str) -> torch.device:
+        if not isinstance(name, str):
+            raise ValueError(
+                f"device must be a string like 'auto', 'cpu', 'cuda:0', 'hpu'; got {name!r}"
+            )
+        name = name.strip().lower()
+        if name == "auto":
+            if torch.cuda.is_available():
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device("hpu") if _habana() is not None else torch.device("cpu")
+        if name == "cpu":
+            return torch.device("cpu")
+        if name == "hpu":
+            if _habana() is None:
+                raise ValueError(
+                    "device 'hpu' needs habana_frameworks.torch, which is not installed"
+                )
+            return torch.device("hpu")
+        if name == "cuda" or name.startswith("cuda:"):
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {name!r} requested but CUDA is not available; use 'cpu'")
+            index = torch.cuda.current_device() if name == "cuda" else _cuda_index(name)
+            return torch.device("cuda", index)
+        raise ValueError(f"unknown device {name!r}; use 'auto', 'cpu', 'cuda', 'cuda:<i>' or 'hpu'")
+
+    @property
+    def default_dtype(self) -> torch.dtype:
+        return torch.float32 if self.type == "cpu" else torch.bfloat16
+
+    def resolve_dtype(self, dtype: str | torch.dtype) -> torch.dtype:
+        """ "auto" gives the device default; else one of DTYPES' names."""
+        if isinstance(dtype, torch.dtype):
+            if dtype not in DTYPES.values():
+                raise ValueError(f"unsupported dtype {dtype}; use one of {sorted(set(DTYPES))}")
+            return dtype
+        if dtype == "auto":
+            return self.default_dtype
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; use 'auto' or one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+
+    def free_memory(self) -> int:
+        """Bytes that can still be allocated on this device."""
+        if self.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.torch_device)
+            return int(free)
+        if self.type == "hpu":
+            hpu = importlib.import_module("habana_frameworks.torch.hpu")
+            stats = hpu.memory_stats()
+            return int(stats["Limit"] - stats["InUse"])
+        return int(psutil.virtual_memory().available)
+
+    def synchronize(self) -> None:
+        if self.type == "cuda":
+            torch.cuda.synchronize(self.torch_device)
+        elif self.type == "hpu":
+            importlib.import_module("habana_frameworks.torch.hpu").synchronize()
+
+    def graph(self, fn: GraphFn, example_args: tuple[torch.Tensor, ...]) -> GraphFn:
+        """A callable equivalent to `fn` for args shaped like `example_args`.
+
+        cuda: a captured CUDA graph replayed on copies of the args (its output
+        buffer is reused by the next replay, so consume it first); hpu:
+        `wrap_in_hpu_graph`, which caches one graph per input shape; cpu: `fn`.
+        """
+        if self.type == "cuda":
+            return self._cuda_graph(fn, example_args)
+        if self.type == "hpu":
+            hpu_graphs = importlib.import_module("habana_frameworks.torch.hpu")
+            return hpu_graphs.wrap_in_hpu_graph(_FnModule(fn))
+        return fn
+
+    def _cuda_graph(self, fn: GraphFn, example_args: tuple[torch.Tensor, ...]) -> GraphFn:
+        static_args = tuple(a.clone() for a in example_args)
+        stream = torch.cuda.Stream(self.torch_device)
+        stream.wait_stream(torch.cuda.current_stream(self.torch_device))
+        with torch.cuda.stream(stream):
+            fn(*static_args)  # warm-up run outside the capture, as CUDA graphs require
+        torch.cuda.current_stream(self.torch_device).wait_stream(stream)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            static_out = fn(*static_args)
+
+        def replay(*args: torch.Tensor) -> torch.Tensor:
+            for dst, src in zip(static_args, args, strict=True):
+                dst.copy_(src, non_blocking=True)
+            graph.replay()
+            return static_out
+
+        return replay
+
+
+def _cuda_index(name: str) -> int:
+    suffix = name.split(":", 1)[1]
+    if not suffix.isdigit() or int(suffix) >= torch.cuda.device_count():
+        raise ValueError(f"no CUDA device {name!r}; this machine has {torch.cuda.device_count()}")
+    return int(suffix)
+
+
+class _FnModule(torch.nn.Module):
+    """Lets a plain function go through module-only graph wrappers (HPU graphs)."""
+
+    def __init__(self, fn: GraphFn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.fn(*args)

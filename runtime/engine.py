@@ -1,0 +1,256 @@
+"""The in-process engine: scheduler + block manager + model runner, stepped by the caller."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from numbers import Integral
+from typing import Any
+
+from runtime.block_manager import BlockManager
+from runtime.engine_config import EngineConfig
+from runtime.executor import ExecutionError, Executor
+from runtime.model_runner import ModelRunner, ModelRunnerConfig
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Scheduler, SchedulerOutput
+from runtime.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started."""
+
+    steps: int = 0  # microbatches executed
+    num_batched_tokens: int = 0  # tokens computed: prompts (and recomputes) and decodes
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_finished: int = 0
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    sent_tokens: int = 0
+    sent_chars: int = 0
+
+
+class LLMEngine:
+    """Continuous batching in one process, one `step()` at a time.
+
+    A step is the pipeline-parallel RFC's loop: `schedule()` a microbatch,
+    `submit()` it to the executor, `finish()` the oldest in-flight microbatch
+    (at once with depth 1; once the queue is full, or nothing new was
+    scheduled, with deeper queues) and `update()` the scheduler with its
+    tokens. Each step returns one RequestOutput per request that advanced,
+    plus the final output of requests aborted since the last step.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, runner: ModelRunner | None = None):
+        self.config = config = config or EngineConfig()
+        if runner is not None and config.runner != ModelRunnerConfig():
+            raise ValueError(
+                "model runner options (model, num_kv_blocks, ...) configure a new runner; "
+                "pass either them or an existing runner, not both"
+            )
+        self.runner = runner or ModelRunner(config.runner)
+        self.tokenizer = self.runner.tokenizer
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size)
+        eos = set(self.runner.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.block_manager,
+            self.runner.max_model_len,
+            eos_token_ids=eos,
+            tokenizer=self.tokenizer,
+        )
+        self.executor = Executor(self.runner.execute, config.pipeline_depth)
+        # a share of the running batch per microbatch, so every pipeline stage has work
+        self._microbatch_seqs = -(-config.scheduler.max_num_seqs // config.pipeline_depth)
+        self.stats = EngineStats()
+        self._requests: dict[str, _Request] = {}
+        self._pending: list[RequestOutput] = []  # produced outside step(): aborts, handoffs
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_kwargs(cls, runner: ModelRunner | None = None, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(**kwargs), runner)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        prompt_text: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a prompt (text, or token ids shown as `prompt_text`); returns its request id.
+        Raises ValueError, admitting nothing, if the request is malformed or can never fit."""
+        request = self._prepare(prompt, sampling_params, request_id, prompt_text, arrival_time)
+        return self._admit(request)
+
+    def add_requests(
+        self,
+        prompts: list[str | list[int]],
+        sampling_params: list[SamplingParams | None],
+        prompt_texts: list[str | None] | None = None,
+    ) -> list[str]:
+        """Queue several prompts, all or (on any bad one) none; returns their request ids."""
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
+        texts = prompt_texts or [None] * len(prompts)
+        requests = [
+            self._prepare(prompt, params, None, text, None)
+            for prompt, params, text in zip(prompts, sampling_params, texts, strict=True)
+        ]
+        return [self._admit(request) for request in requests]
+
+    def _prepare(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        prompt_text: str | None,
+        arrival_time: float | None,
+    ) -> _Request:
+        token_ids = self._encode(prompt)
+        seq = self._new_seq(token_ids, sampling_params, request_id, arrival_time)
+        self.scheduler.check(seq)
+        return _Request(seq, prompt if isinstance(prompt, str) else prompt_text)
+
+    def _admit(self, request: _Request) -> str:
+        self.scheduler.add(request.seq)
+        self._requests[request.seq.seq_id] = request
+        return request.seq.seq_id
+
+    def add_prefilled_request(
+        self,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        block_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Take a request whose prompt K/V was written into `block_ids` (reserved with
+        `block_manager.reserve`) and whose first token was sampled elsewhere; it joins
+        the running batch and its first token comes out of the next step()."""
+        token_ids = self._encode(list(prompt_token_ids))
+        self._check_ids([first_token_id])
+        seq = self._new_seq(token_ids, sampling_params, request_id, arrival_time)
+        seq.append_token(int(first_token_id))
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.scheduler.add_prefilled(seq, block_ids)
+        request = self._requests[seq.seq_id] = _Request(seq, None)
+        self._pending.append(self._output(request))
+        return seq.seq_id
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request and free its blocks; its final output (finish reason
+        `cancelled`) comes out of the next step(). False if it already finished."""
+        request = self._requests.get(request_id)
+        if request is None or request.seq.is_finished:
+            return False
+        self.scheduler.abort(request_id)
+        self._pending.append(self._output(request))
+        return True
+
+    def has_unfinished(self) -> bool:
+        """Requests to finish, outputs to deliver, or (aborted) microbatches to land."""
+        return bool(self._requests or self._pending or self.executor.num_in_flight)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule(self._microbatch_seqs)  # schedule()
+        if batch:
+            self.executor.submit(batch)  # submit()
+        if not self.executor.num_in_flight or (batch and not self.executor.full):
+            return outputs
+        try:
+            done, tokens = self.executor.finish()  # finish()
+        except ExecutionError as exc:
+            logger.exception("model runner failed; ending %d requests", len(exc.batch))
+            seqs = self.scheduler.fail(exc.batch)
+        else:
+            seqs = self.scheduler.update(done, tokens)  # update()
+            self._count(done, len(seqs))
+        outputs.extend(self._output(self._requests[s.seq_id]) for s in seqs)
+        return outputs
+
+    def close(self) -> None:
+        self.executor.shutdown()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _count(self, batch: SchedulerOutput, num_tokens: int) -> None:
+        stats = self.stats
+        stats.steps += 1
+        stats.num_generated_tokens += num_tokens
+        stats.num_batched_tokens += batch.num_tokens
+        stats.num_preemptions = self.scheduler.num_preemptions
+
+    def _output(self, request: _Request) -> RequestOutput:
+        seq = request.seq
+        out = RequestOutput.of(seq, request.prompt, request.sent_tokens, request.sent_chars)
+        request.sent_tokens, request.sent_chars = len(out.token_ids), len(out.text)
+        if out.finished:
+            del self._requests[seq.seq_id]
+            self.stats.num_finished += 1
+        return out
+
+    def _new_seq(
+        self,
+        token_ids: list[int],
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        arrival_time: float | None,
+    ) -> Sequence:
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
+        params.validate()
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return Sequence(token_ids, params, seq_id=request_id, arrival_time=arrival_time)
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            self._check_ids(prompt)
+            token_ids = [int(t) for t in prompt]
+        else:
+            raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt)}")
+        if not token_ids:
+            raise ValueError("prompt must contain at least one token")
+        return token_ids
+
+    def _check_ids(self, token_ids: list[int] | tuple[int, ...]) -> None:
+        vocab = self.runner.model_config.vocab_size
+        bad = [
+            t
+            for t in token_ids
+            if not isinstance(t, Integral) or isinstance(t, bool) or not 0 <= t < vocab
+        ]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are not integers in [0, {vocab})")

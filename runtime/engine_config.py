@@ -1,0 +1,48 @@
+"""The in-process engine's configuration: model runner + scheduler + pipeline depth."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.model_runner import ModelRunnerConfig
+from runtime.scheduler import SchedulerConfig
+
+
+@dataclass
+class EngineConfig:
+    """`pipeline_depth` is the microbatch queue's size (1 = synchronous steps)."""
+
+    runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    pipeline_depth: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pipeline_depth, int) or self.pipeline_depth < 1:
+            raise ValueError(
+                f"pipeline_depth must be a positive integer, got {self.pipeline_depth!r}"
+            )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Flat keyword arguments (`model=..., max_num_seqs=..., pipeline_depth=...`) sorted
+        into the component configs; an unknown name raises ValueError listing the known."""
+        parts: dict[str, dict[str, Any]] = {"runner": {}, "scheduler": {}, "engine": {}}
+        owners = {
+            **{f.name: "runner" for f in dataclasses.fields(ModelRunnerConfig)},
+            **{f.name: "scheduler" for f in dataclasses.fields(SchedulerConfig)},
+            "pipeline_depth": "engine",
+        }
+        unknown = sorted(set(kwargs) - set(owners))
+        if unknown:
+            raise ValueError(
+                f"unknown engine option(s) {unknown}; known options: {sorted(owners)}"
+            )
+        for name, value in kwargs.items():
+            parts[owners[name]][name] = value
+        return cls(
+            runner=ModelRunnerConfig(**parts["runner"]),
+            scheduler=SchedulerConfig(**parts["scheduler"]),
+            **parts["engine"],
+        )

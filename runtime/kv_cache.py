@@ -1,0 +1,117 @@
+"""The paged KV pool: one tensor holding every layer's K and V blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Integral
+
+import torch
+
+
+class KVCache:
+    """Layout: `kv[layer, 0 or 1 (K or V), block, slot_in_block, kv_head, head_dim]`.
+
+    A layer's K (or V) is then `[num_blocks + 1, block_size, num_kv_heads,
+    head_dim]`, contiguous, so a set of blocks is read or written as one
+    chunk. Block ids 0..num_blocks-1 belong to the block manager; the extra
+    last block (`null_block`) is scratch: padding tokens write there and
+    padded block-table entries point there, so fixed-shape steps need no
+    data-dependent masking of writes.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        shape = (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    @property
+    def null_block(self) -> int:
+        return self.num_blocks
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block id costs across all layers, K and V."""
+        return self.block_bytes(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+
+    @staticmethod
+    def block_bytes(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) views of one layer."""
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def export_blocks(self, layer: int, block_ids: Sequence[int]) -> torch.Tensor:
+        """A copy of one layer's blocks: `[2, len(block_ids), block_size, heads, head_dim]`."""
+        self._check_layer(layer)
+        return self.kv[layer].index_select(1, self._index(block_ids))
+
+    def import_blocks(self, layer: int, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        """Write `export_blocks`-shaped data into one layer's blocks (any dtype/device)."""
+        self._check_layer(layer)
+        index = self._index(block_ids, unique=True)
+        self._check_data(data, (2, len(block_ids), *self.block_shape))
+        self.kv[layer].index_copy_(1, index, data.to(self.device, self.dtype))
+
+    def export_all(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """All layers: `[num_layers, 2, len(block_ids), block_size, heads, head_dim]`."""
+        return self.kv.index_select(2, self._index(block_ids))
+
+    def import_all(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        index = self._index(block_ids, unique=True)
+        self._check_data(data, (self.num_layers, 2, len(block_ids), *self.block_shape))
+        self.kv.index_copy_(2, index, data.to(self.device, self.dtype))
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range; the pool has {self.num_layers} layers")
+
+    def _index(self, block_ids: Sequence[int], unique: bool = False) -> torch.Tensor:
+        ids = [int(b) if isinstance(b, Integral) else b for b in block_ids]
+        bad = [b for b in ids if not isinstance(b, int) or not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad[:5]} out of range [0, {self.num_blocks})")
+        if unique and len(set(ids)) != len(ids):
+            raise ValueError("block ids to import must be distinct")
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    def _check_data(self, data: torch.Tensor, shape: tuple[int, ...]) -> None:
+        if not isinstance(data, torch.Tensor) or tuple(data.shape) != shape:
+            got = tuple(data.shape) if isinstance(data, torch.Tensor) else type(data).__name__
+            raise ValueError(f"KV data must have shape {shape}, got {got}")
+        if not data.is_floating_point():
+            raise ValueError(f"KV data must be a floating-point tensor, got {data.dtype}")

@@ -1,0 +1,270 @@
+"""Llama-family decoder in plain torch, over a flat token batch and the paged KV pool."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.attention import AttentionMetadata, paged_attention, write_kv
+from runtime.device import linear
+from runtime.kv_cache import KVCache
+from runtime.model_config import ModelConfig, RopeScaling
+
+# checkpoint name fragment -> (our fused parameter, shard index)
+STACKED_PARAMS = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    old_len = scaling.original_max_position_embeddings
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin table for every position; looked up once per step."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.max_positions = max_positions
+        self.register_buffer("cos_sin", self._table(), persistent=False)
+
+    def _table(self) -> torch.Tensor:
+        c = self.config
+        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return torch.cat((emb.cos(), emb.sin()), dim=-1)
+
+    def reset(self) -> None:
+        """Refill the table (after `to_empty`); computed in float32 on the CPU."""
+        with torch.device("cpu"):
+            table = self._table()
+        self.cos_sin.copy_(table)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`[T, 1, 2 * head_dim]` (cos | sin) for the step's positions."""
+        return self.cos_sin.index_select(0, positions).to(dtype).unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = config.attention_bias
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = apply_rope(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        write_kv(k, v, kv[0], kv[1], metadata)
+        out = paged_attention(q, kv[0], kv[1], metadata, self.scale)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, max_positions)
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward` maps a flat step (`input_ids [T]`, `positions [T]`) to hidden states
+    `[T, hidden]`, writing each layer's K/V into the pool on the way;
+    `compute_logits` projects only the rows that are sampled."""
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_positions or config.max_position_embeddings)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def build(
+        cls,
+        config: ModelConfig,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        device: torch.device,
+        dtype: torch.dtype,
+        max_positions: int | None = None,
+    ) -> LlamaForCausalLM:
+        """Allocate without random init, then fill from `weights` (HF names)."""
+        with torch.device("meta"):
+            model = cls(config, max_positions)
+        model = model.to_empty(device=device).to(dtype)
+        model.model.rotary_emb.reset()
+        model.load_weights(weights)
+        return model.eval().requires_grad_(False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        metadata.prepare(self.config.num_queries_per_kv, x.dtype)
+        cos_sin = self.model.rotary_emb(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos_sin, kv_cache.layer(i), metadata)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits `[len(rows), vocab]` for the given token rows of `hidden`."""
+        weight = (
+            self.model.embed_tokens.weight
+            if self.config.tie_word_embeddings
+            else self.lm_head.weight
+        )
+        return linear(hidden.index_select(0, rows), weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; all must be covered."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, shard = self._target(name)
+            if target not in params:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
+                )
+            self._copy(target, params[target], tensor, shard)
+            loaded.add(f"{target}#{shard}")
+        self._check_complete(params, loaded)
+
+    @staticmethod
+    def _target(name: str) -> tuple[str, int | None]:
+        for fragment, (fused, shard) in STACKED_PARAMS.items():
+            if fragment in name:
+                return name.replace(fragment, fused), shard
+        return name, None
+
+    def _copy(
+        self, name: str, param: nn.Parameter, tensor: torch.Tensor, shard: int | None
+    ) -> None:
+        dest = param.data
+        if shard is not None:
+            sizes = self._shard_sizes(name)
+            dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if dest.shape != tensor.shape:
+            raise ValueError(
+                f"weight for {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+
+    def _shard_sizes(self, name: str) -> list[int]:
+        c = self.config
+        if ".gate_up_proj." in name:
+            return [c.intermediate_size] * 2
+        kv = c.num_key_value_heads * c.head_dim
+        return [c.num_attention_heads * c.head_dim, kv, kv]
+
+    @staticmethod
+    def _check_complete(params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        expected = set()
+        for name in params:
+            shards = [s for fused, s in STACKED_PARAMS.values() if fused in name]
+            expected |= {f"{name}#{s}" for s in shards or [None]}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for {missing[:5]} ({len(missing)} missing)")

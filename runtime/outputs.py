@@ -1,0 +1,54 @@
+"""What the engine hands back per request and step (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.sequence import FinishReason, Sequence, SequenceMetrics
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: the cumulative output and this step's delta.
+
+    `text` and `token_ids` hold everything generated so far, `delta_text` and
+    `delta_token_ids` only what is new since the previous output for this
+    request. The last output of a request has `finished=True` and a
+    `finish_reason`; `stop_reason` is the stop string or stop token id that
+    ended it, if one did.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    metrics: SequenceMetrics | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(
+        cls, seq: Sequence, prompt: str | None, sent_tokens: int, sent_chars: int
+    ) -> RequestOutput:
+        """`seq`'s output, with the deltas after `sent_tokens` tokens / `sent_chars` chars."""
+        token_ids = seq.output_token_ids
+        text = seq.output_text
+        return cls(
+            request_id=str(seq.seq_id),
+            prompt=prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=text,
+            token_ids=token_ids,
+            delta_text=text[sent_chars:],
+            delta_token_ids=token_ids[sent_tokens:],
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_preemptions=seq.num_preemptions,
+            metrics=seq.metrics,
+        )

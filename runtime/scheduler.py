@@ -1,0 +1,365 @@
+"""Continuous batching over a paged KV pool (torch-free)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+
+from runtime.block_manager import BlockManager
+from runtime.detokenizer import Decoder, Detokenizer
+from runtime.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    """`max_num_seqs` caps the running batch, `max_num_batched_tokens` one step's tokens.
+
+    With chunked prefill a prompt longer than the step's leftover budget is
+    computed over several steps. `watermark` is the fraction of the pool kept
+    free when admitting a new prompt, so admission does not cause an
+    immediate preemption of what is already running.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+
+
+@dataclass
+class SchedulerOutput:
+    """One microbatch: compute `num_new_tokens[i]` tokens of `seqs[i]`."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_tokens)
+
+
+class Scheduler:
+    """Waiting and running queues; decides each step's microbatch and applies its results.
+
+    A step schedules running sequences first (one decode token each, or the
+    next chunk of a prompt), then admits waiting ones in FCFS order while the
+    running limit, the token budget and the free blocks allow. A sequence in
+    an in-flight microbatch is never scheduled again until `update` has seen
+    that microbatch. When a sequence needs a block and none is free, the
+    newest running sequence is preempted by recompute: its blocks are freed,
+    it keeps its tokens, and it goes back to the front of the waiting queue.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        eos_token_ids: Collection[int] = (),
+        tokenizer: Decoder | None = None,
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        capacity = block_manager.num_total_blocks * block_manager.block_size
+        self.max_seq_len = min(max_model_len, capacity)  # prompt + output never exceed this
+        self._length_limits = (
+            f"max_model_len {max_model_len}, KV pool of {block_manager.num_total_blocks} "
+            f"blocks x {block_manager.block_size} tokens"
+        )
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_seq_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens must be >= {self.max_seq_len} "
+                f"({self._length_limits}), got {config.max_num_batched_tokens}"
+            )
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._seqs: dict[int | str, Sequence] = {}
+        self._in_flight: set[int | str] = set()
+        self._watermark_blocks = int(config.watermark * block_manager.num_total_blocks)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; raises ValueError (changing nothing) if it can never run."""
+        self.check(seq)
+        seq.detokenizer = self._detokenizer(seq)
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise ValueError if `add(seq)` would: `seq` is not new or can never run."""
+        self._check_new(seq, len(seq))
+        if seq.num_computed_tokens or seq.block_table or seq.num_output_tokens:
+            raise ValueError(f"seq {seq.seq_id} must be new: no output, KV or blocks yet")
+
+    def add_prefilled(self, seq: Sequence, block_ids: list[int]) -> bool:
+        """Take a sequence whose prompt K/V already sits in reserved `block_ids` and whose
+        first token is sampled (its last token). Returns True if that token already ends it,
+        in which case the blocks are released again."""
+        self._check_new(seq, seq.num_prompt_tokens)
+        if seq.num_output_tokens != 1 or seq.num_computed_tokens != seq.num_prompt_tokens:
+            raise ValueError(
+                f"a prefilled seq has its prompt computed and exactly one output token; seq "
+                f"{seq.seq_id} has {seq.num_computed_tokens} of {seq.num_prompt_tokens} prompt "
+                f"tokens computed and {seq.num_output_tokens} output tokens"
+            )
+        detokenizer = self._detokenizer(seq)
+        self.block_manager.attach(seq, block_ids)
+        seq.detokenizer = detokenizer
+        self._seqs[seq.seq_id] = seq
+        now = time.monotonic()
+        seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
+        if self._on_token(seq, now):
+            return True
+        self.waiting.append(seq)
+        return False
+
+    def _check_new(self, seq: Sequence, prompt_len: int) -> None:
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"a sequence with id {seq.seq_id!r} is already scheduled")
+        if seq.status != SequenceStatus.WAITING:
+            raise ValueError(f"seq {seq.seq_id} is {seq.status.name}, not WAITING")
+        if prompt_len >= self.max_seq_len:
+            raise ValueError(
+                f"seq {seq.seq_id} has {prompt_len} prompt tokens but prompt + output must stay "
+                f"within {self.max_seq_len} ({self._length_limits}); shorten the prompt or "
+                "raise the limit"
+            )
+        if seq.sampling_params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; pass one to the Scheduler")
+
+    def _detokenizer(self, seq: Sequence) -> Detokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return Detokenizer(self.tokenizer, seq.prompt_token_ids, seq.sampling_params.stop)
+
+    def abort(self, seq_id: int | str) -> Sequence:
+        """Finish a sequence as cancelled and free its blocks (after its microbatch, if one
+        is in flight)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"no unfinished sequence with id {seq_id!r}")
+        if seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        self._finish(seq, FinishReason.CANCELLED, time.monotonic())
+        return seq
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def get(self, seq_id: int | str) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """The next microbatch of at most `max_seqs` sequences (default: no cap beyond
+        `max_num_seqs`); may preempt running sequences and admit waiting ones."""
+        out = SchedulerOutput()
+        max_seqs = max_seqs or self.config.max_num_seqs
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int | str] = set()
+        preempted = False
+        now = time.monotonic()
+        earlier_in_flight = bool(self._in_flight)  # microbatches submitted before this one
+        for seq in list(self.running):
+            if budget == 0 or len(out) == max_seqs:
+                break
+            if seq.status != SequenceStatus.RUNNING or seq.seq_id in self._in_flight:
+                continue
+            room, evicted = self._make_room(seq, scheduled, earlier_in_flight)
+            preempted |= evicted
+            if not room:
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            self._schedule(out, seq, n, scheduled, now)
+            budget -= n
+        if not preempted:
+            self._admit(out, budget, max_seqs, scheduled, now)
+        return out
+
+    def _make_room(
+        self, seq: Sequence, scheduled: set[int | str], earlier_in_flight: bool
+    ) -> tuple[bool, bool]:
+        """Ensure `seq`'s table covers its tokens, preempting the newest running sequences.
+        Returns (seq can run now, something was preempted)."""
+        evicted = False
+        while not self.block_manager.can_append(seq):
+            victim = self._newest_preemptible(scheduled)
+            if victim is None or (victim is seq and earlier_in_flight):
+                return False, evicted  # wait: in-flight sequences will land or grow first
+            self._preempt(victim)
+            evicted = True
+            if victim is seq:
+                return False, evicted
+        self.block_manager.append_slot(seq)
+        return True, evicted
+
+    def _newest_preemptible(self, scheduled: set[int | str]) -> Sequence | None:
+        for seq in reversed(self.running):
+            if seq.seq_id not in self._in_flight and seq.seq_id not in scheduled:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _admit(
+        self,
+        out: SchedulerOutput,
+        budget: int,
+        max_seqs: int,
+        scheduled: set[int | str],
+        now: float,
+    ) -> None:
+        bm = self.block_manager
+        while (
+            self.waiting
+            and budget > 0
+            and len(out) < max_seqs
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            n = seq.num_uncomputed_tokens
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    return
+                n = budget
+            if seq.block_table:  # arrived prefilled
+                if not bm.can_append(seq):
+                    return
+                bm.append_slot(seq)
+            else:
+                reserve = self._watermark_blocks if self.running else 0
+                if bm.blocks_needed(len(seq)) + reserve > bm.num_free_blocks:
+                    return
+                bm.allocate(seq)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._schedule(out, seq, n, scheduled, now)
+            budget -= n
+
+    def _schedule(
+        self, out: SchedulerOutput, seq: Sequence, n: int, scheduled: set[int | str], now: float
+    ) -> None:
+        out.add(seq, n)
+        scheduled.add(seq.seq_id)
+        self._in_flight.add(seq.seq_id)
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = now
+
+    def update(self, out: SchedulerOutput, token_ids: Iterable[int | None]) -> list[Sequence]:
+        """Apply a finished microbatch: advance computed counts, append sampled tokens, check
+        stop conditions. Returns the sequences that got a token (finished ones included)."""
+        now = time.monotonic()
+        changed: list[Sequence] = []
+        finished = False
+        for seq, n, token in zip(out.seqs, out.num_new_tokens, token_ids, strict=True):
+            if self._land(seq):
+                continue
+            seq.num_computed_tokens += n
+            if token is None:
+                continue
+            seq.append_token(token)
+            changed.append(seq)
+            if self._on_token(seq, now):
+                finished = True
+        if finished:
+            self.running = [s for s in self.running if not s.is_finished]
+        return changed
+
+    def _land(self, seq: Sequence) -> bool:
+        """`seq`'s microbatch is back; True (and its blocks freed) if it was aborted meanwhile."""
+        self._in_flight.discard(seq.seq_id)
+        if not seq.is_finished:
+            return False
+        if seq.block_table:
+            self.block_manager.free(seq)
+        return True
+
+    def fail(self, out: SchedulerOutput) -> list[Sequence]:
+        """The microbatch `out` could not run: end its sequences with an error."""
+        now = time.monotonic()
+        failed = []
+        for seq in out.seqs:
+            if self._land(seq):
+                continue
+            self._finish(seq, FinishReason.ERROR, now)
+            failed.append(seq)
+        self.running = [s for s in self.running if not s.is_finished]
+        return failed
+
+    # -- finishing ---------------------------------------------------------------------------
+
+    def _on_token(self, seq: Sequence, now: float) -> bool:
+        """Record the token just appended to `seq`; finish `seq` if it ends here."""
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        seq.metrics.last_token_time = now
+        token = seq.last_token_id
+        if seq.detokenizer is not None:
+            seq.detokenizer.push(token)
+        reason = self._finish_reason(seq, token)
+        if reason is None:
+            return False
+        self._finish(seq, reason, now)
+        return True
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.sampling_params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
+            return FinishReason.STOP
+        if seq.detokenizer is not None and seq.detokenizer.stopped:
+            seq.stop_reason = seq.detokenizer.stop_reason
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_seq_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.metrics.finished_time = now
+        if seq.detokenizer is not None and reason != FinishReason.CANCELLED:
+            seq.detokenizer.flush()
+        if seq.block_table and seq.seq_id not in self._in_flight:
+            self.block_manager.free(seq)
+        del self._seqs[seq.seq_id]

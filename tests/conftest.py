@@ -1,0 +1,83 @@
+"""Shared fixtures: a tiny random Llama with the real SmolLM2 tokenizer, and SmolLM2 itself."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TINY_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "tie_word_embeddings": True,
+    "initializer_range": 0.2,  # wide logits: no near-ties for greedy comparisons
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tokenizer.json + tokenizer_config.json extracted from the embedded GGUF (no weights)."""
+    from runtime.default_model import default_gguf_path
+    from runtime.gguf_converter import GGUFConverter
+
+    out = tmp_path_factory.mktemp("smollm_tokenizer")
+    GGUFConverter(default_gguf_path()).write_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(
+    tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer_dir: Path
+) -> Callable[..., Path]:
+    """`make(**config_overrides) -> Path`: a seeded random tiny Llama saved as a HF dir."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    made: dict[str, Path] = {}
+
+    def make(**overrides: Any) -> Path:
+        key = repr(sorted(overrides.items()))
+        if key not in made:
+            out = tmp_path_factory.mktemp("tiny_llama")
+            for f in smollm_tokenizer_dir.iterdir():
+                shutil.copy(f, out / f.name)
+            config = LlamaConfig(vocab_size=49152, **{**TINY_CONFIG, **overrides})
+            torch.manual_seed(0)
+            LlamaForCausalLM(config).save_pretrained(out)
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
+    """2 layers, hidden 64, 4 heads / 2 KV heads, tied embeddings, llama3 rope scaling."""
+    return tiny_model_factory()
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    """The embedded default, converted once and cached under the user's cache dir."""
+    from runtime.weights import resolve_model
+
+    return resolve_model(None)

@@ -1,0 +1,275 @@
+"""Scheduler bookkeeping, driven step by step with chosen tokens (no model needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.block_manager import BlockManager
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.sequence import FinishReason, Sequence, SequenceStatus
+
+EOS = 2
+
+
+def make(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_model_len: int = 256,
+    tokenizer=None,
+    **config,
+) -> Scheduler:
+    config = {"watermark": 0.0, **config}
+    return Scheduler(
+        SchedulerConfig(**config),
+        BlockManager(num_blocks, block_size),
+        max_model_len,
+        eos_token_ids=[EOS],
+        tokenizer=tokenizer,
+    )
+
+
+def seq(name: str, n: int, **params) -> Sequence:
+    return Sequence([10 + i for i in range(n)], SamplingParams(**params), seq_id=name)
+
+
+def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(s.seq_id, n) for s, n in zip(out.seqs, out.num_new_tokens, strict=True)]
+
+
+def run(s: Scheduler, token: int = 5) -> list[tuple[str, int]]:
+    """One synchronous step where every sampled token is `token`."""
+    out = s.schedule()
+    s.update(out, [token if n == s_.num_uncomputed_tokens else None
+                   for s_, n in zip(out.seqs, out.num_new_tokens, strict=True)])
+    return plan(out)
+
+
+def test_running_limit_and_fcfs_admission():
+    s = make(max_num_seqs=2)
+    for name in "abc":
+        s.add(seq(name, 3, max_tokens=2))
+    assert run(s) == [("a", 3), ("b", 3)]  # c waits for a slot
+    assert run(s) == [("a", 1), ("b", 1)]  # both finish on their 2nd token
+    assert run(s) == [("c", 3)]  # c joins as soon as they leave
+    assert run(s) == [("c", 1)]
+    assert not s.has_unfinished()
+    assert s.block_manager.num_free_blocks == 64
+
+
+def test_token_budget_chunks_prefill_after_decodes():
+    s = make(max_num_batched_tokens=8)
+    s.add(seq("a", 4, max_tokens=5))
+    assert run(s) == [("a", 4)]
+    s.add(seq("b", 20, max_tokens=5))
+    s.add(seq("c", 2, max_tokens=5))
+    # decode rows first, then b's prompt in chunks; c waits behind b (FCFS)
+    assert run(s) == [("a", 1), ("b", 7)]
+    assert run(s) == [("a", 1), ("b", 7)]
+    assert run(s) == [("a", 1), ("b", 6), ("c", 1)]
+    b = s.get("b")
+    assert b.num_output_tokens == 1 and b.num_computed_tokens == 20
+    assert run(s) == [("a", 1), ("b", 1), ("c", 1)]
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget():
+    s = make(num_blocks=80, max_num_batched_tokens=256, enable_chunked_prefill=False)
+    s.add(seq("a", 6, max_tokens=3))
+    s.add(seq("b", 251, max_tokens=1))
+    assert run(s) == [("a", 6)]  # b (251) does not fit next to a's prompt
+    assert run(s) == [("a", 1), ("b", 251)]
+
+
+def test_no_chunking_needs_a_budget_for_the_longest_sequence():
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 256"):
+        make(max_num_batched_tokens=100, enable_chunked_prefill=False)
+
+
+def test_preemption_takes_the_newest_and_it_resumes_with_its_tokens():
+    s = make(num_blocks=4, block_size=4)
+    s.add(seq("old", 4, max_tokens=10))
+    s.add(seq("new", 4, max_tokens=10))
+    assert run(s) == [("old", 4), ("new", 4)]  # 2 blocks each, full pool
+    for _ in range(4):  # up to 9 tokens each: the 9th has no slot yet
+        assert run(s) == [("old", 1), ("new", 1)]
+    new = s.get("new")
+    tokens = list(new.token_ids)
+    assert run(s) == [("old", 1)]  # old needs a 3rd block: new is preempted
+    assert s.num_preemptions == 1 and new.num_preemptions == 1
+    assert new.status == SequenceStatus.WAITING and new.num_computed_tokens == 0
+    assert new.block_table == [] and new.token_ids == tokens  # output kept
+    assert list(s.waiting) == [new]
+    while s.get("old") is not None:
+        run(s)
+    assert run(s) == [("new", 9)]  # recomputes prompt + its 5 generated tokens
+    assert new.num_output_tokens == 6
+
+
+def test_the_newest_preempts_itself_when_older_ones_were_scheduled_first():
+    s = make(num_blocks=4, block_size=4)
+    s.add(seq("old", 7, max_tokens=10))
+    s.add(seq("new", 8, max_tokens=10))
+    assert run(s) == [("old", 7), ("new", 8)]  # 8 and 9 tokens: only new needs a 3rd block
+    assert run(s) == [("old", 1)]  # new gave its blocks up rather than waiting on them
+    assert s.get("new").status == SequenceStatus.WAITING and s.num_preemptions == 1
+    assert s.block_manager.num_free_blocks == 2
+
+
+def test_a_lone_sequence_that_outgrows_the_pool_preempts_itself_never():
+    s = make(num_blocks=2, block_size=4)  # the pool holds 8 tokens: that is the length cap
+    a = seq("a", 5, max_tokens=100)
+    s.add(a)
+    while s.has_unfinished():
+        run(s)
+    assert a.finish_reason == FinishReason.LENGTH and len(a) == 8
+    assert s.num_preemptions == 0 and s.block_manager.num_free_blocks == 2
+
+
+def test_in_flight_sequences_are_not_scheduled_twice():
+    s = make()
+    s.add(seq("a", 3, max_tokens=4))
+    first = s.schedule()
+    assert plan(first) == [("a", 3)]
+    s.add(seq("b", 2, max_tokens=4))
+    second = s.schedule()  # a is still in flight
+    assert plan(second) == [("b", 2)]
+    assert plan(s.schedule()) == []
+    s.update(first, [7])
+    s.update(second, [8])
+    s.add(seq("c", 2, max_tokens=4))
+    assert plan(s.schedule(max_seqs=2)) == [("a", 1), ("b", 1)]  # a microbatch's share
+    assert plan(s.schedule(max_seqs=2)) == [("c", 2)]
+    assert s.get("a").token_ids[-1] == 7 and s.get("b").token_ids[-1] == 8
+
+
+def test_preemption_skips_in_flight_sequences():
+    s = make(num_blocks=5, block_size=4)
+    s.add(seq("a", 8, max_tokens=10))
+    s.add(seq("b", 3, max_tokens=10))
+    first = s.schedule()
+    s.add(seq("c", 8, max_tokens=10))
+    second = s.schedule()
+    assert plan(second) == [("c", 8)] and s.block_manager.num_free_blocks == 0
+    s.update(first, [5, 5])  # a (9 tokens) needs a 3rd block
+    third = s.schedule()
+    assert plan(third) == [("a", 1)]  # b, not c (in flight), was preempted
+    assert s.num_preemptions == 1
+    assert s.get("b").status == SequenceStatus.WAITING
+    assert s.get("c").status == SequenceStatus.RUNNING
+    s.update(second, [5])
+    s.update(third, [5])
+    while s.has_unfinished():
+        run(s)
+    assert s.block_manager.num_free_blocks == 5
+
+
+def test_newest_in_flight_blocks_self_preemption():
+    s = make(num_blocks=4, block_size=4)
+    s.add(seq("a", 8, max_tokens=10))
+    a_flight = s.schedule()
+    s.add(seq("b", 8, max_tokens=10))
+    b_flight = s.schedule()
+    assert plan(a_flight) == [("a", 8)] and plan(b_flight) == [("b", 8)]
+    s.update(a_flight, [5])  # a needs a 3rd block; b, the newest, is in flight
+    assert plan(s.schedule()) == []  # a waits instead of preempting itself
+    assert s.num_preemptions == 0
+    s.update(b_flight, [5])
+    assert run(s) == [("a", 1)]  # now b can be preempted
+    assert s.num_preemptions == 1 and s.get("b").status == SequenceStatus.WAITING
+    while s.has_unfinished():
+        run(s)
+    assert s.block_manager.num_free_blocks == 4
+
+
+def test_stop_conditions():
+    s = make(max_model_len=12)
+    s.add(seq("eos", 3, max_tokens=10))
+    s.add(seq("ignore", 3, max_tokens=3, ignore_eos=True))
+    s.add(seq("stop_id", 3, max_tokens=10, stop_token_ids=[9]))
+    s.add(seq("model_len", 9, max_tokens=10))
+    out = s.schedule()
+    s.update(out, [EOS, EOS, 9, 4])
+    eos, ignore, stop_id, model_len = out.seqs
+    assert (eos.finish_reason, eos.stop_reason) == (FinishReason.STOP, None)
+    assert (stop_id.finish_reason, stop_id.stop_reason) == (FinishReason.STOP, 9)
+    assert not ignore.is_finished and not model_len.is_finished
+    run(s, EOS)
+    run(s, EOS)
+    assert ignore.finish_reason == FinishReason.LENGTH and ignore.output_token_ids == [EOS] * 3
+    assert model_len.finish_reason == FinishReason.STOP  # EOS on its 2nd token
+    assert s.block_manager.num_free_blocks == 64 and not s.has_unfinished()
+
+
+def test_max_model_len_finishes_with_length():
+    s = make(max_model_len=12)
+    a = seq("a", 9, max_tokens=10)
+    s.add(a)
+    while s.has_unfinished():
+        run(s)
+    assert a.finish_reason == FinishReason.LENGTH and len(a) == 12
+
+
+def test_prompts_that_can_never_fit_are_rejected_at_add():
+    s = make(num_blocks=4, block_size=4, max_model_len=100)
+    with pytest.raises(ValueError, match=r"16 prompt tokens .* within 16 .*KV pool of 4 blocks"):
+        s.add(seq("big", 16))
+    s2 = make(max_model_len=10)
+    with pytest.raises(ValueError, match="max_model_len 10"):
+        s2.add(seq("long", 10))
+    s2.add(seq("ok", 9))
+    with pytest.raises(ValueError, match="already scheduled"):
+        s2.add(seq("ok", 3))
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        s2.add(seq("text", 3, stop=["x"]))
+    assert [q.seq_id for q in s2.waiting] == ["ok"] and not s.has_unfinished()
+
+
+def test_abort_frees_blocks_at_once_unless_in_flight():
+    s = make(max_num_seqs=2)
+    s.add(seq("a", 6, max_tokens=10))
+    s.add(seq("b", 6, max_tokens=10))
+    s.add(seq("w", 6, max_tokens=10))
+    run(s)
+    a = s.abort("a")
+    assert a.finish_reason == FinishReason.CANCELLED and a.block_table == []
+    assert s.block_manager.num_free_blocks == 64 - 2
+    s.abort("w")  # a waiting one
+    flight = s.schedule()
+    assert plan(flight) == [("b", 1)]
+    b = s.abort("b")
+    assert b.block_table and s.block_manager.num_free_blocks == 64 - 2  # freed on landing
+    assert s.update(flight, [5]) == []
+    assert b.block_table == [] and s.block_manager.num_free_blocks == 64
+    assert b.output_token_ids == [5]  # the token of the aborted flight is dropped
+    with pytest.raises(KeyError):
+        s.abort("b")
+
+
+def test_prefilled_arrival_joins_running_and_can_end_on_its_first_token():
+    s = make(num_blocks=8, block_size=4)
+    blocks = s.block_manager.reserve(2)
+    arrived = seq("p", 8, max_tokens=3)
+    arrived.append_token(42)
+    arrived.num_computed_tokens = 8
+    assert s.add_prefilled(arrived, blocks) is False
+    assert arrived.block_table == blocks and arrived.metrics.first_token_time is not None
+    assert run(s) == [("p", 1)]  # the first token's K/V; a 3rd block for its slot
+    assert len(arrived.block_table) == 3
+    while s.has_unfinished():
+        run(s)
+    assert arrived.output_token_ids == [42, 5, 5]
+    done = seq("q", 4, max_tokens=1)
+    done.append_token(7)
+    done.num_computed_tokens = 4
+    assert s.add_prefilled(done, s.block_manager.reserve(1)) is True
+    assert done.finish_reason == FinishReason.LENGTH
+    assert s.block_manager.num_free_blocks == 8 and s.block_manager.num_reserved_blocks == 0
+
+
+def test_prefilled_arrival_must_have_exactly_its_first_token():
+    s = make()
+    blocks = s.block_manager.reserve(2)
+    bad = seq("p", 8)
+    with pytest.raises(ValueError, match="exactly one output token"):
+        s.add_prefilled(bad, blocks)
+    assert s.block_manager.num_reserved_blocks == 2 and not s.has_unfinished()

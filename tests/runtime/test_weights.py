@@ -1,0 +1,294 @@
+"""resolve_model, HF safetensors loading and GGUF conversion (synthetic GGUFs + SmolLM2)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from runtime.default_model import default_gguf_path
+from runtime.gguf_converter import GGUFConverter
+from runtime.model_runner import ModelRunner, ModelRunnerConfig
+from runtime.sampling_params import SamplingParams
+from runtime.sequence import Sequence
+from runtime.weights import convert_gguf, iter_safetensors, resolve_model
+
+LINEAR_ROPE = {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+PROMPT = [19556, 216, 33, 34, 905, 28, 253, 1000, 2000, 3000, 4000]
+
+# HF name -> llama.cpp name, written out independently of the converter's own table.
+_GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in _GGUF_NAMES:
+        return _GGUF_NAMES[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_LAYER[module]}.{kind}"
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf does to Q and K rows."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+@pytest.fixture(scope="module")
+def vocab() -> dict:
+    conv = GGUFConverter(default_gguf_path())
+    keys = ("tokens", "merges", "token_type")
+    return {k: conv.field(f"tokenizer.ggml.{k}") for k in keys} | {
+        "template": conv.field("tokenizer.chat_template")
+    }
+
+
+def write_gguf(path: Path, hf_dir: Path, vocab: dict, arch: str = "llama", **opts) -> Path:
+    """A llama.cpp-style GGUF of the HF checkpoint in `hf_dir`.
+
+    opts: qtype (quantize 2-D tensors), pre (pre-tokenizer name), f64 (a tensor stored as F64).
+    """
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(4.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(opts.get("pre", "smollm"))
+    w.add_token_list(vocab["tokens"])
+    w.add_token_types(vocab["token_type"])
+    w.add_token_merges(vocab["merges"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(vocab["template"])
+    for name, tensor in iter_safetensors(hf_dir):
+        data = tensor.numpy()
+        if ".q_proj." in name or ".k_proj." in name:
+            data = llama_cpp_permute(data, heads if ".q_proj." in name else kv_heads)
+        qtype = opts.get("qtype")
+        if name == opts.get("f64"):
+            w.add_tensor(gguf_name(name), data.astype(np.float64))
+        elif qtype is not None and data.ndim == 2:
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name(name), data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_model_factory, vocab, tmp_path_factory) -> Path:
+    """The linear-rope tiny model as an F32 GGUF, written once."""
+    out = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    return write_gguf(out, tiny_model_factory(**LINEAR_ROPE), vocab)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("BUCKETSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "models"
+
+
+def last_logits(model_dir: Path) -> torch.Tensor:
+    runner = ModelRunner(ModelRunnerConfig(model=str(model_dir), block_size=4, num_kv_blocks=8))
+    seq = Sequence(PROMPT, SamplingParams(temperature=0))
+    seq.block_table = [3, 0, 6]
+    return runner.compute_logits([seq], [len(PROMPT)])[0]
+
+
+def hf_last_logits(model_dir: Path, **kwargs) -> torch.Tensor:
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([PROMPT])).logits[0, -1]
+
+
+def test_gguf_conversion_undoes_llama_cpp_layout(tiny_model_factory, tiny_gguf, vocab, cache_dir):
+    hf_dir = tiny_model_factory(**LINEAR_ROPE)
+    model_dir = resolve_model(tiny_gguf)
+    assert model_dir.parent == cache_dir and model_dir.name.startswith("tiny-")
+    assert sorted(p.name for p in model_dir.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    assert (config["num_key_value_heads"], config["tie_word_embeddings"]) == (2, True)
+    expected = hf_last_logits(hf_dir)
+    torch.testing.assert_close(last_logits(model_dir), expected, atol=1e-4, rtol=0)
+    # The cached directory is a normal HF model for transformers too.
+    torch.testing.assert_close(hf_last_logits(model_dir), expected, atol=1e-4, rtol=0)
+    hf_tok = AutoTokenizer.from_pretrained(model_dir)
+    assert hf_tok.encode("Hello 12345") == [19556, 216, 33, 34, 35, 36, 37]
+    assert hf_tok.chat_template == vocab["template"]
+
+
+def test_quantized_gguf_dequantizes_close_to_the_original(
+    tiny_model_factory, vocab, cache_dir, tmp_path
+):
+    hf_dir = tiny_model_factory(**LINEAR_ROPE)
+    path = write_gguf(
+        tmp_path / "tiny-q8.gguf", hf_dir, vocab, qtype=gguf.GGMLQuantizationType.Q8_0
+    )
+    original = dict(iter_safetensors(hf_dir))
+    converted = dict(iter_safetensors(resolve_model(path)))
+    assert converted.keys() == original.keys()
+    for name, w in original.items():
+        # Q8_0 keeps every value within half a step (max |w| of its 32-block / 127).
+        bound = w.abs().max() / 127 if w.dim() == 2 else 0
+        assert (converted[name] - w).abs().max() <= bound, name
+
+
+def test_conversion_is_cached_and_keyed_by_content(
+    tiny_model_factory, tiny_gguf, vocab, cache_dir, tmp_path
+):
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(tiny_gguf.read_bytes())
+    first = resolve_model(path)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model(str(path)) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    write_gguf(path, tiny_model_factory(**LINEAR_ROPE, rms_norm_eps=1e-6), vocab)
+    assert resolve_model(path) != first
+
+
+def test_failed_conversion_leaves_no_cache(tiny_gguf, cache_dir, monkeypatch):
+    def crash(self, out, progress=True):
+        (Path(out) / "config.json").write_text("{}")
+        raise RuntimeError("killed mid-conversion")
+
+    monkeypatch.setattr(GGUFConverter, "write", crash)
+    with pytest.raises(RuntimeError, match="killed"):
+        convert_gguf(tiny_gguf)
+    assert list(cache_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("arch", "opts", "message"),
+    [
+        ("llama", {"f64": "model.norm.weight"}, "output_norm.weight uses quantization F64"),
+        ("llama", {"pre": "qwen2"}, "GGUF pre-tokenizer 'qwen2' is not supported"),
+    ],
+)
+def test_unsupported_gguf_is_rejected_before_caching(
+    tiny_model_factory, vocab, cache_dir, tmp_path, arch, opts, message
+):
+    path = write_gguf(tmp_path / "bad.gguf", tiny_model_factory(**LINEAR_ROPE), vocab, arch, **opts)
+    with pytest.raises(ValueError, match=message):
+        resolve_model(path)
+    assert not cache_dir.exists() or list(cache_dir.iterdir()) == []
+
+
+def test_unsupported_architecture_is_rejected(cache_dir, tmp_path):
+    path = tmp_path / "qwen.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="GGUF architecture 'qwen2' is not supported"):
+        resolve_model(path)
+    assert not cache_dir.exists()
+
+
+def test_bad_model_paths(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model(tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"has no config\.json"):
+        resolve_model(tmp_path)
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"not a \.gguf"):
+        resolve_model(tmp_path / "weights.bin")
+    (tmp_path / "broken.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        resolve_model(tmp_path / "broken.gguf")
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tiny_model_dir, tmp_path):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="1MB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (sharded / name).write_bytes((tiny_model_dir / name).read_bytes())
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    torch.testing.assert_close(last_logits(sharded), last_logits(tiny_model_dir), atol=0, rtol=0)
+
+
+def test_incomplete_checkpoint_is_rejected(tiny_model_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (partial / name).write_bytes((tiny_model_dir / name).read_bytes())
+    weights = {k: v for k, v in iter_safetensors(tiny_model_dir) if "layers.1.mlp.up_proj" not in k}
+    save_file(weights, str(partial / "model.safetensors"))
+    with pytest.raises(
+        ValueError, match=r"checkpoint lacks weights for .*layers\.1\.mlp\.gate_up_proj"
+    ):
+        last_logits(partial)
+    os.remove(partial / "model.safetensors")
+    with pytest.raises(ValueError, match=r"no \*\.safetensors weights"):
+        last_logits(partial)
+
+
+@pytest.mark.smollm
+def test_smollm_conversion_matches_transformers_gguf_loader(smollm_dir):
+    config = json.loads((smollm_dir / "config.json").read_text())
+    expected = {
+        "num_hidden_layers": 30,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    assert {k: config[k] for k in expected} == expected
+    gguf_path = default_gguf_path()
+    reference = hf_last_logits(gguf_path.parent, gguf_file=gguf_path.name)
+    torch.testing.assert_close(last_logits(smollm_dir), reference, atol=2e-3, rtol=0)
+    assert int(last_logits(smollm_dir).argmax()) == int(reference.argmax())
