@@ -1,8 +1,95 @@
 """bucketserve: disaggregated prefill/decode LLM serving.
 
-The public Python API lives here; the components live in the top-level
-packages named in DESIGN.md (runtime, bucket_manager, prefill_worker,
-decode_worker, kv_transfer, gateway, deploy).
+The public Python API is the client SDK of the gRPC service:
+
+    from bucketserve import Client, SamplingParams
+
+    with Client("localhost:50051") as client:
+        print(client.generate("Hello", SamplingParams(max_tokens=32)).text)
+
+The components live in the top-level packages named in DESIGN.md (runtime,
+bucket_manager, prefill_worker, decode_worker, kv_transfer, gateway, deploy).
+Exports resolve lazily, so `bucketserve --help` stays quick.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "Client": "gateway.client",
+    "AsyncClient": "gateway.async_client",
+    "SamplingParams": "runtime.sampling_params",
+    "RetryPolicy": "gateway.retry_policy",
+    "Chunk": "gateway.sdk_types",
+    "Completion": "gateway.sdk_types",
+    "ModelInfo": "gateway.sdk_types",
+    "BucketServeError": "gateway.errors",
+    "InvalidArgumentError": "gateway.errors",
+    "AuthenticationError": "gateway.errors",
+    "PermissionDeniedError": "gateway.errors",
+    "NotFoundError": "gateway.errors",
+    "ResourceExhaustedError": "gateway.errors",
+    "DeadlineExceededError": "gateway.errors",
+    "UnavailableError": "gateway.errors",
+    "RequestCancelledError": "gateway.errors",
+    "InternalError": "gateway.errors",
+    "GenerationError": "gateway.errors",
+}
+
+__all__ = [
+    "AsyncClient",
+    "AuthenticationError",
+    "BucketServeError",
+    "Chunk",
+    "Client",
+    "Completion",
+    "DeadlineExceededError",
+    "GenerationError",
+    "InternalError",
+    "InvalidArgumentError",
+    "ModelInfo",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "RequestCancelledError",
+    "ResourceExhaustedError",
+    "RetryPolicy",
+    "SamplingParams",
+    "UnavailableError",
+]
+
+if TYPE_CHECKING:
+    from gateway.async_client import AsyncClient
+    from gateway.client import Client
+    from gateway.errors import (
+        AuthenticationError,
+        BucketServeError,
+        DeadlineExceededError,
+        GenerationError,
+        InternalError,
+        InvalidArgumentError,
+        NotFoundError,
+        PermissionDeniedError,
+        RequestCancelledError,
+        ResourceExhaustedError,
+        UnavailableError,
+    )
+    from gateway.retry_policy import RetryPolicy
+    from gateway.sdk_types import Chunk, Completion, ModelInfo
+    from runtime.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bucketserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

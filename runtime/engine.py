@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Any
@@ -16,6 +18,9 @@ from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerOutput
 from runtime.sequence import Sequence
+
+Shape = tuple[int, int, int]
+PadFn = Callable[[list[Sequence], list[int]], "Shape | None"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +53,19 @@ class LLMEngine:
     scheduled, with deeper queues) and `update()` the scheduler with its
     tokens. Each step returns one RequestOutput per request that advanced,
     plus the final output of requests aborted since the last step.
+
+    One thread steps the engine; others may add, abort and reserve blocks
+    (under `lock`) meanwhile: the lock is held around the bookkeeping, not
+    while the model runs. `pad_fn(seqs, num_new_tokens)` gives the shape a
+    microbatch is padded to (None: unpadded).
     """
 
-    def __init__(self, config: EngineConfig | None = None, runner: ModelRunner | None = None):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        runner: ModelRunner | None = None,
+        pad_fn: PadFn | None = None,
+    ):
         self.config = config = config or EngineConfig()
         if runner is not None and config.runner != ModelRunnerConfig():
             raise ValueError(
@@ -60,17 +75,15 @@ class LLMEngine:
         self.runner = runner or ModelRunner(config.runner)
         self.tokenizer = self.runner.tokenizer
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size)
-        eos = set(self.runner.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(
             config.scheduler,
             self.block_manager,
             self.runner.max_model_len,
-            eos_token_ids=eos,
+            eos_token_ids=self.runner.eos_token_ids,
             tokenizer=self.tokenizer,
         )
-        self.executor = Executor(self.runner.execute, config.pipeline_depth)
+        self.executor = Executor(self._execute_fn(pad_fn), config.pipeline_depth)
+        self.lock = threading.RLock()
         # a share of the running batch per microbatch, so every pipeline stage has work
         self._microbatch_seqs = -(-config.scheduler.max_num_seqs // config.pipeline_depth)
         self.stats = EngineStats()
@@ -95,8 +108,9 @@ class LLMEngine:
     ) -> str:
         """Queue a prompt (text, or token ids shown as `prompt_text`); returns its request id.
         Raises ValueError, admitting nothing, if the request is malformed or can never fit."""
-        request = self._prepare(prompt, sampling_params, request_id, prompt_text, arrival_time)
-        return self._admit(request)
+        with self.lock:
+            request = self._prepare(prompt, sampling_params, request_id, prompt_text, arrival_time)
+            return self._admit(request)
 
     def add_requests(
         self,
@@ -108,11 +122,12 @@ class LLMEngine:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
         texts = prompt_texts or [None] * len(prompts)
-        requests = [
-            self._prepare(prompt, params, None, text, None)
-            for prompt, params, text in zip(prompts, sampling_params, texts, strict=True)
-        ]
-        return [self._admit(request) for request in requests]
+        with self.lock:
+            requests = [
+                self._prepare(prompt, params, None, text, None)
+                for prompt, params, text in zip(prompts, sampling_params, texts, strict=True)
+            ]
+            return [self._admit(request) for request in requests]
 
     def _prepare(
         self,
@@ -141,29 +156,36 @@ class LLMEngine:
         request_id: str | None = None,
         *,
         arrival_time: float | None = None,
+        output_token_ids: list[int] | tuple[int, ...] = (),
     ) -> str:
-        """Take a request whose prompt K/V was written into `block_ids` (reserved with
+        """Take a request whose K/V was written into `block_ids` (reserved with
         `block_manager.reserve`) and whose first token was sampled elsewhere; it joins
-        the running batch and its first token comes out of the next step()."""
-        token_ids = self._encode(list(prompt_token_ids))
-        self._check_ids([first_token_id])
-        seq = self._new_seq(token_ids, sampling_params, request_id, arrival_time)
-        seq.append_token(int(first_token_id))
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.scheduler.add_prefilled(seq, block_ids)
-        request = self._requests[seq.seq_id] = _Request(seq, None)
-        self._pending.append(self._output(request))
-        return seq.seq_id
+        the running batch and its first token comes out of the next step().
+
+        A request re-prefilled after it had streamed `output_token_ids` has the K/V of
+        prompt + those tokens in `block_ids`, and `first_token_id` is its next token; it
+        finishes by max_tokens counting all of them, and its first output holds them all."""
+        with self.lock:
+            token_ids = self._encode(list(prompt_token_ids))
+            self._check_ids([*output_token_ids, first_token_id])
+            seq = self._new_seq(token_ids, sampling_params, request_id, arrival_time)
+            seq.token_ids.extend(int(t) for t in (*output_token_ids, first_token_id))
+            seq.num_computed_tokens = len(seq) - 1
+            self.scheduler.add_prefilled(seq, block_ids)
+            request = self._requests[seq.seq_id] = _Request(seq, None)
+            self._pending.append(self._output(request))
+            return seq.seq_id
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request and free its blocks; its final output (finish reason
         `cancelled`) comes out of the next step(). False if it already finished."""
-        request = self._requests.get(request_id)
-        if request is None or request.seq.is_finished:
-            return False
-        self.scheduler.abort(request_id)
-        self._pending.append(self._output(request))
-        return True
+        with self.lock:
+            request = self._requests.get(request_id)
+            if request is None or request.seq.is_finished:
+                return False
+            self.scheduler.abort(request_id)
+            self._pending.append(self._output(request))
+            return True
 
     def has_unfinished(self) -> bool:
         """Requests to finish, outputs to deliver, or (aborted) microbatches to land."""
@@ -176,8 +198,9 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        outputs, self._pending = self._pending, []
-        batch = self.scheduler.schedule(self._microbatch_seqs)  # schedule()
+        with self.lock:
+            outputs, self._pending = self._pending, []
+            batch = self.scheduler.schedule(self._microbatch_seqs)  # schedule()
         if batch:
             self.executor.submit(batch)  # submit()
         if not self.executor.num_in_flight or (batch and not self.executor.full):
@@ -186,17 +209,28 @@ class LLMEngine:
             done, tokens = self.executor.finish()  # finish()
         except ExecutionError as exc:
             logger.exception("model runner failed; ending %d requests", len(exc.batch))
-            seqs = self.scheduler.fail(exc.batch)
-        else:
+            with self.lock:
+                seqs = self.scheduler.fail(exc.batch)
+                outputs.extend(self._outputs(seqs))
+            return outputs
+        with self.lock:
             seqs = self.scheduler.update(done, tokens)  # update()
             self._count(done, len(seqs))
-        outputs.extend(self._output(self._requests[s.seq_id]) for s in seqs)
+            outputs.extend(self._outputs(seqs))
         return outputs
 
     def close(self) -> None:
         self.executor.shutdown()
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def _execute_fn(self, pad_fn: PadFn | None):
+        if pad_fn is None:
+            return self.runner.execute
+        return lambda seqs, counts: self.runner.execute(seqs, counts, pad_to=pad_fn(seqs, counts))
+
+    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        return [self._output(self._requests[s.seq_id]) for s in seqs]
 
     def _count(self, batch: SchedulerOutput, num_tokens: int) -> None:
         stats = self.stats

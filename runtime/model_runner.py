@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from numbers import Integral
@@ -25,6 +25,7 @@ from runtime.weights import iter_safetensors, resolve_model
 logger = logging.getLogger(__name__)
 
 Shape = tuple[int, int, int]  # (batch, query_len, num_blocks)
+LayerHook = Callable[[int], None]
 
 
 @dataclass
@@ -97,7 +98,9 @@ class ModelRunner:
     `token_ids[num_computed_tokens : num_computed_tokens + n]`, writes their
     K/V into the blocks of `seq.block_table`, and returns the sampled next
     token when the chunk reaches the end of the sequence (else None). It
-    never mutates a Sequence.
+    never mutates a Sequence. `on_layer(i)` is called as soon as layer i's K/V
+    of the step is written (while later layers still compute), so a prefill
+    can ship its KV layer by layer.
     """
 
     def __init__(self, config: ModelRunnerConfig | None = None) -> None:
@@ -134,6 +137,14 @@ class ModelRunner:
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The model's end-of-sequence ids, the tokenizer's included."""
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        return eos
+
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
         wanted = self.config.max_model_len or limit
@@ -169,9 +180,10 @@ class ModelRunner:
         seqs: list[Sequence],
         num_new_tokens: list[int],
         pad_to: Shape | None = None,
+        on_layer: LayerHook | None = None,
     ) -> list[int | None]:
         """Run one step; returns each sequence's sampled token, or None for a partial chunk."""
-        logits = self._run(seqs, num_new_tokens, pad_to)
+        logits = self._run(seqs, num_new_tokens, pad_to, on_layer)
         rows = [
             i for i, s in enumerate(seqs) if s.num_computed_tokens + num_new_tokens[i] == len(s)
         ]
@@ -209,14 +221,27 @@ class ModelRunner:
                 self._graphs[shape] = self.device.graph(self._padded_forward, args)
         self.device.synchronize()
 
-    def _run(self, seqs: list[Sequence], num_new_tokens: list[int], pad_to: Shape | None):
+    def _run(
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        pad_to: Shape | None,
+        on_layer: LayerHook | None = None,
+    ):
         pad_to = None if pad_to is None else self._check_shape(pad_to)
         inputs = self._prepare(seqs, num_new_tokens, pad_to)
         if pad_to in self._graphs:
-            return self._graphs[pad_to](*inputs.padded_args())[: inputs.num_seqs]
-        return self._forward(
-            inputs.input_ids, inputs.positions, inputs.logits_rows, inputs.metadata
-        )[: inputs.num_seqs]
+            logits = self._graphs[pad_to](*inputs.padded_args())[: inputs.num_seqs]
+            for layer in range(self.kv_cache.num_layers if on_layer else 0):
+                on_layer(layer)  # a replayed graph cannot stop between layers
+            return logits
+        cache = self.kv_cache if on_layer is None else _LayerWatch(self.kv_cache, on_layer)
+        logits = self._forward(
+            inputs.input_ids, inputs.positions, inputs.logits_rows, inputs.metadata, cache
+        )
+        if on_layer is not None:
+            on_layer(self.kv_cache.num_layers - 1)
+        return logits[: inputs.num_seqs]
 
     def _forward(
         self,
@@ -224,8 +249,9 @@ class ModelRunner:
         positions: torch.Tensor,
         logits_rows: torch.Tensor,
         metadata: AttentionMetadata,
+        kv_cache: KVCache | _LayerWatch | None = None,
     ) -> torch.Tensor:
-        hidden = self.model(input_ids, positions, self.kv_cache, metadata)
+        hidden = self.model(input_ids, positions, kv_cache or self.kv_cache, metadata)
         return self.model.compute_logits(hidden, logits_rows)
 
     def _padded_forward(
@@ -389,6 +415,20 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device.torch_device)
+
+
+class _LayerWatch:
+    """The KV pool as the model sees it during one forward: the model asks for layer i + 1
+    only once layer i's K/V is written, so that is when layer i is reported done."""
+
+    def __init__(self, cache: KVCache, on_layer: LayerHook) -> None:
+        self.cache = cache
+        self.on_layer = on_layer
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer > 0:
+            self.on_layer(layer - 1)
+        return self.cache.layer(layer)
 
 
 class _Batch:

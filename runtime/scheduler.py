@@ -113,17 +113,22 @@ class Scheduler:
             raise ValueError(f"seq {seq.seq_id} must be new: no output, KV or blocks yet")
 
     def add_prefilled(self, seq: Sequence, block_ids: list[int]) -> bool:
-        """Take a sequence whose prompt K/V already sits in reserved `block_ids` and whose
-        first token is sampled (its last token). Returns True if that token already ends it,
-        in which case the blocks are released again."""
-        self._check_new(seq, seq.num_prompt_tokens)
-        if seq.num_output_tokens != 1 or seq.num_computed_tokens != seq.num_prompt_tokens:
+        """Take a sequence whose K/V already sits in reserved `block_ids` for every token but
+        its last, a token sampled elsewhere (the first output, or the next one of a request
+        re-prefilled with the outputs it had streamed). Returns True if that token already
+        ends it, in which case the blocks are released again."""
+        self._check_new(seq, len(seq) - 1)
+        if seq.num_output_tokens < 1 or seq.num_computed_tokens != len(seq) - 1:
             raise ValueError(
-                f"a prefilled seq has its prompt computed and exactly one output token; seq "
-                f"{seq.seq_id} has {seq.num_computed_tokens} of {seq.num_prompt_tokens} prompt "
-                f"tokens computed and {seq.num_output_tokens} output tokens"
+                f"a prefilled seq has all its tokens but the newest computed and exactly one "
+                f"output token beyond those it streamed before; seq {seq.seq_id} has "
+                f"{seq.num_computed_tokens} of {len(seq)} tokens computed and "
+                f"{seq.num_output_tokens} output tokens"
             )
         detokenizer = self._detokenizer(seq)
+        if detokenizer is not None:
+            for token in seq.output_token_ids[:-1]:  # streamed before: the same text state
+                detokenizer.push(token)
         self.block_manager.attach(seq, block_ids)
         seq.detokenizer = detokenizer
         self._seqs[seq.seq_id] = seq
@@ -341,18 +346,7 @@ class Scheduler:
         return True
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        params = seq.sampling_params
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return FinishReason.STOP
-        if token in params.stop_token_ids:
-            seq.stop_reason = token
-            return FinishReason.STOP
-        if seq.detokenizer is not None and seq.detokenizer.stopped:
-            seq.stop_reason = seq.detokenizer.stop_reason
-            return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_seq_len:
-            return FinishReason.LENGTH
-        return None
+        return finish_reason(seq, token, self.eos_token_ids, self.max_seq_len)
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -363,3 +357,22 @@ class Scheduler:
         if seq.block_table and seq.seq_id not in self._in_flight:
             self.block_manager.free(seq)
         del self._seqs[seq.seq_id]
+
+
+def finish_reason(
+    seq: Sequence, token: int, eos_token_ids: Collection[int], max_seq_len: int
+) -> FinishReason | None:
+    """Why `seq` ends with `token`, its newest token (None: it goes on); records the stop
+    token or string matched. Shared with a prefill worker judging the first token."""
+    params = seq.sampling_params
+    if not params.ignore_eos and token in eos_token_ids:
+        return FinishReason.STOP
+    if token in params.stop_token_ids:
+        seq.stop_reason = token
+        return FinishReason.STOP
+    if seq.detokenizer is not None and seq.detokenizer.stopped:
+        seq.stop_reason = seq.detokenizer.stop_reason
+        return FinishReason.STOP
+    if seq.num_output_tokens >= params.max_tokens or len(seq) >= max_seq_len:
+        return FinishReason.LENGTH
+    return None

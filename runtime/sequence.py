@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import TYPE_CHECKING
@@ -62,11 +63,13 @@ class Sequence:
         sampling_params: SamplingParams | None = None,
         seq_id: int | str | None = None,
         arrival_time: float | None = None,
+        output_token_ids: Iterable[int] = (),
     ) -> None:
+        """`output_token_ids`: tokens generated before, for a request that resumes elsewhere."""
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.seq_id = next(_seq_counter) if seq_id is None else seq_id
-        self.token_ids: list[int] = list(prompt_token_ids)
+        self.token_ids: list[int] = [*prompt_token_ids, *output_token_ids]
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params or SamplingParams()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -1,0 +1,88 @@
+"""python -m benchmarks.simulator {calibrate,offline,online,overhead,scale,all} --out DIR
+
+Each command prints its tables and writes DIR/<command>.json and PNG plots. The paper's
+experiments run on 4 simulated A100-40GB (Llama-2-13B, tensor parallel 2: one prefill and
+one decode worker, or two static-batching replicas), K/V over NVLink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.simulator import plots
+from benchmarks.simulator.calibration import calibration_table, run_calibration
+from benchmarks.simulator.cluster_config import ClusterConfig
+from benchmarks.simulator.offline import offline_table, run_offline
+from benchmarks.simulator.online import online_table, run_online
+from benchmarks.simulator.overhead import overhead_table, run_overhead
+from benchmarks.simulator.report import write_json
+from benchmarks.simulator.scale import run_scale, scale_table
+
+PAPER_CLUSTER = ClusterConfig(
+    model="llama-2-13b", hardware="a100-40gb", link="nvlink3", num_prefill=1, num_decode=1, tp=2
+)
+COMMANDS = ("calibrate", "offline", "online", "overhead", "scale")
+
+
+def experiments(args: argparse.Namespace) -> dict[str, tuple[Callable, Callable, Callable]]:
+    """command -> (run, table, plot)"""
+    return {
+        "calibrate": (run_calibration, calibration_table, plots.plot_calibration),
+        "offline": (
+            lambda: run_offline(PAPER_CLUSTER, seeds=args.seeds),
+            offline_table,
+            plots.plot_offline,
+        ),
+        "online": (
+            lambda: run_online(PAPER_CLUSTER, duration_s=args.duration),
+            online_table,
+            plots.plot_online,
+        ),
+        "overhead": (
+            lambda: run_overhead(PAPER_CLUSTER, duration_s=args.duration),
+            overhead_table,
+            plots.plot_overhead,
+        ),
+        "scale": (
+            lambda: run_scale(rate=args.scale_rate, duration_s=args.scale_duration),
+            scale_table,
+            lambda result, out: [],
+        ),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.simulator", description=__doc__)
+    parser.add_argument("command", choices=(*COMMANDS, "all"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/simulator"))
+    parser.add_argument("--seeds", type=int, default=3, help="offline: seeds per point")
+    parser.add_argument("--duration", type=float, default=120.0, help="online: seconds of arrivals")
+    parser.add_argument("--scale-rate", type=float, default=10_000.0)
+    parser.add_argument("--scale-duration", type=float, default=10.0, help="seconds of arrivals")
+    args = parser.parse_args(argv)
+    for name, value in (
+        ("--seeds", args.seeds),
+        ("--duration", args.duration),
+        ("--scale-rate", args.scale_rate),
+        ("--scale-duration", args.scale_duration),
+    ):
+        if value <= 0:
+            parser.error(f"{name} must be positive, got {value}")
+    logging.getLogger("bucket_manager").setLevel(logging.ERROR)  # graph-miss warnings
+    chosen = COMMANDS if args.command == "all" else (args.command,)
+    table_of = experiments(args)
+    for command in chosen:
+        run, table, plot = table_of[command]
+        result = run()
+        print(table(result), flush=True)
+        path = write_json(args.out / f"{command}.json", result)  # first: a plot may fail
+        for png in plot(result, args.out):
+            print(f"wrote {png}")
+        print(f"wrote {path}\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()

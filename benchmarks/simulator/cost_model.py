@@ -1,0 +1,158 @@
+"""Roofline step times: each forward step is its dense GEMMs plus its attention, each bound by
+either compute or memory, plus a fixed per-step overhead.
+
+    dense     = max(2 P T (T + m_half) / T / (peak x eff),  weight bytes / (bw x eff))
+    attention = max(4 L H d pairs / (peak x attn_eff),  traffic x KV bytes / (bw x eff))
+    allreduce = 2 L (T x hidden x bytes) 2 (tp - 1) / tp / link bandwidth   (tensor parallel)
+    step      = overhead + dense + attention + allreduce
+
+With tensor parallelism over `tp` accelerators each holds 1/tp of the weights, the heads
+and the K/V, and computes 1/tp of every GEMM; two all-reduces per layer join the shards.
+P: matmul weights per token (the LM head only for rows that sample), T: tokens
+computed, pairs: query x key scores, KV bytes: the keys and values read and written,
+traffic: passes over them (more once a layer's K/V outgrows the CPU cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from benchmarks.simulator.hardware import HardwareSpec, LinkSpec
+from benchmarks.simulator.model_spec import ModelSpec
+
+ACTIVATION_RESERVE_BYTES = 1e9  # activations and workspace kept out of the KV pool (assumed)
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one forward step computes: `rows` sequences, `tokens` new tokens in all,
+    `attn_pairs` query-key scores, `kv_tokens` tokens of K/V read or written."""
+
+    rows: int
+    tokens: int
+    logits_rows: int
+    attn_pairs: float
+    kv_tokens: float
+
+
+class CostModel:
+    def __init__(
+        self,
+        model: ModelSpec,
+        hardware: HardwareSpec,
+        tp: int = 1,
+        tp_link: LinkSpec | None = None,
+    ) -> None:
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
+        if tp > 1 and tp_link is None:
+            raise ValueError("tensor parallelism (tp > 1) needs the tp_link its all-reduces use")
+        if model.num_kv_heads % tp:
+            raise ValueError(f"tp {tp} must divide {model.name}'s {model.num_kv_heads} KV heads")
+        self.model = model
+        self.hardware = hardware
+        self.tp = tp
+        self.tp_link = tp_link
+        hw = hardware
+        self._flops = hw.peak_flops * hw.flops_efficiency * tp
+        self._attn_flops = hw.peak_flops * hw.attn_flops_efficiency * tp
+        self._bw = hw.mem_bandwidth * hw.bw_efficiency * tp
+        self._layer_flops = 2 * model.num_layers * model.layer_params  # per token
+        self._head_flops = 2 * model.lm_head_params  # per sampling row
+        self._score_flops = 4 * model.num_layers * model.num_heads * model.head_dim  # per pair
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV that fit beside the weights in the engine's share of memory."""
+        hw, m = self.hardware, self.model
+        shard = m.weight_bytes / self.tp
+        free = hw.mem_bytes * hw.mem_utilization - shard - ACTIVATION_RESERVE_BYTES
+        if free * self.tp < m.kv_bytes_per_token:
+            raise ValueError(
+                f"{m.name} ({shard / 1e9:.1f} GB of weights per accelerator at tp {self.tp}) "
+                f"leaves no KV memory on {hw.name} ({hw.mem_bytes / 1e9:.0f} GB); pick a "
+                "larger accelerator or a higher tp"
+            )
+        return int(free * self.tp // m.kv_bytes_per_token)
+
+    def num_kv_blocks(self, block_size: int) -> int:
+        return self.kv_capacity_tokens() // block_size
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        return num_tokens * self.model.kv_bytes_per_token
+
+    # -- step work ---------------------------------------------------------------------------
+
+    def work(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> StepWork:
+        """Row i computes `query_lens[i]` new tokens on top of `context_lens[i]` cached ones."""
+        if len(query_lens) != len(context_lens) or not query_lens:
+            raise ValueError(
+                f"need one context length per row and at least one row; got "
+                f"{len(query_lens)} query and {len(context_lens)} context lengths"
+            )
+        dense = self.hardware.dense_attention
+        pairs = 0.0
+        for q, c in zip(query_lens, context_lens, strict=True):
+            if q < 1 or c < 0:
+                raise ValueError(f"query length must be >= 1 and context >= 0, got {q}, {c}")
+            pairs += q * (c + q) if dense else q * c + q * (q + 1) / 2
+        tokens = sum(query_lens)
+        return StepWork(len(query_lens), tokens, len(query_lens), pairs, sum(context_lens) + tokens)
+
+    def decode_work(self, num_rows: int, total_context: int) -> StepWork:
+        """One new token for each of `num_rows` rows holding `total_context` cached tokens."""
+        kv = total_context + num_rows
+        return StepWork(num_rows, num_rows, num_rows, float(kv), float(kv))
+
+    # -- times -------------------------------------------------------------------------------
+
+    def time(self, work: StepWork) -> float:
+        return sum(self.breakdown(work).values())
+
+    def breakdown(self, work: StepWork) -> dict[str, float]:
+        hw, m = self.hardware, self.model
+        ramp = (work.tokens + hw.gemm_m_half) / work.tokens
+        flops = self._layer_flops * work.tokens + self._head_flops * work.logits_rows
+        kv_bytes = work.kv_tokens * m.kv_bytes_per_token
+        spills = kv_bytes / m.num_layers / self.tp > hw.cache_bytes
+        kv_bytes *= hw.kv_spill_traffic if spills else hw.kv_traffic
+        return {
+            "overhead": hw.step_overhead_s,
+            "dense": max(flops * ramp / self._flops, m.weight_bytes / self._bw),
+            "attention": max(
+                work.attn_pairs * self._score_flops / self._attn_flops, kv_bytes / self._bw
+            ),
+            "allreduce": self._allreduce_time(work.tokens),
+        }
+
+    def _allreduce_time(self, tokens: int) -> float:
+        if self.tp == 1:
+            return 0.0
+        m, link = self.model, self.tp_link
+        volume = tokens * m.hidden * m.bytes_per_param * 2 * (self.tp - 1) / self.tp
+        return 2 * m.num_layers * link.transfer_time(volume)
+
+    def step_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
+        return self.time(self.work(query_lens, context_lens))
+
+    def prefill_time(
+        self, prompt_lens: Sequence[int], pad_to: tuple[int, int] | None = None
+    ) -> float:
+        """A prefill batch, run varlen (`pad_to=None`) or padded to (rows, query length)."""
+        if pad_to is None:
+            return self.step_time(prompt_lens, [0] * len(prompt_lens))
+        rows, length = pad_to
+        if rows < len(prompt_lens) or length < max(prompt_lens):
+            raise ValueError(
+                f"pad_to {pad_to} cannot hold {len(prompt_lens)} prompts of up to "
+                f"{max(prompt_lens)} tokens"
+            )
+        return self.step_time([length] * rows, [0] * rows)
+
+    def decode_time(self, num_rows: int, total_context: int) -> float:
+        return self.time(self.decode_work(num_rows, total_context))
+
+    def transfer_time(self, num_tokens: int, link: LinkSpec) -> float:
+        return link.transfer_time(self.kv_bytes(num_tokens))

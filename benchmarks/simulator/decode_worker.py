@@ -1,0 +1,188 @@
+"""A simulated decode accelerator: the real Scheduler and BlockManager, stepped by the event
+loop, with the cost model's step time in place of ModelRunner.execute."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
+
+from benchmarks.simulator.cost_model import CostModel
+from benchmarks.simulator.event_loop import EventLoop
+from kv_transfer.lease import Lease, LeaseTable
+from runtime.block_manager import BlockManager
+from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.sequence import Sequence
+
+EOS = 2
+TOKEN = 0
+LEASE_TTL_S = 30.0  # never reached: a simulated transfer cannot fail
+
+
+class DecodeWorker:
+    """Continuous batching over a paged pool.
+
+    With `commits_output` the pool's room is its blocks less every live
+    sequence's full commitment (prompt + max_tokens), so admitted work never
+    outgrows the pool; without it the room is the free list, and growth is
+    met by the scheduler's preemption (recompute).
+
+    Without commitments the Scheduler can deadlock: a preempted sequence at
+    the head of `waiting` needs more free blocks than there are, while
+    prefilled arrivals queued behind it hold theirs and nothing runs. The
+    worker then recomputes the newest prefilled arrival (abort + add again
+    with its tokens as the prompt) until the head fits, and counts it.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        loop: EventLoop,
+        cost: CostModel,
+        num_blocks: int,
+        block_size: int,
+        scheduler_config: SchedulerConfig,
+        commits_output: bool,
+        on_finish: Callable[[Sequence, int, int], None],
+    ) -> None:
+        self.index = index
+        self.loop = loop
+        self.cost = cost
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.leases = LeaseTable(
+            f"decode{index}", lambda lease: self.block_manager.release(lease.flat_block_ids)
+        )
+        self.scheduler = Scheduler(
+            scheduler_config, self.block_manager, cost.model.max_len, eos_token_ids=(EOS,)
+        )
+        self.commits_output = commits_output
+        self.on_finish = on_finish
+        self.committed = 0
+        self.busy = False
+        self.busy_s = 0.0
+        self.steps = 0
+        self.recoveries = 0
+        self.on_room_change: Callable[[DecodeWorker], None] = lambda worker: None
+        self._targets: dict[int | str, tuple[int, int]] = {}  # seq id -> (output len, commit)
+        self._carried: dict[int | str, tuple[int, int]] = {}  # re-added: (tokens, preemptions)
+
+    @property
+    def room(self) -> int:
+        """Blocks a new batch may take: less the commitments, or (without them) less what the
+        preempted sequences need to come back, so new arrivals cannot starve them."""
+        bm = self.block_manager
+        if self.commits_output:
+            return bm.num_total_blocks - self.committed
+        comeback = sum(
+            bm.blocks_needed(len(s)) for s in self.scheduler.waiting if not s.block_table
+        )
+        return bm.num_free_blocks - comeback
+
+    @property
+    def load(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    def can_reserve(self, prompt_lens: Sequence_[int]) -> bool:
+        bm = self.block_manager
+        return sum(bm.blocks_needed(n + 1) for n in prompt_lens) <= bm.num_free_blocks
+
+    def reserve(
+        self, request_ids: Sequence_[int], prompt_lens: Sequence_[int], commits: Sequence_[int]
+    ) -> Lease:
+        """Hold each prompt's blocks plus its first token's (what `add_prefilled` attaches)
+        under one lease of the service's own lease table, and promise the commitments."""
+        bm = self.block_manager
+        blocks = [bm.reserve(bm.blocks_needed(n + 1)) for n in prompt_lens]
+        self.committed += sum(commits)
+        ids = [str(i) for i in request_ids]
+        lease = self.leases.open(ids, blocks, LEASE_TTL_S, now=self.loop.now)
+        self.on_room_change(self)
+        return lease
+
+    def land(self, lease_id: str) -> tuple[tuple[int, ...], ...]:
+        """The batch's K/V arrived: close its lease; its blocks go on to the sequences."""
+        return self.leases.close(lease_id).block_ids
+
+    def admit(self, seq: Sequence, block_ids: Sequence_[int], output_len: int, commit: int) -> None:
+        """Take a prefilled sequence whose first token is already appended."""
+        self._targets[seq.seq_id] = (output_len, commit)
+        if self.scheduler.add_prefilled(seq, list(block_ids)):
+            self._finished(seq)
+        elif not self.busy:
+            self._step()
+
+    def output_tokens(self, seq: Sequence) -> int:
+        """Tokens generated so far, counting those carried into a re-added sequence."""
+        return seq.num_output_tokens + self._carried.get(seq.seq_id, (0, 0))[0]
+
+    def preemptions(self, seq: Sequence) -> int:
+        return seq.num_preemptions + self._carried.get(seq.seq_id, (0, 0))[1]
+
+    def next_token(self, seq: Sequence) -> int:
+        return EOS if self.output_tokens(seq) + 1 >= self._targets[seq.seq_id][0] else TOKEN
+
+    def _step(self) -> None:
+        out = self.scheduler.schedule()
+        while not out.seqs and self._stalled():
+            self._recover()
+            out = self.scheduler.schedule()
+        if not out.seqs:
+            self.busy = False
+            return
+        self.busy = True
+        seconds = self.cost.time(self._work(out))
+        self.busy_s += seconds
+        self.steps += 1
+        self.loop.after(seconds, self._done, out)
+
+    def _stalled(self) -> bool:
+        s = self.scheduler
+        return bool(s.waiting) and not s.running and not self.block_manager.num_reserved_blocks
+
+    def _recover(self) -> None:
+        victim = next((s for s in reversed(self.scheduler.waiting) if s.block_table), None)
+        if victim is None:
+            raise RuntimeError(
+                f"decode worker {self.index} stalled with nothing to recompute: "
+                f"{len(self.scheduler.waiting)} waiting, {self.block_manager.num_free_blocks} free"
+            )
+        self.scheduler.abort(victim.seq_id)
+        params = victim.sampling_params
+        fresh = Sequence(
+            list(victim.token_ids),
+            dataclasses.replace(params, max_tokens=params.max_tokens - victim.num_output_tokens),
+            seq_id=victim.seq_id,
+            arrival_time=victim.arrival_time,
+        )
+        done, preempted = self._carried.get(victim.seq_id, (0, 0))
+        self._carried[fresh.seq_id] = (
+            done + victim.num_output_tokens,
+            preempted + victim.num_preemptions + 1,
+        )
+        self.scheduler.add(fresh)
+        self.recoveries += 1
+
+    def _work(self, out: SchedulerOutput):
+        if all(n == 1 for n in out.num_new_tokens):
+            context = sum(s.num_computed_tokens for s in out.seqs)
+            return self.cost.decode_work(len(out.seqs), context)
+        return self.cost.work(out.num_new_tokens, [s.num_computed_tokens for s in out.seqs])
+
+    def _done(self, out: SchedulerOutput) -> None:
+        tokens = [
+            self.next_token(s) if s.num_computed_tokens + n == len(s) else None
+            for s, n in zip(out.seqs, out.num_new_tokens, strict=True)
+        ]
+        for seq in self.scheduler.update(out, tokens):
+            if seq.is_finished:
+                self._finished(seq)
+        if not self.commits_output:  # growth and preemption moved the free list
+            self.on_room_change(self)
+        self._step()
+
+    def _finished(self, seq: Sequence) -> None:
+        _, commit = self._targets.pop(seq.seq_id)
+        self.committed -= commit
+        self.on_room_change(self)
+        self.on_finish(seq, self.output_tokens(seq), self.preemptions(seq))
+        self._carried.pop(seq.seq_id, None)

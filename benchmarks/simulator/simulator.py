@@ -1,0 +1,243 @@
+"""The disaggregated cluster: arrivals feed a batcher (the real BucketManager, or the FCFS
+baseline's), idle prefill workers pull its batches for the decode worker the P/D scheduler
+picks, whose blocks are reserved before prefill starts; K/V lands and joins continuous
+batching on the real Scheduler. The batcher's and the P/D scheduler's CPU time is measured.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+from benchmarks.simulator.cluster_config import ClusterConfig
+from benchmarks.simulator.decode_worker import EOS, TOKEN, DecodeWorker
+from benchmarks.simulator.event_loop import EventLoop
+from benchmarks.simulator.metrics import RequestRecord, RunResult
+from benchmarks.simulator.pd_scheduler import PDScheduler
+from benchmarks.simulator.prefill_worker import PrefillWorker
+from benchmarks.simulator.workload import SimRequest
+from bucket_manager import BucketRequest, PrefillBatch
+from bucket_manager.config import check_choice
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import SchedulerConfig
+from runtime.sequence import Sequence
+
+PAD_MODES = ("shape", "longest", "none")
+
+
+class Batcher(Protocol):
+    def __len__(self) -> int: ...
+    def add(self, request: BucketRequest) -> None: ...
+    def next_batch(self, free_blocks: int, block_size: int, now: float) -> PrefillBatch | None: ...
+    def requeue(self, batch: PrefillBatch) -> None: ...
+
+
+class Simulator:
+    """`pad`: a prefill batch runs padded to its shape bucket, to its longest prompt, or
+    varlen. `commits_output`: decode room counts prompt + max_tokens per live sequence."""
+
+    def __init__(
+        self,
+        name: str,
+        cluster: ClusterConfig,
+        batcher: Batcher,
+        pad: str,
+        commits_output: bool,
+        tenant: str = "default",
+    ) -> None:
+        check_choice("pad", pad, PAD_MODES)
+        self.name = name
+        self.cluster = cluster
+        self.batcher = batcher
+        self.pad = pad
+        self.tenant = tenant
+        self.loop = EventLoop()
+        self.cost = cluster.cost_model()
+        blocks = cluster.num_kv_blocks()
+        self.max_commit = int(0.9 * blocks)
+        config = SchedulerConfig(
+            max_num_seqs=cluster.max_num_seqs,
+            max_num_batched_tokens=max(2048, cluster.model_spec.max_len),
+        )
+        self.decode = [
+            DecodeWorker(
+                i,
+                self.loop,
+                self.cost,
+                blocks,
+                cluster.block_size,
+                config,
+                commits_output,
+                self._finished,
+            )
+            for i in range(cluster.num_decode)
+        ]
+        link = cluster.link_spec
+        self.prefill = [
+            PrefillWorker(i, self.loop, self.cost, link) for i in range(cluster.num_prefill)
+        ]
+        self._idle = list(reversed(self.prefill))
+        self.pd = PDScheduler(self.decode)
+        self.records: dict[int, RequestRecord] = {}
+        self._requests: dict[int, SimRequest] = {}
+        self._params: dict[int, SamplingParams] = {}
+        self.cpu = {"bucket_manager_s": 0.0, "pd_scheduler_s": 0.0}
+        self.counts = {"batches": 0, "batched_requests": 0, "real_tokens": 0, "padded_tokens": 0}
+        self.counts["graph_misses"] = 0
+        self.counts["max_buckets"] = 1
+        self.counts["failed_reservations"] = 0
+
+    # -- driving -----------------------------------------------------------------------------
+
+    def run(self, requests: Iterable[SimRequest], until: float = math.inf) -> RunResult:
+        for request in requests:
+            self._check(request)
+            self.loop.at(request.arrival, self._arrive, request)
+        self.loop.run(until)
+        return RunResult(
+            self.name,
+            list(self.records.values()),
+            self.cluster.num_workers,
+            sum(w.busy_s for w in self.prefill) + sum(w.busy_s for w in self.decode),
+            self.loop.now,
+            self._stats(),
+        )
+
+    def _check(self, request: SimRequest) -> None:
+        blocks = -(-(request.prompt_len + request.max_tokens) // self.cluster.block_size)
+        if blocks > self.max_commit:
+            raise ValueError(
+                f"request {request.request_id} needs {blocks} KV blocks but a decode worker "
+                f"can promise at most {self.max_commit}; lower max_tokens or the prompt length"
+            )
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id} appears twice in the workload")
+        self._requests[request.request_id] = request
+
+    def _arrive(self, request: SimRequest) -> None:
+        self.records[request.request_id] = RequestRecord(
+            request.prompt_len, request.output_len, request.arrival
+        )
+        item = BucketRequest(
+            request.request_id,
+            request.prompt_len,
+            request.max_tokens,
+            tenant=self.tenant,
+            arrival_time=request.arrival,
+        )
+        start = time.perf_counter()
+        self.batcher.add(item)
+        self.cpu["bucket_manager_s"] += time.perf_counter() - start
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self._idle and len(self.batcher):
+            start = time.perf_counter()
+            worker = self.pd.pick()
+            picked = time.perf_counter()
+            batch = self.batcher.next_batch(
+                max(0, worker.room), self.cluster.block_size, self.loop.now
+            )
+            batched = time.perf_counter()
+            self.cpu["pd_scheduler_s"] += picked - start
+            self.cpu["bucket_manager_s"] += batched - picked
+            self._track_buckets()
+            if batch is None:
+                return
+            lease = self.pd.reserve(worker, batch)
+            reserved = time.perf_counter()
+            self.cpu["pd_scheduler_s"] += reserved - batched
+            if lease is None:  # the batcher's designed path for a failed reservation
+                self.batcher.requeue(batch)
+                self.cpu["bucket_manager_s"] += time.perf_counter() - reserved
+                self.counts["failed_reservations"] += 1
+                return
+            self._launch(self._idle.pop(), batch, worker, lease.lease_id)
+
+    def _track_buckets(self) -> None:
+        buckets = getattr(self.batcher, "buckets", None)  # the BucketManager's request buckets
+        if buckets is not None:
+            self.counts["max_buckets"] = max(self.counts["max_buckets"], len(buckets.buckets))
+
+    def _launch(
+        self, prefill: PrefillWorker, batch: PrefillBatch, decode: DecodeWorker, lease_id: str
+    ) -> None:
+        lens = [r.prompt_len for r in batch.requests]
+        pad_to = {
+            "shape": (batch.shape[0], batch.shape[1]),
+            "longest": (len(lens), max(lens)),
+            "none": None,
+        }[self.pad]
+        now = self.loop.now
+        for request in batch.requests:
+            self.records[request.request_id].prefill_start = now
+        c = self.counts
+        c["batches"] += 1
+        c["batched_requests"] += len(lens)
+        c["real_tokens"] += sum(lens)
+        c["padded_tokens"] += pad_to[0] * pad_to[1] if pad_to else sum(lens)
+        c["graph_misses"] += batch.graph_miss
+        prefill.run(
+            lens,
+            pad_to,
+            lambda: self._prefilled(prefill, batch),
+            lambda: self._landed(batch, decode, lease_id),
+        )
+
+    def _prefilled(self, prefill: PrefillWorker, batch: PrefillBatch) -> None:
+        for request in batch.requests:
+            self.records[request.request_id].first_token = self.loop.now
+        self._idle.append(prefill)
+        self._dispatch()
+
+    def _landed(self, batch: PrefillBatch, decode: DecodeWorker, lease_id: str) -> None:
+        blocks = decode.land(lease_id)
+        for item, block_ids, commit in zip(
+            batch.requests, blocks, batch.kv_blocks_per_request, strict=True
+        ):
+            request = self._requests[item.request_id]
+            self.records[request.request_id].decode_start = self.loop.now
+            seq = Sequence(
+                [TOKEN] * request.prompt_len,
+                self._sampling(request.max_tokens),
+                seq_id=request.request_id,
+                arrival_time=request.arrival,
+            )
+            seq.num_computed_tokens = request.prompt_len
+            seq.append_token(EOS if request.output_len <= 1 else TOKEN)
+            decode.admit(seq, block_ids, request.output_len, commit)
+
+    def _sampling(self, max_tokens: int) -> SamplingParams:
+        if max_tokens not in self._params:
+            self._params[max_tokens] = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        return self._params[max_tokens]
+
+    def _finished(self, seq: Sequence, output_tokens: int, preemptions: int) -> None:
+        record = self.records[seq.seq_id]
+        if record.finish is not None:
+            raise RuntimeError(f"request {seq.seq_id} finished twice")
+        record.finish = self.loop.now
+        record.preemptions = preemptions
+        if output_tokens != record.output_len:
+            raise RuntimeError(
+                f"request {seq.seq_id} produced {output_tokens} tokens, "
+                f"expected {record.output_len}"
+            )
+        if len(self.batcher):
+            self._dispatch()
+
+    def _stats(self) -> dict:
+        c = self.counts
+        return {
+            **self.cpu,
+            **c,
+            "mean_batch_size": c["batched_requests"] / max(1, c["batches"]),
+            "prefill_padding": 1 - c["real_tokens"] / max(1, c["padded_tokens"]),
+            "preemptions": sum(w.scheduler.num_preemptions for w in self.decode),
+            "stall_recoveries": sum(w.recoveries for w in self.decode),
+            "leases_closed": sum(w.leases.counts.closed for w in self.decode),
+            "decode_steps": sum(w.steps for w in self.decode),
+            "events": self.loop.events_run,
+        }

@@ -1,0 +1,104 @@
+"""The three systems the experiments compare, built on one cluster config.
+
+- `bucketserve`: the real BucketManager (Algorithm 1, Eq. 5-6 counting prompt + max_tokens,
+  tenant policies), batches padded to its shape buckets (linear grid: batch sizes in steps
+  of max_num_seqs / 32, query lengths in steps of 128), disaggregated.
+- `fcfs`: DistServe-like, the same disaggregated cluster with one FCFS queue, batches padded
+  to their longest prompt, prompt-only reservations and preemption on the decode side.
+- `static`: UELLM-like static batching on aggregated replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from benchmarks.simulator.cluster_config import ClusterConfig
+from benchmarks.simulator.fcfs_disagg import FcfsBatcher
+from benchmarks.simulator.metrics import RunResult
+from benchmarks.simulator.simulator import Simulator
+from benchmarks.simulator.static_batching import StaticBatchingSimulator
+from benchmarks.simulator.workload import SimRequest
+from bucket_manager import (
+    BatchingConfig,
+    BucketManager,
+    BucketManagerConfig,
+    BucketRange,
+    PromptShapeConfig,
+    RequestBucketConfig,
+    ShapeBucketConfig,
+    TenantConfig,
+)
+from bucket_manager.config import check_choice
+
+SYSTEMS = ("bucketserve", "fcfs", "static")
+SHAPE_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class SystemConfig:
+    """Knobs of the systems beyond the cluster: BucketServe's tenant class and policy, its
+    bucket cap and KV accounting; the padding of each disaggregated system (None: its own
+    default, `shape` for bucketserve and `longest` for fcfs)."""
+
+    offline: bool = False
+    policy: str = "sjf"
+    max_buckets: int = 64
+    count_output_tokens: bool = True
+    pad: str | None = None
+    fcfs_max_batched_tokens: int | None = None
+
+    def tenant(self) -> TenantConfig:
+        if self.offline:
+            return TenantConfig("batch", tenant_class="offline", policy=self.policy)
+        return TenantConfig("default")
+
+
+def bucket_manager_config(cluster: ClusterConfig, system: SystemConfig) -> BucketManagerConfig:
+    max_len = cluster.model_spec.max_len
+    n = cluster.max_num_seqs
+    shapes = ShapeBucketConfig(
+        strategy="linear",
+        block_size=SHAPE_BLOCK,
+        max_model_len=max_len,
+        prompt=PromptShapeConfig(
+            bs=BucketRange(1, max(1, n // 32), n),
+            query=BucketRange(SHAPE_BLOCK, SHAPE_BLOCK, max_len),
+            ctx=BucketRange(0, 1, 0),
+        ),
+    )
+    return BucketManagerConfig(
+        request_buckets=RequestBucketConfig(max_len=max_len, max_buckets=system.max_buckets),
+        shape_buckets=shapes,
+        batching=BatchingConfig(max_num_seqs=n, count_output_tokens=system.count_output_tokens),
+        tenants=(system.tenant(),),
+    )
+
+
+def build(name: str, cluster: ClusterConfig, system: SystemConfig | None = None):
+    check_choice("system", name, SYSTEMS)
+    system = system or SystemConfig()
+    if name == "static":
+        return StaticBatchingSimulator(cluster)
+    if name == "bucketserve":
+        manager = BucketManager(bucket_manager_config(cluster, system))
+        return Simulator(
+            name,
+            cluster,
+            manager,
+            system.pad or "shape",
+            system.count_output_tokens,
+            tenant=system.tenant().name,
+        )
+    batcher = FcfsBatcher(
+        cluster.max_num_seqs, cluster.model_spec.max_len, system.fcfs_max_batched_tokens
+    )
+    return Simulator(name, cluster, batcher, system.pad or "longest", commits_output=False)
+
+
+def simulate(
+    name: str,
+    cluster: ClusterConfig,
+    requests: list[SimRequest],
+    system: SystemConfig | None = None,
+) -> RunResult:
+    return build(name, cluster, system).run(requests)

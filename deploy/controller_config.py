@@ -1,0 +1,196 @@
+"""The Controller's configuration: model, worker counts and placement, transport, buckets."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from bucket_manager.config import (
+    BucketManagerConfig,
+    BucketRange,
+    DecodeShapeConfig,
+    PromptShapeConfig,
+    ShapeBucketConfig,
+)
+from deploy.worker_env import check_worker_options
+from runtime.model_runner import ModelRunnerConfig
+from runtime.scheduler import SchedulerConfig
+
+MODES = ("ray", "local")
+TRANSPORT_CHOICES = ("auto", "inprocess", "ray", "collective")
+ACCELERATORS = ("auto", "hpu", "gpu", "none")
+
+
+@dataclass
+class PlacementConfig:
+    """Where one role's Ray actors go.
+
+    `accelerator`: one card per actor — "hpu" (`resources={"HPU": 1}`), "gpu"
+    (`num_gpus=1`), "none" (CPU), or "auto": HPU when the cluster has it,
+    else GPU when it has it, else none. `resources` adds custom resources per
+    actor (e.g. a node label pinning the role to some nodes). `torch_threads`
+    sizes the actor's intra-op pool (None: all the node's cores for decode,
+    half for prefill, so a co-located pair does not oversubscribe much).
+    """
+
+    accelerator: str = "auto"
+    num_cpus: float = 1.0
+    resources: dict[str, float] = field(default_factory=dict)
+    torch_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.accelerator not in ACCELERATORS:
+            raise ValueError(
+                f"placement.accelerator must be one of {ACCELERATORS}; got {self.accelerator!r}"
+            )
+        if not isinstance(self.num_cpus, (int, float)) or self.num_cpus < 0:
+            raise ValueError(f"placement.num_cpus must be >= 0, got {self.num_cpus!r}")
+        if not isinstance(self.resources, dict) or any(
+            not isinstance(k, str) or not isinstance(v, (int, float)) or v <= 0
+            for k, v in self.resources.items()
+        ):
+            raise ValueError(
+                f"placement.resources must map names to positive amounts, got {self.resources!r}"
+            )
+        check_worker_options("placement", "auto", "auto", self.torch_threads)
+
+
+@dataclass
+class ControllerConfig:
+    """Everything the Controller starts and serves with.
+
+    `runner` configures every worker's model runner (its `num_kv_blocks` sizes
+    the decode pools; `prefill_kv_blocks` the prefill pools, which only hold
+    batches until their handoff is acknowledged). `mode="local"` runs all
+    workers in this process on threads with the in-process transport; `ray`
+    makes them actors (local Ray, or `ray_address`, "auto" to join).
+    `transport="auto"`: in-process locally; on Ray the device collective
+    when every worker sits on CUDA or HPU, else the Ray object store.
+    `buckets=None` derives request and shape buckets from the model.
+    """
+
+    runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    pipeline_depth: int = 1
+    prefill_kv_blocks: int | None = None
+    num_prefill: int = 1
+    num_decode: int = 1
+    mode: str = "ray"
+    transport: str = "auto"
+    ray_address: str | None = None
+    ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
+    prefill_placement: PlacementConfig = field(default_factory=PlacementConfig)
+    decode_placement: PlacementConfig = field(default_factory=PlacementConfig)
+    max_restarts: int = -1
+    buckets: BucketManagerConfig | None = None
+    pad_to_shape_buckets: str | bool = "auto"
+    warmup: str = "auto"
+    lease_ttl_s: float = 60.0
+    max_queued_requests: int = 4096
+    max_batches_per_prefill: int = 2  # in flight at one prefill worker, so it never idles
+    max_requeues: int = 3  # re-prefills of one request before it ends with an error
+    stats_interval_s: float = 1.0
+    admit_delay_s: float = 0.0  # fault drill: every decode admission waits this long
+
+    def __post_init__(self) -> None:
+        _choice("mode", self.mode, MODES)
+        _choice("transport", self.transport, TRANSPORT_CHOICES)
+        if self.mode == "local" and self.transport not in ("auto", "inprocess"):
+            raise ValueError(
+                f"mode 'local' keeps every worker in this process, so transport must be 'auto' "
+                f"or 'inprocess'; got {self.transport!r} (use mode 'ray' for it)"
+            )
+        if self.mode == "ray" and self.transport == "inprocess":
+            raise ValueError("transport 'inprocess' needs mode 'local': Ray actors are processes")
+        for name in ("num_prefill", "num_decode", "pipeline_depth", "max_queued_requests",
+                     "max_batches_per_prefill"):
+            _positive_int(name, getattr(self, name), 1)
+        _positive_int("max_requeues", self.max_requeues, 0)
+        _positive_int("max_restarts", self.max_restarts, -1)
+        if self.prefill_kv_blocks is not None:
+            _positive_int("prefill_kv_blocks", self.prefill_kv_blocks, 1)
+        for name in ("lease_ttl_s", "stats_interval_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"ControllerConfig.{name} must be > 0 seconds, got {value!r}")
+        if not isinstance(self.admit_delay_s, (int, float)) or self.admit_delay_s < 0:
+            raise ValueError(
+                f"ControllerConfig.admit_delay_s must be >= 0, got {self.admit_delay_s!r}"
+            )
+        check_worker_options("ControllerConfig", self.pad_to_shape_buckets, self.warmup, None)
+
+    @property
+    def resolved_transport(self) -> str:
+        """The transport before devices are known: collective is chosen only when asked for,
+        or later by the launcher when every worker reports an accelerator."""
+        if self.transport != "auto":
+            return self.transport
+        return "inprocess" if self.mode == "local" else "ray"
+
+    def prefill_runner(self) -> ModelRunnerConfig:
+        if self.prefill_kv_blocks is None:
+            return self.runner
+        return dataclasses.replace(self.runner, num_kv_blocks=self.prefill_kv_blocks)
+
+    def torch_threads(self, role: str) -> int | None:
+        """Per-actor intra-op threads; None in local mode (one process shares one pool)."""
+        if self.mode == "local":
+            return None
+        placement = self.prefill_placement if role == "prefill" else self.decode_placement
+        if placement.torch_threads is not None:
+            return placement.torch_threads
+        cores = os.cpu_count() or 1
+        return cores if role == "decode" else max(1, cores // 2)
+
+
+def default_buckets(max_model_len: int, block_size: int, max_num_seqs: int) -> BucketManagerConfig:
+    """Request buckets over the model's length; prompt shapes of batch 1..16 and query
+    block_size..max_model_len (fresh prompts only: no context blocks); decode shapes of
+    batch 1..max_num_seqs and blocks up to one max_model_len sequence."""
+    return fit_buckets(
+        BucketManagerConfig(
+            shape_buckets=ShapeBucketConfig(
+                prompt=PromptShapeConfig(
+                    bs=BucketRange(1, 1, 16, 5),
+                    query=_doubling(block_size, max_model_len),
+                    ctx=BucketRange(0, 1, 0, 1),
+                ),
+                decode=DecodeShapeConfig(
+                    bs=_doubling(1, max_num_seqs),
+                    blocks=_doubling(1, -(-max_model_len // block_size)),
+                ),
+            ),
+        ),
+        max_model_len,
+        block_size,
+    )
+
+
+def fit_buckets(
+    config: BucketManagerConfig, max_model_len: int, block_size: int
+) -> BucketManagerConfig:
+    """`config` with its shape buckets' block size and length, and its request buckets'
+    length range, set to the model's, so every admitted prompt has a bucket."""
+    shapes = dataclasses.replace(
+        config.shape_buckets, block_size=block_size, max_model_len=max_model_len
+    )
+    requests = dataclasses.replace(config.request_buckets, max_len=max(max_model_len, 2))
+    return dataclasses.replace(config, shape_buckets=shapes, request_buckets=requests)
+
+
+def _doubling(low: int, high: int) -> BucketRange:
+    high = max(low, high)
+    return BucketRange(low, low, high, int(math.log2(high / low)) + 1)
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"ControllerConfig.{name} must be one of {choices}; got {value!r}")
+
+
+def _positive_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"ControllerConfig.{name} must be an integer >= {minimum}, got {value!r}")

@@ -1,0 +1,111 @@
+"""What prefill and decode workers share: a model runner, its KV format, shapes, transport."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from tqdm import tqdm
+
+from bucket_manager.config import ShapeBucketConfig
+from bucket_manager.shape_buckets import ShapeBuckets
+from deploy.worker_env import (
+    apply_torch_threads,
+    new_boot_id,
+    node_id,
+    resolve_padding,
+    warmup_selection,
+)
+from kv_transfer.kv_format import KVFormat
+from kv_transfer.transport import KVTransport, default_transport
+from runtime.model_runner import ModelRunner, ModelRunnerConfig, Shape
+
+logger = logging.getLogger(__name__)
+
+
+class KVWorker:
+    """Identity (name, boot id, Ray node), the runner and its pool's KV format, the shape
+    buckets and whether steps pad to them, and the KV transport."""
+
+    role = "worker"
+
+    def __init__(
+        self,
+        name: str,
+        runner_config: ModelRunnerConfig,
+        shape_config: ShapeBucketConfig,
+        padding: str | bool,
+        transport_name: str,
+        transport: KVTransport | None,
+        torch_threads: int | None,
+    ) -> None:
+        self.name = name
+        self.boot_id = new_boot_id()
+        apply_torch_threads(torch_threads)
+        self.runner = ModelRunner(runner_config)
+        self.tokenizer = self.runner.tokenizer
+        self.shapes = ShapeBuckets(shape_config, log=False)
+        self.padding = resolve_padding(padding, self.runner.device.type)
+        self.kv_format = KVFormat.of(self.runner.kv_cache)
+        self.transport = transport or default_transport(transport_name)
+        self.node_id = node_id()
+        self.rank: int | None = None
+        self.warmed: list[Shape] = []
+        self.warmup_s = 0.0
+
+    def init_collective(
+        self, host: str, port: int, rank: int, world_size: int, prefix: str, timeout_s: float
+    ) -> int:
+        """Join the KV collective group as `rank`; the transport becomes the collective one."""
+        from kv_transfer.collective import collective_transport
+
+        self.transport = collective_transport(
+            self.runner.device.torch_device, host, port, rank, world_size, prefix, timeout_s
+        )
+        self.rank = rank
+        return rank
+
+    def info(self) -> dict:
+        return {
+            "name": self.name,
+            "role": self.role,
+            "boot_id": self.boot_id,
+            "node_id": self.node_id,
+            "device": str(self.runner.device),
+            "kv_format": self.kv_format,
+            "num_kv_blocks": self.runner.num_kv_blocks,
+            "max_model_len": self.runner.max_model_len,
+        }
+
+    def ping(self) -> str:
+        return self.boot_id
+
+    def _warmup(
+        self,
+        kind: str,
+        mode: str,
+        buckets: Sequence[Shape],
+        runner_shape: Callable[[Shape], Shape],
+    ) -> dict:
+        """Run the chosen `kind` buckets once each; logs the bucket config, a progress bar
+        and the time taken, so serving never meets a cold configured shape."""
+        for line in self.shapes.describe():
+            logger.info("%s: %s", self.name, line)
+        chosen = warmup_selection(mode, self.padding, list(buckets))
+        start = time.perf_counter()
+        for bucket in tqdm(chosen, desc=f"{self.name} warm-up", unit="shape", leave=False):
+            shape = runner_shape(bucket)
+            self.runner.warmup([shape])
+            self.warmed.append(shape)
+        self.warmup_s = time.perf_counter() - start
+        logger.info(
+            "%s: warmed %d of %d %s shapes in %.2f s (padding %s)",
+            self.name,
+            len(chosen),
+            len(buckets),
+            kind,
+            self.warmup_s,
+            "on" if self.padding else "off",
+        )
+        return {"shapes": list(self.warmed), "seconds": self.warmup_s, "padding": self.padding}

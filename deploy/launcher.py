@@ -1,0 +1,242 @@
+"""Starts the workers a ControllerConfig names: Ray actors (local Ray or a cluster) or
+in-process workers, warmed up and wired to their KV transport."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from bucket_manager.config import BucketManagerConfig
+from decode_worker.config import DecodeWorkerConfig
+from deploy.controller_config import ControllerConfig, PlacementConfig
+from deploy.worker_handle import LocalWorkerHandle, RayWorkerHandle, WorkerHandle
+from prefill_worker.config import PrefillWorkerConfig
+from runtime.engine_config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+ACTOR_CONCURRENCY = 8  # threads per actor: a long-poll, admissions, reservations, stats
+_COLLECTIVE_DEVICES = ("cuda", "hpu")
+
+
+class Launcher:
+    """Creates P prefill and D decode workers; `revive` brings a dead one back."""
+
+    def __init__(self, config: ControllerConfig, buckets: BucketManagerConfig) -> None:
+        self.config = config
+        self.buckets = buckets
+        self.transport = config.resolved_transport
+        self.handles: list[WorkerHandle] = []
+        self.infos: dict[str, dict] = {}
+        self._started_ray = False
+        self._store: Any = None
+        self._generation = 0
+
+    async def start(self) -> list[WorkerHandle]:
+        """Create every worker and warm it up; prefill handles first, then decode."""
+        if self.config.mode == "local":
+            self.handles = self._local_handles()
+        else:
+            self.handles = self._ray_handles()
+        reports = await asyncio.gather(*(self._start_one(h) for h in self.handles))
+        self.infos = {h.name: r for h, r in zip(self.handles, reports, strict=True)}
+        if self.config.transport == "auto" and self._all_on_accelerators():
+            self.transport = "collective"
+        if self.transport == "collective":
+            await self._form_collective()
+        logger.info(
+            "started %d prefill + %d decode workers (%s mode, %s transport)",
+            self.config.num_prefill,
+            self.config.num_decode,
+            self.config.mode,
+            self.transport,
+        )
+        return self.handles
+
+    async def revive(self, handle: WorkerHandle) -> None:
+        """Wait for (Ray) or build (local) a fresh life of `handle`'s worker and warm it up."""
+        await self._start_one(handle)
+        handle.restarts += 1
+        if self.transport == "collective" and all(h.alive for h in self.handles):
+            await self._form_collective()
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(h.stop() for h in self.handles), return_exceptions=True)
+        self.handles = []
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False
+
+    # -- worker configs ----------------------------------------------------------------------
+
+    def prefill_config(self, index: int) -> PrefillWorkerConfig:
+        c = self.config
+        return PrefillWorkerConfig(
+            name=f"prefill-{index}",
+            runner=c.prefill_runner(),
+            shape_buckets=self.buckets.shape_buckets,
+            pad_to_shape_buckets=c.pad_to_shape_buckets,
+            warmup=c.warmup,
+            transport=self._worker_transport(),
+            lease_ttl_s=c.lease_ttl_s,
+            torch_threads=c.torch_threads("prefill"),
+        )
+
+    def decode_config(self, index: int) -> DecodeWorkerConfig:
+        c = self.config
+        return DecodeWorkerConfig(
+            name=f"decode-{index}",
+            engine=EngineConfig(c.runner, c.scheduler, c.pipeline_depth),
+            shape_buckets=self.buckets.shape_buckets,
+            pad_to_shape_buckets=c.pad_to_shape_buckets,
+            warmup=c.warmup,
+            transport=self._worker_transport(),
+            lease_ttl_s=c.lease_ttl_s,
+            torch_threads=c.torch_threads("decode"),
+            admit_delay_s=c.admit_delay_s,
+        )
+
+    def _worker_transport(self) -> str:
+        """What a worker builds alone; a collective group is joined after start."""
+        return "inprocess" if self.config.mode == "local" else "ray"
+
+    # -- local -------------------------------------------------------------------------------
+
+    def _local_handles(self) -> list[WorkerHandle]:
+        from decode_worker.decode_worker import DecodeWorker
+        from kv_transfer.inprocess import InProcessTransport
+        from prefill_worker.prefill_worker import PrefillWorker
+
+        transport = InProcessTransport()
+
+        def prefill(i: int):
+            return lambda: PrefillWorker(self.prefill_config(i), transport)
+
+        def decode(i: int):
+            def make() -> DecodeWorker:
+                worker = DecodeWorker(self.decode_config(i), transport)
+                transport.register(worker.name, worker)
+                return worker
+
+            return make
+
+        handles: list[WorkerHandle] = [
+            LocalWorkerHandle(f"prefill-{i}", "prefill", prefill(i), threads=4)
+            for i in range(self.config.num_prefill)
+        ]
+        handles += [
+            LocalWorkerHandle(f"decode-{i}", "decode", decode(i), threads=ACTOR_CONCURRENCY)
+            for i in range(self.config.num_decode)
+        ]
+        return handles
+
+    # -- Ray ---------------------------------------------------------------------------------
+
+    def _ray_handles(self) -> list[WorkerHandle]:
+        import ray
+
+        from decode_worker.decode_worker import DecodeWorker
+        from prefill_worker.prefill_worker import PrefillWorker
+
+        if not ray.is_initialized():
+            kwargs = {"include_dashboard": False, **self.config.ray_init_kwargs}
+            ray.init(address=self.config.ray_address, **kwargs)
+            self._started_ray = True
+        c = self.config
+        prefill_options = self.actor_options("prefill", c.prefill_placement)
+        decode_options = self.actor_options("decode", c.decode_placement)
+        _check_feasible(
+            [prefill_options] * c.num_prefill + [decode_options] * c.num_decode,
+            ray.cluster_resources(),
+        )
+        prefill_cls = ray.remote(PrefillWorker).options(**prefill_options)
+        decode_cls = ray.remote(DecodeWorker).options(**decode_options)
+        handles: list[WorkerHandle] = []
+        for i in range(c.num_prefill):
+            actor = prefill_cls.remote(self.prefill_config(i))
+            handles.append(RayWorkerHandle(f"prefill-{i}", "prefill", actor))
+        for i in range(c.num_decode):
+            actor = decode_cls.remote(self.decode_config(i))
+            handles.append(RayWorkerHandle(f"decode-{i}", "decode", actor))
+        return handles
+
+    def actor_options(self, role: str, placement: PlacementConfig) -> dict[str, Any]:
+        """Ray options for one actor of `role`: an accelerator card each, restartable."""
+        import ray
+
+        accelerator = placement.accelerator
+        if accelerator == "auto":
+            cluster = ray.cluster_resources()
+            accelerator = "hpu" if cluster.get("HPU") else "gpu" if cluster.get("GPU") else "none"
+        resources = dict(placement.resources)
+        options: dict[str, Any] = {
+            "num_cpus": placement.num_cpus,
+            "max_restarts": self.config.max_restarts,
+            "max_task_retries": 0,  # a crashed call is retried by the controller, not re-run
+            "max_concurrency": ACTOR_CONCURRENCY,
+        }
+        if accelerator == "hpu":
+            resources["HPU"] = 1
+        elif accelerator == "gpu":
+            options["num_gpus"] = 1
+        if resources:
+            options["resources"] = resources
+        threads = self.config.torch_threads(role)
+        if threads:
+            options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+        return options
+
+    # -- shared ------------------------------------------------------------------------------
+
+    async def _start_one(self, handle: WorkerHandle) -> dict:
+        await handle.start()
+        return await handle.warm_up()
+
+    def _all_on_accelerators(self) -> bool:
+        kinds = {info["device"].split(":")[0] for info in self.infos.values()}
+        return len(kinds) == 1 and kinds <= set(_COLLECTIVE_DEVICES)
+
+    async def _form_collective(self) -> None:
+        """(Re)form the KV group: prefill ranks first, then decode; a fresh store prefix per
+        generation, so a restarted worker and the survivors meet in a new group."""
+        import ray
+        import torch.distributed as dist
+
+        host = ray.util.get_node_ip_address()
+        timeout_s = self.config.lease_ttl_s
+        if self._store is None:
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._generation += 1
+        prefix = f"kv-group-{self._generation}/"
+        world = len(self.handles)
+        await asyncio.gather(
+            *(
+                h.call("init_collective", host, self._store.port, rank, world, prefix, timeout_s)
+                for rank, h in enumerate(self.handles)
+            )
+        )
+
+
+def _check_feasible(options: list[dict[str, Any]], cluster: dict[str, float]) -> None:
+    """Raise ValueError when the actors ask for more of a resource than the whole cluster
+    has (Ray would leave them pending forever)."""
+    wanted: dict[str, float] = {}
+    for opts in options:
+        for name, amount in (
+            ("CPU", opts.get("num_cpus", 1)),
+            ("GPU", opts.get("num_gpus", 0)),
+            *opts.get("resources", {}).items(),
+        ):
+            wanted[name] = wanted.get(name, 0) + amount
+    short = {k: (v, cluster.get(k, 0)) for k, v in wanted.items() if v > cluster.get(k, 0)}
+    if short:
+        detail = ", ".join(
+            f"{k}: {v:g} wanted, {have:g} in the cluster" for k, (v, have) in short.items()
+        )
+        raise ValueError(
+            f"the workers cannot all be placed ({detail}); lower num_prefill / num_decode, "
+            "change the placement, or add nodes"
+        )

@@ -1,0 +1,114 @@
+"""The controller's record of one admitted request (torch-free)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from bucket_manager.request import BucketRequest
+from deploy.request_stream import RequestStream
+from deploy.worker_messages import HandoffRequest, TokenDelta
+from runtime.request import RequestTimings, ServeRequest, StreamDelta
+
+logger = logging.getLogger(__name__)
+
+
+class RequestState:
+    """Tokens and text streamed so far, where the request is, and its timings.
+
+    `phase`: queued (in the bucket manager), prefill (dispatched, KV on its
+    way), decode (admitted by `decode_worker`), done. Deltas carry their
+    offsets, so tokens a re-prefilled request streamed before are not sent
+    twice.
+    """
+
+    def __init__(self, request: ServeRequest, stream: RequestStream) -> None:
+        self.request = request
+        self.stream = stream
+        self.phase = "queued"
+        self.output_token_ids: list[int] = []
+        self.text_len = 0
+        self.decode_worker: str | None = None
+        self.requeues = 0
+        self.dispatched_at: float | None = None
+        self.first_token_at: float | None = None
+        self.prefill_s = 0.0
+        self.transfer_s = 0.0
+        self.request_bucket: tuple[int, int] | None = None
+        self.shape_bucket: tuple[int, int, int] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def done(self) -> bool:
+        return self.phase == "done"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+    def handoff(self) -> HandoffRequest:
+        return HandoffRequest(
+            self.request_id,
+            list(self.request.prompt_token_ids),
+            list(self.output_token_ids),
+            self.request.sampling_params,
+        )
+
+    def bucket_request(self, max_tokens: int) -> BucketRequest:
+        """What the bucket manager queues: the tokens so far as the prompt to prefill."""
+        r = self.request
+        return BucketRequest(
+            r.request_id, self.num_tokens, max_tokens, r.tenant, r.arrival_time, r.priority
+        )
+
+    def accept(self, delta: TokenDelta) -> StreamDelta | None:
+        """Apply a worker's delta; the StreamDelta with what is new to the client (the final
+        one when `delta` finishes the request), or None when nothing is."""
+        have = len(self.output_token_ids)
+        if delta.token_offset > have or delta.text_offset > self.text_len:
+            logger.error("request %s: %s skips ahead of %d tokens", self.request_id, delta, have)
+            return None
+        tokens = delta.token_ids[have - delta.token_offset :]
+        text = delta.text[self.text_len - delta.text_offset :]
+        self.output_token_ids += tokens
+        self.text_len += len(text)
+        if tokens and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        if delta.finished:
+            return self.final(delta.finish_reason or "stop", delta.error, tokens, text)
+        if not tokens and not text:
+            return None
+        return StreamDelta(self.request_id, token_ids=tokens, text=text)
+
+    def final(
+        self, reason: str, error: str | None = None, tokens: list[int] | None = None, text: str = ""
+    ) -> StreamDelta:
+        """The last delta; the request is done."""
+        self.phase = "done"
+        return StreamDelta(
+            self.request_id,
+            token_ids=tokens or [],
+            text=text,
+            finished=True,
+            finish_reason=reason,
+            error=error,
+            num_prompt_tokens=len(self.request.prompt_token_ids),
+            num_output_tokens=len(self.output_token_ids),
+            timings=self.timings(),
+            request_bucket=self.request_bucket,
+            shape_bucket=self.shape_bucket,
+        )
+
+    def timings(self) -> RequestTimings:
+        now, arrival = time.monotonic(), self.request.arrival_time
+        first = self.first_token_at
+        return RequestTimings(
+            queue_s=(self.dispatched_at or now) - arrival,
+            prefill_s=self.prefill_s,
+            transfer_s=self.transfer_s,
+            first_token_s=0.0 if first is None else first - arrival,
+            decode_s=0.0 if first is None else now - first,
+        )

@@ -1,0 +1,63 @@
+"""Process-level setup both worker kinds share: threads, node id, padding, warm-up choice."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+PADDING = ("auto", True, False)
+WARMUP_MODES = ("auto", "all", "smallest", "none")
+T = TypeVar("T")
+
+
+def check_worker_options(where: str, padding: Any, warmup: Any, threads: Any) -> None:
+    if padding not in PADDING or (isinstance(padding, int) and not isinstance(padding, bool)):
+        raise ValueError(
+            f"{where}.pad_to_shape_buckets must be 'auto', true or false; got {padding!r}"
+        )
+    if warmup not in WARMUP_MODES:
+        raise ValueError(f"{where}.warmup must be one of {WARMUP_MODES}; got {warmup!r}")
+    bad_int = isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    if threads is not None and bad_int:
+        raise ValueError(f"{where}.torch_threads must be None or an integer >= 1; got {threads!r}")
+
+
+def resolve_padding(setting: str | bool, device_type: str) -> bool:
+    """`auto`: pad where fixed-shape graphs exist (hpu, cuda); the CPU runner is varlen."""
+    return device_type != "cpu" if setting == "auto" else bool(setting)
+
+
+def warmup_selection(mode: str, padding: bool, shapes: Sequence[T]) -> list[T]:
+    """The shapes to warm: `auto` is all of them when padding, else only the smallest (with
+    no padding the served shapes are not the buckets, so warming them all buys nothing)."""
+    if mode == "none" or not shapes:
+        return []
+    if mode == "all" or (mode == "auto" and padding):
+        return list(shapes)
+    return [shapes[0]]
+
+
+def apply_torch_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def node_id() -> str:
+    """The Ray node this process runs on, or `local` outside Ray."""
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return "local"
+    if not ray.is_initialized():
+        return "local"
+    return ray.get_runtime_context().get_node_id()
+
+
+def new_boot_id() -> str:
+    """Tells a restarted worker from its previous life (leases do not survive a restart)."""
+    return uuid.uuid4().hex[:8]

@@ -1,0 +1,111 @@
+"""One admitted request's token stream, with its bookkeeping done exactly once at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from gateway.errors import BucketServeError, InternalError, from_backend
+from runtime.request import ServeRequest, StreamDelta
+
+if TYPE_CHECKING:
+    from gateway.tenant_spec import TenantSpec
+
+
+class Generation:
+    """`async for delta in generation`, and `await generation.close()` in a `finally`: when
+    the consumer stops before the final delta (client gone, deadline, shutdown) that aborts
+    the request in the backend, which frees its KV blocks at once. `on_done(self)` runs
+    once, however the stream ends; `final` is then the finished delta or None."""
+
+    def __init__(
+        self,
+        request: ServeRequest,
+        tenant: TenantSpec,
+        stream: AsyncIterator[StreamDelta],
+        abort: Callable[[str], Awaitable[bool]],
+        on_done: Callable[[Generation], None],
+    ) -> None:
+        self.request = request
+        self.tenant = tenant
+        self.final: StreamDelta | None = None
+        self.cancel_reason: str | None = None  # set when the server aborts it (shutdown)
+        self.first_token_time: float | None = None
+        self.token_gaps: list[float] = []  # seconds between consecutive output tokens
+        self.token_ids: list[int] = []  # everything streamed so far
+        self.text = ""
+        self._stream = stream
+        self._abort = abort
+        self._on_done = on_done
+        self._last_time = request.arrival_time
+        self._done = False
+        self._deltas = self._iterate()
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.final.num_output_tokens if self.final is not None else len(self.token_ids)
+
+    def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        return self._deltas
+
+    async def close(self) -> None:
+        """End the stream wherever it is; idempotent."""
+        await self._deltas.aclose()
+        await self._finish()
+
+    async def _iterate(self) -> AsyncGenerator[StreamDelta, None]:
+        try:
+            async for delta in _mapped(self._stream):
+                self._observe(delta)
+                if delta.finished:
+                    self.final = delta
+                yield delta
+                if delta.finished:
+                    return
+            raise InternalError(f"request {self.request_id} ended without a final message")
+        finally:
+            await self._finish()
+
+    async def _finish(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            if self.final is None:
+                await asyncio.shield(self._abort(self.request_id))
+            aclose = getattr(self._stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        finally:
+            self._on_done(self)
+
+    def _observe(self, delta: StreamDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        n = len(delta.token_ids)
+        if not n:
+            return
+        now = time.monotonic()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        else:
+            self.token_gaps.extend([(now - self._last_time) / n] * n)
+        self._last_time = now
+
+
+async def _mapped(stream: AsyncIterator[StreamDelta]) -> AsyncIterator[StreamDelta]:
+    """The backend's stream with its admission errors (raised by a lazy first step) mapped
+    to the gateway's, so the front ends see one kind of error."""
+    try:
+        async for delta in stream:
+            yield delta
+    except BucketServeError:
+        raise
+    except Exception as exc:
+        raise from_backend(exc) from exc

@@ -1,0 +1,124 @@
+"""The `bucketserve.v1.Generation` service over the shared admission path."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
+
+from gateway.admission import Admission
+from gateway.errors import (
+    BucketServeError,
+    DeadlineExceededError,
+    InternalError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
+from gateway.generation import Generation
+from gateway.proto.bucketserve.v1 import serving_pb2 as pb
+from gateway.proto.bucketserve.v1 import serving_pb2_grpc as pb_grpc
+from gateway.proto_codec import delta_to_response, request_to_input, unknown_fields
+from gateway.tenant_registry import parse_bearer
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, admission: Admission, model_name: str) -> None:
+        self.admission = admission
+        self.model_name = model_name
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> None:
+        gen = await _guard(context, lambda: self._admit(request, context))
+        try:
+            await _guard(context, lambda: self._run(gen, request.stream, context))
+        finally:
+            await gen.close()
+
+    async def _run(self, gen: Generation, stream: bool, context: Any) -> None:
+        try:
+            await asyncio.wait_for(self._stream(gen, stream, context), context.time_remaining())
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(
+                f"the deadline passed after {gen.num_output_tokens} tokens and the request "
+                "was aborted; raise the client's timeout or lower max_tokens"
+            ) from None
+
+    async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
+        async def abort() -> pb.AbortResponse:
+            _check_known(request)
+            if not request.request_id:
+                raise InvalidArgumentError("request_id is empty; name the request to abort")
+            tenant = self.admission.tenant(_api_key(context))
+            return pb.AbortResponse(aborted=await self.admission.abort(request.request_id, tenant))
+
+        return await _guard(context, abort)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> pb.ModelInfo:
+        async def info() -> pb.ModelInfo:
+            _check_known(request)
+            tenant = self.admission.tenant(_api_key(context))
+            return pb.ModelInfo(
+                model=self.model_name,
+                max_model_len=self.admission.max_model_len,
+                block_size=self.admission.model.block_size,
+                vocab_size=self.admission.vocab_size,
+                tenant=tenant.name,
+            )
+
+        return await _guard(context, info)
+
+    async def _admit(self, request: pb.GenerateRequest, context: Any) -> Generation:
+        _check_known(request)
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            raise DeadlineExceededError("the deadline passed before the request was admitted")
+        return self.admission.admit(request_to_input(request), _api_key(context))
+
+    async def _stream(self, gen: Generation, stream: bool, context: Any) -> None:
+        whole = pb.GenerateResponse(request_id=gen.request_id)
+        async for delta in gen:
+            response = delta_to_response(delta, gen.cancel_reason)
+            if stream:
+                await context.write(response)
+                continue
+            whole.token_ids.extend(response.token_ids)
+            whole.text += response.text
+            if response.HasField("final"):
+                whole.final.CopyFrom(response.final)
+                await context.write(whole)
+
+
+def _api_key(context: Any) -> str | None:
+    metadata = dict(context.invocation_metadata() or ())
+    return parse_bearer(metadata.get("authorization"))
+
+
+def _check_known(request: Any) -> None:
+    unknown = unknown_fields(request)
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown fields {unknown}: this server speaks bucketserve.v1 and does not know "
+            "them; remove them or upgrade the server"
+        )
+
+
+async def _guard(context: Any, call: Callable[[], Awaitable[T]]) -> T:
+    """`await call()`, ending the RPC with the matching status if it raises."""
+    try:
+        return await call()
+    except BucketServeError as exc:
+        error = exc
+    except Exception:
+        logger.exception("bug while handling an RPC")
+        error = InternalError("the server hit a bug; see its log")
+    await _fail(context, error)
+
+
+async def _fail(context: Any, error: BucketServeError) -> NoReturn:
+    trailing: tuple[tuple[str, str], ...] = ()
+    if isinstance(error, ResourceExhaustedError):
+        trailing = (("retry-after", f"{error.retry_after_s:g}"),)
+    await context.abort(error.code, error.message, trailing_metadata=trailing)

@@ -1,0 +1,105 @@
+"""The HTTP port: OpenAI-compatible API, `/metrics` (Prometheus) and `/health`."""
+
+from __future__ import annotations
+
+import logging
+import math
+import ssl
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from gateway.admission import Admission
+from gateway.errors import (
+    BucketServeError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from gateway.gateway_config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.openai_api import OpenAIApi
+from gateway.openai_format import error_body
+
+logger = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class HttpServer:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        admission: Admission,
+        metrics: GatewayMetrics,
+        model_name: str,
+    ) -> None:
+        self.config = config
+        self.admission = admission
+        self.metrics = metrics
+        self.app = web.Application(
+            middlewares=[_openai_errors], client_max_size=config.max_message_bytes
+        )
+        self.app.add_routes(OpenAIApi(admission, model_name).routes())
+        self.app.add_routes([web.get("/metrics", self.scrape), web.get("/health", self.health)])
+        # a client that disconnects cancels its handler, which aborts its request
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        await self.runner.setup()
+        site = web.TCPSite(
+            self.runner, self.config.host, self.config.http_port, ssl_context=self._ssl()
+        )
+        await site.start()
+        self.port = int(self.runner.addresses[0][1])
+        return self.port
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+    async def scrape(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.admission.draining else 200)
+
+    def _ssl(self) -> ssl.SSLContext | None:
+        if not self.config.tls:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(str(self.config.tls_cert_file), str(self.config.tls_key_file))
+        return context
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure as OpenAI's error JSON with the matching status (and Retry-After)."""
+    try:
+        return await handler(request)
+    except BucketServeError as exc:
+        error = exc
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = _http_error(exc, request)
+    except ConnectionResetError:
+        raise
+    except Exception:
+        logger.exception("bug while handling %s %s", request.method, request.path)
+        error = InternalError("the server hit a bug; see its log")
+    headers = {}
+    if isinstance(error, ResourceExhaustedError):
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
+    return web.json_response(error_body(error), status=error.http_status, headers=headers)
+
+
+def _http_error(exc: web.HTTPException, request: web.Request) -> BucketServeError:
+    if exc.status == 404:
+        return NotFoundError(f"no route {request.path}; see /v1/models, /v1/completions, ...")
+    error = InvalidArgumentError(f"{request.method} {request.path}: {exc.reason}")
+    error.http_status = exc.status
+    return error

@@ -1,0 +1,1 @@
+"""The serving API's .proto files and their generated stubs (see `regenerate.py`)."""

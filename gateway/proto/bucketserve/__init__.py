@@ -1,0 +1,1 @@
+"""Package `bucketserve.v1` of the serving API."""

@@ -1,0 +1,1 @@
+"""Generated stubs of `bucketserve.v1`; do not edit, regenerate."""

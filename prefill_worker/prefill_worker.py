@@ -1,0 +1,262 @@
+"""The prefill worker: runs whole prefill batches FCFS and ships their KV to a decode lease."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from deploy.kv_worker import KVWorker
+from deploy.worker_messages import HandoffRequest, TokenDelta, WorkerStats
+from kv_transfer.lease import Lease, LeaseError, LeaseTable
+from kv_transfer.transport import KVSender, KVTransport
+from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.prefill_task import PrefillResult, PrefillTask
+from runtime.block_manager import BlockManager
+from runtime.detokenizer import Detokenizer
+from runtime.scheduler import finish_reason
+from runtime.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillCapacityError(RuntimeError):
+    """The prefill pool cannot hold the batch now (handoffs not acknowledged yet); retry later."""
+
+
+class PrefillWorker(KVWorker):
+    """Owns a ModelRunner and its own BlockManager; one batch at a time, in arrival order.
+
+    A batch's blocks are allocated, the padded forward runs, and as each layer's
+    K/V is written the layer chunk of all its sequences goes out through the
+    transport to the decode worker's leased blocks. The first tokens are
+    sampled; the blocks stay held under a lease until `release` (the decode
+    side acknowledged) or until the lease expires, then are freed.
+    """
+
+    role = "prefill"
+
+    def __init__(
+        self, config: PrefillWorkerConfig | None = None, transport: KVTransport | None = None
+    ) -> None:
+        self.config = config = config or PrefillWorkerConfig()
+        super().__init__(
+            config.name,
+            config.runner,
+            config.shape_buckets,
+            config.pad_to_shape_buckets,
+            config.transport,
+            transport,
+            config.torch_threads,
+        )
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size)
+        self.eos_token_ids = self.runner.eos_token_ids
+        self.leases = LeaseTable(f"{self.name}.{self.boot_id}", self._free_lease)
+        self._held: dict[str, tuple[list[Sequence], KVSender]] = {}
+        self._lock = threading.Lock()  # block manager + leases
+        self._run_lock = threading.Lock()  # one batch at a time
+        self._batches = 0
+        self._graph_misses = 0
+        self._kv_bytes = 0
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name=f"{self.name}-leases", daemon=True)
+        self._reaper.start()
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def warmup(self) -> dict:
+        """Every prompt shape once (when padding; see PrefillWorkerConfig.warmup)."""
+        return self._warmup("prompt", self.config.warmup, self.shapes.prompt, self.runner_shape)
+
+    def runner_shape(self, bucket: tuple[int, int, int]) -> tuple[int, int, int]:
+        """A prompt bucket (batch, query, context blocks) as the runner's (batch, query,
+        block-table width): the query's own blocks come on top of the context."""
+        bs, query, ctx = bucket
+        return (bs, query, ctx + self.block_manager.blocks_needed(query))
+
+    # -- serving -----------------------------------------------------------------------------
+
+    def run_batch(self, task: PrefillTask) -> PrefillResult:
+        """Prefill `task`'s sequences; their KV goes to `task.target`, their first tokens back.
+        Raises ValueError for a malformed task and PrefillCapacityError when the pool is
+        full, in both cases changing nothing."""
+        seqs = self._sequences(task)
+        with self._run_lock:
+            with self._lock:
+                self._allocate(seqs)
+            try:
+                result = self._run(task, seqs)
+            except BaseException:
+                with self._lock:
+                    for seq in seqs:
+                        self.block_manager.free(seq)
+                raise
+        return result
+
+    def release(self, lease_id: str) -> bool:
+        """The decode side has the batch: free its blocks. False if the lease already ended."""
+        with self._lock:
+            try:
+                lease = self.leases.close(lease_id)
+            except LeaseError as exc:
+                logger.info("%s: release of %s: %s", self.name, lease_id, exc)
+                return False
+            self._free_lease(lease)
+        return True
+
+    def stats(self) -> WorkerStats:
+        with self._lock:
+            bm = self.block_manager
+            held = sum(len(seqs) for seqs, _ in self._held.values())
+            return WorkerStats(
+                name=self.name,
+                role=self.role,
+                node_id=self.node_id,
+                num_free_blocks=bm.num_free_blocks,
+                num_total_blocks=bm.num_total_blocks,
+                running=held,
+                graph_misses=self._graph_misses,
+                boot_id=self.boot_id,
+                leases_open=len(self.leases),
+                leases_expired=self.leases.counts.expired,
+                batches=self._batches,
+                kv_bytes_sent=self._kv_bytes,
+            )
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self.leases.release_all()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _sequences(self, task: PrefillTask) -> list[Sequence]:
+        if not isinstance(task, PrefillTask) or not task.requests:
+            raise ValueError("run_batch takes a PrefillTask with at least one request")
+        if list(task.target.request_ids) != [r.request_id for r in task.requests]:
+            raise ValueError(f"batch {task.batch_id}: the KV handle names other requests")
+        seqs = []
+        for request, blocks in zip(task.requests, task.target.block_ids, strict=True):
+            seq = _sequence(request)
+            need = self.block_manager.blocks_needed(len(seq))
+            if len(blocks) != need:
+                raise ValueError(
+                    f"request {request.request_id}: {len(seq)} tokens need {need} decode blocks, "
+                    f"the lease holds {len(blocks)}"
+                )
+            seqs.append(seq)
+        return seqs
+
+    def _allocate(self, seqs: list[Sequence]) -> None:
+        bm = self.block_manager
+        need = sum(bm.blocks_needed(len(s)) for s in seqs)
+        if need > bm.num_free_blocks:
+            raise PrefillCapacityError(
+                f"{self.name}: batch needs {need} KV blocks, {bm.num_free_blocks} of "
+                f"{bm.num_total_blocks} are free ({len(self.leases)} handoffs unacknowledged)"
+            )
+        for seq in seqs:
+            bm.allocate(seq)
+
+    def _run(self, task: PrefillTask, seqs: list[Sequence]) -> PrefillResult:
+        if self.transport is None:
+            raise RuntimeError(f"{self.name}: no KV transport set ({self.config.transport!r})")
+        sender = self.transport.sender(task.target, self.kv_format)
+        src_blocks = [b for seq in seqs for b in seq.block_table]
+        send_s = [0.0]
+
+        def ship(layer: int) -> None:
+            start = time.perf_counter()
+            sender.send_layer(layer, self.runner.kv_cache.export_blocks(layer, src_blocks))
+            send_s[0] += time.perf_counter() - start
+
+        pad_to = self._pad_to(task, seqs)
+        start = time.perf_counter()
+        tokens = self.runner.execute(seqs, [len(s) for s in seqs], pad_to=pad_to, on_layer=ship)
+        compute_s = time.perf_counter() - start - send_s[0]
+        payload = sender.finish()
+        with self._lock:
+            lease = self.leases.open(
+                [s.seq_id for s in seqs], [s.block_table for s in seqs], self.config.lease_ttl_s
+            )
+            self._held[lease.lease_id] = (seqs, sender)
+            self._batches += 1
+            self._graph_misses += task.graph_miss
+            self._kv_bytes += sender.bytes_sent
+        first = [
+            self._first_delta(seq, token, task.max_seq_len)
+            for seq, token in zip(seqs, tokens, strict=True)
+        ]
+        return PrefillResult(
+            batch_id=task.batch_id,
+            worker=self.name,
+            lease_id=lease.lease_id,
+            first=first,
+            payload=payload,
+            pad_to=pad_to,
+            compute_s=compute_s,
+            send_s=send_s[0],
+            kv_bytes=sender.bytes_sent,
+            stats=self.stats(),
+        )
+
+    def _pad_to(self, task: PrefillTask, seqs: list[Sequence]) -> tuple[int, int, int] | None:
+        if not self.padding or task.graph_miss:
+            return None
+        shape = self.runner_shape(task.shape)
+        if shape[0] < len(seqs) or shape[1] < max(len(s) for s in seqs):
+            raise ValueError(f"batch {task.batch_id} does not fit its shape bucket {task.shape}")
+        return shape
+
+    def _first_delta(self, seq: Sequence, token: int | None, max_seq_len: int) -> TokenDelta:
+        """The sampled token, the text it adds after any earlier outputs, and whether it
+        already ends the request (judged as the decode side would)."""
+        token = int(token)  # type: ignore[arg-type]  # the chunk always ends its sequence
+        detok = Detokenizer(self.tokenizer, seq.prompt_token_ids, seq.sampling_params.stop)
+        for earlier in seq.output_token_ids:
+            detok.push(earlier)
+        offset, text_offset = seq.num_output_tokens, len(detok.text)
+        text = detok.push(token)
+        seq.append_token(token)
+        seq.detokenizer = detok
+        reason = finish_reason(seq, token, self.eos_token_ids, max_seq_len)
+        if reason is not None:
+            text += detok.flush()
+        return TokenDelta(
+            seq.seq_id,
+            offset,
+            [token],
+            text_offset,
+            text,
+            finished=reason is not None,
+            finish_reason=None if reason is None else reason.value,
+        )
+
+    def _free_lease(self, lease: Lease) -> None:
+        seqs, sender = self._held.pop(lease.lease_id)
+        for seq in seqs:
+            self.block_manager.free(seq)
+        sender.close()
+
+    def _reap(self) -> None:
+        interval = min(0.25, self.config.lease_ttl_s / 4)
+        while not self._stop.wait(interval):
+            with self._lock:
+                expired = self.leases.expire()
+            for lease in expired:
+                logger.warning(
+                    "%s: handoff lease %s of %s expired unacknowledged; freed %d blocks",
+                    self.name,
+                    lease.lease_id,
+                    list(lease.request_ids),
+                    lease.num_blocks,
+                )
+
+
+def _sequence(request: HandoffRequest) -> Sequence:
+    return Sequence(
+        request.prompt_token_ids,
+        request.sampling_params,
+        seq_id=request.request_id,
+        output_token_ids=request.output_token_ids,
+    )
