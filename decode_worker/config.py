@@ -16,8 +16,9 @@ class DecodeWorkerConfig:
     `shape_buckets` holds the decode shapes `(batch, 1, blocks)` microbatches pad to.
 
     Reserved blocks whose KV is not admitted within `lease_ttl_s` are freed.
-    `admit_delay_s` holds every admission back that long first: a fault drill
-    for acknowledgements that come too late.
+    `admit_delay_s` holds admissions back that long first: a fault drill for
+    acknowledgements that come too late (the first `admit_delay_count` of
+    them; 0 means every one).
     """
 
     name: str = "decode-0"
@@ -29,6 +30,7 @@ class DecodeWorkerConfig:
     lease_ttl_s: float = 60.0
     torch_threads: int | None = None
     admit_delay_s: float = 0.0
+    admit_delay_count: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -37,6 +39,11 @@ class DecodeWorkerConfig:
             "DecodeWorkerConfig", self.pad_to_shape_buckets, self.warmup, self.torch_threads
         )
         check_transport(self.transport)
+        count = self.admit_delay_count
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(
+                f"DecodeWorkerConfig.admit_delay_count must be an integer >= 0, got {count!r}"
+            )
         for name, bound in (("lease_ttl_s", "> 0"), ("admit_delay_s", ">= 0")):
             value = getattr(self, name)
             number = isinstance(value, (int, float)) and not isinstance(value, bool)

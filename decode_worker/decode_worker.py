@@ -66,6 +66,7 @@ class DecodeWorker(KVWorker):
         self._steps = 0
         self._unbucketed_steps = 0
         self._failure: str | None = None
+        self._admissions = 0
         self._thread = threading.Thread(target=self._loop, name=f"{self.name}-loop", daemon=True)
         self._thread.start()
 
@@ -125,8 +126,7 @@ class DecodeWorker(KVWorker):
         every token generated so far, the prefill's sample last). Lease requests missing
         from `requests` were cancelled: their blocks are freed. Raises LeaseError when the
         lease expired or is unknown (a restarted worker), TransferError when KV is lost."""
-        if self.config.admit_delay_s:
-            time.sleep(self.config.admit_delay_s)
+        self._delay_admission()
         with self.engine.lock:
             self._check_alive()
             lease = self.leases.begin_receive(lease_id)
@@ -198,6 +198,7 @@ class DecodeWorker(KVWorker):
                 preemptions=sched.num_preemptions,
                 graph_misses=self.shapes.graph_misses + self._unbucketed_steps,
                 boot_id=self.boot_id,
+                transport=self.transport_name,
                 alive=self._failure is None,
                 leases_open=len(self.leases),
                 leases_expired=self.leases.counts.expired,
@@ -275,6 +276,15 @@ class DecodeWorker(KVWorker):
             else:
                 result.admitted.append(rid)
         return result
+
+    def _delay_admission(self) -> None:
+        """The fault drill of DecodeWorkerConfig.admit_delay_s."""
+        with self.engine.lock:
+            self._admissions += 1
+            n = self._admissions
+        count = self.config.admit_delay_count
+        if self.config.admit_delay_s and (count == 0 or n <= count):
+            time.sleep(self.config.admit_delay_s)
 
     def _release_lease(self, lease: Lease) -> None:
         self.block_manager.release(lease.flat_block_ids)

@@ -98,6 +98,7 @@ class Controller:
         self._wake: asyncio.Event | None = None
         self._state = "new"
         self._counts: Counter[str] = Counter()
+        self._transfer_s = 0.0
         self._reasons: Counter[str] = Counter()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -197,6 +198,7 @@ class Controller:
             requests_requeued=self._counts["requests_requeued"],
             kv_bytes_moved=self._counts["kv_bytes"],
             transfers=self._counts["transfers"],
+            transfer_s=self._transfer_s,
             worker_restarts=sum(h.restarts for h in self._handles),
             finish_reasons=dict(self._reasons),
         )
@@ -355,6 +357,7 @@ class Controller:
             prefill.stats = result.stats
         self._counts["kv_bytes"] += result.kv_bytes
         self._counts["transfers"] += 1
+        self._transfer_s += result.send_s
         for state, first in zip(states, result.first, strict=True):
             state.prefill_s += result.compute_s
             state.transfer_s += result.send_s
@@ -386,6 +389,7 @@ class Controller:
                 self._requeue(state, f"{decode.name} died after admitting it")
             return
         decode.stats = ack.stats
+        self._transfer_s += ack.receive_s
         for state in live:
             state.transfer_s += ack.receive_s
             if state.request_id in ack.rejected:

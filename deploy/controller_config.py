@@ -93,7 +93,8 @@ class ControllerConfig:
     max_batches_per_prefill: int = 2  # in flight at one prefill worker, so it never idles
     max_requeues: int = 3  # re-prefills of one request before it ends with an error
     stats_interval_s: float = 1.0
-    admit_delay_s: float = 0.0  # fault drill: every decode admission waits this long
+    admit_delay_s: float = 0.0  # fault drill: decode admissions wait this long
+    admit_delay_count: int = 0  # ... the first this many on each decode worker; 0: all
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES)
@@ -120,6 +121,7 @@ class ControllerConfig:
             raise ValueError(
                 f"ControllerConfig.admit_delay_s must be >= 0, got {self.admit_delay_s!r}"
             )
+        _positive_int("admit_delay_count", self.admit_delay_count, 0)
         check_worker_options("ControllerConfig", self.pad_to_shape_buckets, self.warmup, None)
 
     @property

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from bucket_manager.config import ShapeBucketConfig
 from bucket_manager.shape_buckets import ShapeBuckets
 from deploy.worker_env import (
+    accelerator_ids,
     apply_torch_threads,
     new_boot_id,
     node_id,
@@ -66,6 +67,10 @@ class KVWorker:
         self.rank = rank
         return rank
 
+    @property
+    def transport_name(self) -> str:
+        return "" if self.transport is None else self.transport.name
+
     def info(self) -> dict:
         return {
             "name": self.name,
@@ -73,6 +78,7 @@ class KVWorker:
             "boot_id": self.boot_id,
             "node_id": self.node_id,
             "device": str(self.runner.device),
+            "accelerator_ids": accelerator_ids(),
             "kv_format": self.kv_format,
             "num_kv_blocks": self.runner.num_kv_blocks,
             "max_model_len": self.runner.max_model_len,

@@ -97,6 +97,7 @@ class Launcher:
             lease_ttl_s=c.lease_ttl_s,
             torch_threads=c.torch_threads("decode"),
             admit_delay_s=c.admit_delay_s,
+            admit_delay_count=c.admit_delay_count,
         )
 
     def _worker_transport(self) -> str:

@@ -22,6 +22,7 @@ class ServiceStats:
     requests_requeued: int = 0
     kv_bytes_moved: int = 0
     transfers: int = 0
+    transfer_s: float = 0.0  # KV send + receive time, summed over transfers
     worker_restarts: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
 

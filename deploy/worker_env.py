@@ -58,6 +58,18 @@ def node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def accelerator_ids() -> dict[str, list[str]]:
+    """The accelerator ids (GPU, HPU, ...) Ray assigned this actor; empty outside Ray."""
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return {}
+    if not ray.is_initialized():
+        return {}
+    ids = ray.get_runtime_context().get_accelerator_ids()
+    return {kind: list(v) for kind, v in ids.items() if v}
+
+
 def new_boot_id() -> str:
     """Tells a restarted worker from its previous life (leases do not survive a restart)."""
     return uuid.uuid4().hex[:8]

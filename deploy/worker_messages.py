@@ -63,6 +63,7 @@ class WorkerStats:
     reserved_blocks: int = 0
     batches: int = 0  # prefill batches run, or decode steps taken
     kv_bytes_sent: int = 0
+    transport: str = ""  # the KV transport in use
 
 
 @dataclass

@@ -40,8 +40,9 @@ class RayObjectStoreTransport(KVTransport):
                 f"{handle.format.num_layers} layers were sent"
             )
         dtype = getattr(torch, payload.dtype)
-        for layer, ref in enumerate(payload.refs):
-            sink(layer, from_wire(ray.get(ref), dtype))
+        arrays = ray.get(list(payload.refs))  # one round trip; the prefill has sent them all
+        for layer, array in enumerate(arrays):
+            sink(layer, from_wire(array, dtype))
 
 
 class _RaySender(KVSender):

@@ -117,6 +117,7 @@ class PrefillWorker(KVWorker):
                 running=held,
                 graph_misses=self._graph_misses,
                 boot_id=self.boot_id,
+                transport=self.transport_name,
                 leases_open=len(self.leases),
                 leases_expired=self.leases.counts.expired,
                 batches=self._batches,

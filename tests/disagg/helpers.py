@@ -1,0 +1,107 @@
+"""What the disaggregated tests share: a mixed-length greedy workload, its in-process reference,
+and a driver that pushes it through a Controller and checks the pools drained."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+from pathlib import Path
+from typing import Any
+
+from runtime.request import ServeRequest, StreamDelta
+from runtime.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+NUM_KV_BLOCKS = 256
+NUM_REQUESTS = 16
+
+
+def mixed_workload(n: int = NUM_REQUESTS, seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
+    """`n` prompts of 3..60 random tokens, each with its own greedy max_tokens (6..24)."""
+    rng = random.Random(seed)
+    work = []
+    for i in range(n):
+        length = 3 + (i * 37) % 58  # spread over every request bucket, not sorted
+        prompt = [rng.randrange(3, 49152) for _ in range(length)]
+        work.append((prompt, SamplingParams(temperature=0, max_tokens=6 + (i * 7) % 19)))
+    return work
+
+
+def reference_outputs(model_dir: Path, work: list[tuple[list[int], SamplingParams]]) -> list:
+    """Token ids from the in-process engine (runtime.llm.LLM), the reference."""
+    from runtime.llm import LLM
+
+    llm = LLM(str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS)
+    outs = llm.generate([p for p, _ in work], [s for _, s in work], use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+def controller_config(model_dir: Path, **options: Any) -> Any:
+    from deploy.controller_config import ControllerConfig
+    from runtime.model_runner import ModelRunnerConfig
+
+    runner = ModelRunnerConfig(
+        model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS
+    )
+    return ControllerConfig(runner=runner, **{"stats_interval_s": 0.2, **options})
+
+
+async def collect(controller: Any, request: ServeRequest) -> list[StreamDelta]:
+    return await controller.submit(request).collect()
+
+
+async def generate(
+    controller: Any, work: list[tuple[list[int], SamplingParams]], tag: str
+) -> list[list[StreamDelta]]:
+    """Every request of `work` submitted at once; each one's deltas, in order."""
+    requests = [
+        ServeRequest(f"{tag}-{i}", list(prompt), params) for i, (prompt, params) in enumerate(work)
+    ]
+    return list(await asyncio.gather(*(collect(controller, r) for r in requests)))
+
+
+def tokens(streams: list[list[StreamDelta]]) -> list[list[int]]:
+    """The generated ids of each stream, after checking it ends in exactly one final delta."""
+    out = []
+    for deltas in streams:
+        assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished, deltas
+        assert deltas[-1].finish_reason in ("stop", "length"), deltas[-1]
+        out.append([t for d in deltas for t in d.token_ids])
+    return out
+
+
+def assert_drained(stats: Any) -> None:
+    """Every block free on every worker, no lease open, no request left."""
+    pools = {w.name: (w.num_free_blocks, w.num_total_blocks) for w in stats.workers}
+    assert all(free == total > 0 for free, total in pools.values()), pools
+    assert stats.leases_open == 0 and stats.running == 0 and stats.waiting == 0, stats
+
+
+def small_batches(max_num_seqs: int = 4) -> Any:
+    """Default buckets for the tiny model with prefill batches of at most `max_num_seqs`, so
+    the 16 requests spread over several batches (and workers)."""
+    from deploy.controller_config import default_buckets
+
+    buckets = default_buckets(512, BLOCK_SIZE, 64)
+    return dataclasses.replace(
+        buckets, batching=dataclasses.replace(buckets.batching, max_num_seqs=max_num_seqs)
+    )
+
+
+async def generate_signalling(controller: Any, work: list, first: asyncio.Event) -> list:
+    """Like `generate`, setting `first` once request 0 has streamed 4 tokens."""
+
+    async def watched(request: ServeRequest) -> list:
+        out, seen = [], 0
+        async for delta in controller.submit(request):
+            out.append(delta)
+            seen += len(delta.token_ids)
+            if seen >= 4:
+                first.set()
+        return out
+
+    requests = [ServeRequest(f"kill-{i}", list(p), s) for i, (p, s) in enumerate(work)]
+    return list(
+        await asyncio.gather(watched(requests[0]), *(collect(controller, r) for r in requests[1:]))
+    )

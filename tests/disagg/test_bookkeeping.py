@@ -1,0 +1,135 @@
+"""Leases, reservations and the choice of decode worker: the torch-free bookkeeping."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from deploy.worker_handle import LocalWorkerHandle
+from deploy.worker_messages import WorkerStats
+from kv_transfer.lease import LeaseError, LeaseState, LeaseTable
+from runtime.block_manager import BlockManager
+
+TORCH_FREE = (
+    "kv_transfer.lease",
+    "kv_transfer.kv_format",
+    "kv_transfer.transport",
+    "decode_worker.reservation",
+    "deploy.worker_messages",
+    "deploy.request_state",
+    "deploy.service_stats",
+)
+
+
+def test_bookkeeping_modules_import_without_torch() -> None:
+    code = f"import sys; import {', '.join(TORCH_FREE)}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+class Pool:
+    """A decode pool's bookkeeping as DecodeWorker keeps it: reserved blocks under leases."""
+
+    def __init__(self, num_blocks: int = 16) -> None:
+        self.blocks = BlockManager(num_blocks, 4)
+        self.freed: list[str] = []
+        self.leases = LeaseTable("decode-0.boot", self._free)
+
+    def _free(self, lease) -> None:
+        self.freed.append(lease.lease_id)
+        self.blocks.release(lease.flat_block_ids)
+
+    def reserve(self, counts: list[int], ttl: float, now: float):
+        flat = self.blocks.reserve(sum(counts))
+        split, at = [], 0
+        for n in counts:
+            split.append(flat[at : at + n])
+            at += n
+        return self.leases.open([f"r{i}" for i in range(len(counts))], split, ttl, now=now)
+
+
+def test_an_expired_reservation_gives_every_block_back_once() -> None:
+    pool = Pool()
+    lease = pool.reserve([3, 2], ttl=1.0, now=100.0)
+    assert lease.lease_id == "decode-0.boot-0" and lease.num_blocks == 5
+    assert pool.blocks.num_free_blocks == 11 and pool.blocks.num_reserved_blocks == 5
+    assert pool.leases.next_deadline() == 101.0
+    assert pool.leases.expire(now=100.9) == []
+    assert [x.lease_id for x in pool.leases.expire(now=101.0)] == [lease.lease_id]
+    assert pool.blocks.num_free_blocks == 16 and pool.blocks.num_reserved_blocks == 0
+    assert lease.state == LeaseState.EXPIRED and pool.leases.counts.expired == 1
+    with pytest.raises(LeaseError, match="has already expired"):
+        pool.leases.release(lease.lease_id)
+    with pytest.raises(LeaseError, match="has already expired"):
+        pool.leases.close(lease.lease_id)
+    assert pool.freed == [lease.lease_id] and pool.blocks.num_free_blocks == 16
+
+
+def test_a_lease_being_written_does_not_expire_until_the_writer_is_done() -> None:
+    pool = Pool()
+    lease = pool.reserve([4], ttl=1.0, now=0.0)
+    pool.leases.begin_receive(lease.lease_id)
+    assert pool.leases.expire(now=50.0) == [] and pool.blocks.num_free_blocks == 12
+    pool.leases.end_receive(lease.lease_id)
+    assert pool.leases.expire(now=50.0) == [lease]
+    assert pool.blocks.num_free_blocks == 16
+
+
+def test_an_acknowledged_lease_keeps_its_blocks_and_a_released_one_frees_them() -> None:
+    pool = Pool()
+    kept = pool.reserve([2], ttl=5.0, now=0.0)
+    given_back = pool.reserve([3], ttl=5.0, now=0.0)
+    pool.leases.close(kept.lease_id)  # the blocks went on to their sequence
+    pool.leases.release(given_back.lease_id)
+    assert pool.freed == [given_back.lease_id]
+    assert pool.blocks.num_free_blocks == 14 and len(pool.leases) == 0
+    assert pool.leases.expire(now=1e9) == []
+    counts = pool.leases.counts
+    assert (counts.opened, counts.closed, counts.released, counts.expired) == (2, 1, 1, 0)
+    with pytest.raises(LeaseError, match="already been acknowledged"):
+        pool.leases.release(kept.lease_id)
+    with pytest.raises(LeaseError, match=r"unknown lease 'decode-9\.x-0'"):
+        pool.leases.get("decode-9.x-0")
+
+
+def test_release_all_frees_every_live_lease() -> None:
+    pool = Pool()
+    for _ in range(3):
+        pool.reserve([2], ttl=5.0, now=0.0)
+    assert len(pool.leases.release_all()) == 3
+    assert pool.blocks.num_free_blocks == 16 and len(pool.leases) == 0
+
+
+@pytest.mark.parametrize(
+    ("ttl", "block_ids", "match"),
+    [(0, [[1]], "ttl_s must be a positive"), (True, [[1]], "ttl_s"), (1.0, [], "one block list")],
+)
+def test_a_bad_lease_is_refused_and_nothing_is_opened(ttl, block_ids, match) -> None:
+    table = LeaseTable("p", lambda lease: None)
+    with pytest.raises(ValueError, match=match):
+        table.open(["r0"], block_ids, ttl)
+    assert len(table) == 0 and table.counts.opened == 0
+
+
+def decode_handle(name: str, free: int, running: int, pending: int = 0) -> LocalWorkerHandle:
+    handle = LocalWorkerHandle(name, "decode", factory=lambda: None, threads=1)
+    handle.stats = WorkerStats(name, "decode", "n", free, 64, running=running)
+    handle.pending_blocks = pending
+    return handle
+
+
+def test_the_reservation_goes_to_the_decode_worker_with_most_room_then_least_load() -> None:
+    from deploy.controller import _decode_room
+
+    handles = [
+        decode_handle("busy", 40, running=9),
+        decode_handle("idle", 40, running=1),
+        decode_handle("small", 30, running=0),
+        decode_handle("promised", 60, running=0, pending=25),  # blocks being reserved
+    ]
+    assert max(handles, key=_decode_room).name == "idle"
+    handles[1].stats.num_free_blocks = 39
+    assert max(handles, key=_decode_room).name == "busy"
+    assert handles[3].free_blocks == 35

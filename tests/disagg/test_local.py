@@ -1,0 +1,149 @@
+"""The disaggregated pipeline with every worker in this process (in-process KV transport)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deploy.controller import Controller
+from tests.disagg.helpers import (
+    BLOCK_SIZE,
+    assert_drained,
+    controller_config,
+    generate,
+    generate_signalling,
+    small_batches,
+    tokens,
+)
+
+
+async def started(model_dir: Path, **options: Any) -> Controller:
+    controller = Controller(controller_config(model_dir, mode="local", **options))
+    await controller.start()
+    return controller
+
+
+@pytest.mark.parametrize(("num_prefill", "num_decode"), [(1, 1), (2, 2)])
+def test_matches_the_in_process_engine(
+    tiny_model_dir: Path, work: list, reference: list, num_prefill: int, num_decode: int
+) -> None:
+    async def main() -> None:
+        controller = await started(
+            tiny_model_dir, num_prefill=num_prefill, num_decode=num_decode,
+            buckets=small_batches(),
+        )
+        try:
+            assert tokens(await generate(controller, work, "local")) == reference
+            stats = await controller.drain(30)
+        finally:
+            await controller.shutdown()
+        assert_drained(stats)
+        assert all(w.batches > 0 and w.transport == "inprocess" for w in stats.workers)
+        assert stats.transfers >= 4 and stats.requests_requeued == 0
+        assert sum(stats.finish_reasons.values()) == len(work)
+
+    asyncio.run(main())
+
+
+def test_padded_to_warmed_shape_buckets_matches_the_engine(
+    tiny_model_dir: Path, work: list, reference: list, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Prefill batches padded to prompt shapes, decode batches to decode shapes, every shape
+    warmed (and logged) at start: same tokens, no graph miss."""
+    caplog.set_level(logging.INFO, logger="deploy.kv_worker")
+
+    async def main() -> None:
+        controller = await started(tiny_model_dir, pad_to_shape_buckets=True, warmup="auto")
+        try:
+            infos = controller.launcher.infos
+            assert tokens(await generate(controller, work, "padded")) == reference
+            stats = await controller.drain(30)
+        finally:
+            await controller.shutdown()
+        assert_drained(stats)
+        assert all(w.graph_misses == 0 for w in stats.workers)
+        buckets = controller.buckets.config.shape_buckets
+        prompt = infos["prefill-0"]
+        assert prompt["padding"] and prompt["seconds"] > 0
+        assert len(prompt["shapes"]) == 5 * 8  # batch 1..16 x query 4..512, all warmed
+        assert len(infos["decode-0"]["shapes"]) == 7 * 8  # batch 1..64 x blocks 1..128
+        assert buckets.block_size == BLOCK_SIZE
+
+    asyncio.run(main())
+    text = caplog.text
+    assert "prefill-0: warmed 40 of 40 prompt shapes" in text
+    assert "decode-0: warmed 56 of 56 decode shapes" in text
+
+
+def test_expired_lease_frees_the_prefill_blocks_and_the_request_completes(
+    tiny_model_dir: Path, work: list, reference: list
+) -> None:
+    """The decode side acknowledges the first handoff only after both leases ran out."""
+
+    async def main() -> None:
+        controller = await started(
+            tiny_model_dir, lease_ttl_s=0.5, admit_delay_s=2.0, admit_delay_count=1
+        )
+        try:
+            run = asyncio.ensure_future(generate(controller, work, "lease"))
+            prefill = await _expired(controller, "prefill-0")
+            # the admission is still held back, yet the prefill pool is whole again
+            assert not run.done()
+            assert prefill.num_free_blocks == prefill.num_total_blocks
+            assert prefill.leases_open == 0
+            assert tokens(await run) == reference
+            stats = await controller.drain(30)
+        finally:
+            await controller.shutdown()
+        assert_drained(stats)
+        assert stats.worker("decode-0").leases_expired >= 1
+        assert stats.requests_requeued >= 1
+
+    asyncio.run(main())
+
+
+async def _expired(controller: Controller, name: str) -> Any:
+    for _ in range(200):
+        await controller.refresh_stats()
+        stats = controller.stats().worker(name)
+        if stats.leases_expired:
+            return stats
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no lease of {name} expired")
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_worker_killed_mid_request_is_restarted_and_nothing_is_lost(
+    tiny_model_dir: Path, long_work: list, long_reference: list, role: str
+) -> None:
+    """Prefill killed while it holds a batch: the batch is retried. Decode killed mid
+    generation: its requests are re-prefilled with what they streamed and complete."""
+
+    async def main() -> None:
+        controller = await started(tiny_model_dir, buckets=small_batches())
+        try:
+            first = asyncio.Event()
+            run = asyncio.ensure_future(generate_signalling(controller, long_work, first))
+            if role == "prefill":
+                handle = controller._by_name("prefill-0")
+                for _ in range(10_000):  # until it holds a batch
+                    if handle.inflight:
+                        break
+                    await asyncio.sleep(0.001)
+            else:
+                await first.wait()
+            await controller.kill_worker(f"{role}-0")
+            assert tokens(await run) == long_reference
+            stats = await controller.drain(30)
+        finally:
+            await controller.shutdown()
+        assert_drained(stats)
+        assert stats.worker(f"{role}-0").restarts == 1 and stats.worker_restarts == 1
+        if role == "decode":
+            assert stats.requests_requeued >= 1
+
+    asyncio.run(main())

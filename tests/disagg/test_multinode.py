@@ -1,0 +1,61 @@
+"""Prefill on one Ray node, decode on another (slow: a two-node `ray.cluster_utils.Cluster`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deploy.controller import Controller
+from deploy.controller_config import PlacementConfig
+from tests.disagg.helpers import assert_drained, controller_config, generate, tokens
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[str]:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {"prefill_node": 1}},
+    )
+    cluster.add_node(num_cpus=1, resources={"decode_node": 1})
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    cluster.wait_for_nodes()
+    yield cluster.address
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_kv_crosses_nodes_through_the_object_store(
+    two_nodes: str, tiny_model_dir: Path, work: list, reference: list
+) -> None:
+    def pinned(label: str) -> PlacementConfig:
+        return PlacementConfig(accelerator="none", resources={label: 1})
+
+    config = controller_config(
+        tiny_model_dir, mode="ray", ray_address=two_nodes,
+        prefill_placement=pinned("prefill_node"), decode_placement=pinned("decode_node"),
+    )
+
+    async def main() -> None:
+        controller = Controller(config)
+        await controller.start()
+        try:
+            assert tokens(await generate(controller, work, "nodes")) == reference
+            stats = await controller.drain(30)
+        finally:
+            await controller.shutdown()
+        assert_drained(stats)
+        prefill, decode = stats.worker("prefill-0"), stats.worker("decode-0")
+        assert prefill.node_id != decode.node_id
+        assert {prefill.transport, decode.transport} == {"ray"}
+        assert stats.kv_bytes_moved == prefill.kv_bytes_sent > 0
+
+    asyncio.run(main())

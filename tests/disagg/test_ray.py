@@ -1,0 +1,142 @@
+"""The disaggregated pipeline over Ray actors on one node (slow: one shared Ray session).
+
+The session fakes two Gaudi cards (`resources={"HPU": 2}`); tests that do not
+ask for them place every actor on CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deploy.controller import Controller
+from deploy.controller_config import PlacementConfig
+from tests.disagg.helpers import (
+    assert_drained,
+    controller_config,
+    generate,
+    generate_signalling,
+    small_batches,
+    tokens,
+)
+
+pytestmark = pytest.mark.slow
+CPU = PlacementConfig(accelerator="none")
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[None]:
+    import ray
+
+    ray.shutdown()
+    ray.init(
+        num_cpus=4, resources={"HPU": 2}, include_dashboard=False, log_to_driver=False,
+        configure_logging=False,
+    )
+    yield
+    ray.shutdown()
+
+
+def ray_config(model_dir: Path, **options: Any) -> Any:
+    placement = {"prefill_placement": CPU, "decode_placement": CPU}
+    return controller_config(model_dir, mode="ray", **{**placement, **options})
+
+
+def test_object_store_1p1d_matches_the_engine_and_survives_a_decode_kill(
+    ray_session: None, tiny_model_dir: Path, work: list, reference: list,
+    long_work: list, long_reference: list,
+) -> None:
+    async def main() -> None:
+        controller = Controller(ray_config(tiny_model_dir, buckets=small_batches()))
+        await controller.start()
+        try:
+            assert tokens(await generate(controller, work, "ray")) == reference
+            stats = await controller.drain(30)
+            assert_drained(stats)
+            assert {w.transport for w in stats.workers} == {"ray"}
+            assert all(w.node_id not in ("", "local") for w in stats.workers)
+            assert stats.kv_bytes_moved > 0 and stats.transfers >= 4
+            old_boot = stats.worker("decode-0").boot_id
+
+            first = asyncio.Event()
+            run = asyncio.ensure_future(generate_signalling(controller, long_work, first))
+            await first.wait()
+            await controller.kill_worker("decode-0")  # a real crash: Ray restarts the actor
+            assert tokens(await run) == long_reference
+            stats = await controller.drain(60)
+        finally:
+            await controller.shutdown()
+        assert_drained(stats)
+        decode = stats.worker("decode-0")
+        assert decode.restarts == 1 and decode.boot_id != old_boot
+        assert stats.requests_requeued >= 1
+        assert sum(stats.finish_reasons.values()) == 2 * len(work)
+
+    asyncio.run(main())
+
+
+def test_2p2d_places_one_prefill_actor_per_hpu_card_and_matches_the_engine(
+    ray_session: None, tiny_model_dir: Path, work: list, reference: list
+) -> None:
+    async def main() -> None:
+        config = ray_config(
+            tiny_model_dir, num_prefill=2, num_decode=2, buckets=small_batches(),
+            prefill_placement=PlacementConfig(accelerator="auto"),
+        )
+        controller = Controller(config)
+        await controller.start()
+        try:
+            infos = controller.launcher.infos
+            assert tokens(await generate(controller, work, "hpu")) == reference
+            stats = await controller.drain(30)
+        finally:
+            await controller.shutdown()
+        assert_drained(stats)
+        cards = [infos[f"prefill-{i}"]["accelerator_ids"] for i in range(2)]
+        assert sorted(c["HPU"][0] for c in cards) == ["0", "1"] and all(
+            len(c["HPU"]) == 1 for c in cards
+        )
+        assert all("HPU" not in infos[f"decode-{i}"]["accelerator_ids"] for i in range(2))
+        assert all(w.batches > 0 and w.transport == "ray" for w in stats.workers)
+
+    asyncio.run(main())
+
+
+def test_a_third_hpu_prefill_actor_is_refused_with_a_clear_error(
+    ray_session: None, tiny_model_dir: Path
+) -> None:
+    config = ray_config(
+        tiny_model_dir, num_prefill=3, prefill_placement=PlacementConfig(accelerator="hpu")
+    )
+    controller = Controller(config)
+    options = controller.launcher.actor_options("prefill", config.prefill_placement)
+    assert options["resources"] == {"HPU": 1} and "num_gpus" not in options
+    # restartable, and the call that crashed an actor is not re-run by Ray behind our back
+    assert options["max_restarts"] == -1 and options["max_task_retries"] == 0
+    with pytest.raises(ValueError, match="HPU: 3 wanted, 2 in the cluster"):
+        asyncio.run(controller.start())
+
+
+def test_collective_transport_over_gloo_matches_the_engine(
+    ray_session: None, tiny_model_dir: Path, work: list, reference: list
+) -> None:
+    """torch.distributed point-to-point between two actor processes (gloo on CPU)."""
+
+    async def main() -> None:
+        controller = Controller(ray_config(tiny_model_dir, transport="collective",
+                                           buckets=small_batches()))
+        await controller.start()
+        try:
+            assert tokens(await generate(controller, work, "gloo")) == reference
+            stats = await controller.drain(30)
+        finally:
+            await controller.shutdown()
+        assert_drained(stats)
+        assert {w.transport for w in stats.workers} == {"collective"}
+        assert stats.transfers >= 4
+
+    asyncio.run(main())
