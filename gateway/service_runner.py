@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import signal
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bucket_manager.config import TenantConfig
-from gateway.gateway_config import GatewayConfig, known_keys
+from gateway.gateway_config import GatewayConfig
 from gateway.server import GatewayServer
 from gateway.tenant_registry import TenantRegistry
-
-SECTIONS = ("gateway", "tenants", "controller")
 
 
 class ServiceRunner:
@@ -32,23 +26,12 @@ class ServiceRunner:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServiceRunner:
-        """The config file's sections, then the flags over them; ValueError names what is
-        wrong."""
-        data = _read_config(args.config) if args.config else {}
-        gateway = dict(data.get("gateway") or {})
-        for key in ("grpc_port", "http_port", "host"):
-            if getattr(args, key) is not None:
-                gateway[key] = getattr(args, key)
-        tenants = TenantRegistry.from_dict(data.get("tenants"))
-        controller = dict(data.get("controller") or {})
-        if args.model:
-            controller["runner"] = {**(controller.get("runner") or {}), "model": args.model}
-        if args.ray_address:
-            controller["ray_address"] = args.ray_address
-        if args.local:
-            controller["mode"] = "local"
-        gateway_config = GatewayConfig.from_dict(gateway)
-        return cls(controller_config(controller, tenants), gateway_config, tenants)
+        """The service YAML (deploy/serve.yaml's schema), then the flags over it; a
+        ServeConfigError (a ValueError) names the file, the key path and what is allowed."""
+        from deploy.serve_config import ServeConfig
+
+        config = ServeConfig.load(args.config, flag_overrides(args))
+        return cls(config.controller_config(), config.gateway, config.tenants)
 
     def run(self) -> int:
         return asyncio.run(self.serve())
@@ -85,49 +68,30 @@ class ServiceRunner:
         return 0
 
 
-def controller_config(data: dict[str, Any], tenants: TenantRegistry) -> Any:
-    """A ControllerConfig from the `controller` mapping (nested mappings for runner,
-    scheduler, placements and buckets); the embedded default is 1 prefill + 1 decode Ray
-    actor on CPU with SmolLM2. The tenants become the bucket manager's."""
-    from bucket_manager.config import BucketManagerConfig
-    from deploy.controller_config import ControllerConfig, PlacementConfig
-    from runtime.model_runner import ModelRunnerConfig
-    from runtime.scheduler import SchedulerConfig
-
-    nested = {
-        "runner": ModelRunnerConfig,
-        "scheduler": SchedulerConfig,
-        "prefill_placement": PlacementConfig,
-        "decode_placement": PlacementConfig,
+def flag_overrides(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
+    """{config key path: (value, flag)} for the `serve` flags given."""
+    flags = {
+        "grpc_port": ("gateway.grpc_port", "--grpc-port"),
+        "http_port": ("gateway.http_port", "--http-port"),
+        "host": ("gateway.host", "--host"),
+        "model": ("model.path", "--model"),
+        "ray_address": ("controller.ray_address", "--ray-address"),
     }
-    kwargs = known_keys(ControllerConfig, data, "controller")
-    for key, cls in nested.items():
-        if isinstance(kwargs.get(key), dict):
-            kwargs[key] = cls(**known_keys(cls, kwargs[key], f"controller.{key}"))
-    buckets = kwargs.get("buckets")
-    if isinstance(buckets, dict):
-        kwargs["buckets"] = BucketManagerConfig.from_dict(buckets, "controller.buckets")
-    try:
-        config = ControllerConfig(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"controller: {exc}") from exc
-    return with_tenants(config, tenants.bucket_configs())
+    overrides = {
+        path: (getattr(args, name), flag)
+        for name, (path, flag) in flags.items()
+        if getattr(args, name) is not None
+    }
+    if args.local:
+        overrides["controller.mode"] = ("local", "--local")
+    return overrides
 
 
 def with_tenants(config: Any, tenants: Sequence[TenantConfig]) -> Any:
-    """`config` whose bucket manager serves these tenants' policies. Without bucket settings
-    these are the controller's defaults for the model (its derived request and shape
-    buckets), which need the model's length."""
-    from deploy.controller_config import default_buckets
-    from runtime.model_config import ModelConfig
-    from runtime.weights import resolve_model
+    """`config` whose bucket manager serves these tenants' policies (deploy.serve_config's)."""
+    from deploy.serve_config import with_tenants as serve_with_tenants
 
-    base = config.buckets
-    if base is None:
-        model = ModelConfig.from_dir(resolve_model(config.runner.model))
-        max_len = config.runner.max_model_len or model.max_position_embeddings
-        base = default_buckets(max_len, config.runner.block_size, config.scheduler.max_num_seqs)
-    return dataclasses.replace(config, buckets=dataclasses.replace(base, tenants=tuple(tenants)))
+    return serve_with_tenants(config, tenants)
 
 
 def banner(server: GatewayServer) -> str:
@@ -164,19 +128,3 @@ def banner(server: GatewayServer) -> str:
 
 def say(message: str) -> None:
     print(f"bucketserve serve: {message}", file=sys.stderr, flush=True)
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from exc
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path} is not valid YAML: {exc}") from exc
-    data = data or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must be a mapping with sections {list(SECTIONS)}")
-    unknown = sorted(set(data) - set(SECTIONS))
-    if unknown:
-        raise ValueError(f"{path}: unknown sections {unknown}; allowed: {list(SECTIONS)}")
-    return data

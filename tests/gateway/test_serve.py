@@ -23,10 +23,9 @@ def test_serve_prints_how_to_call_it_and_drains_on_sigint(
     config = {
         "gateway": {"grpc_port": 0, "http_port": 0, "drain_timeout_s": 0.5},
         "tenants": [{"name": "alice", "api_keys": ["alice-key"]}],
-        "controller": {
-            "mode": "local",
-            "runner": {"model": str(tiny_model_dir), "block_size": 4, "num_kv_blocks": 256},
-        },
+        "model": {"path": str(tiny_model_dir)},
+        "kv_cache": {"block_size": 4, "num_blocks": 256},
+        "controller": {"mode": "local"},
     }
     path, log = tmp_path / "service.yaml", tmp_path / "stderr.log"
     path.write_text(yaml.safe_dump(config))

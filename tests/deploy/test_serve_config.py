@@ -1,0 +1,209 @@
+"""The service YAML: typed configs out, and every bad value named by file and key path."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bucket_manager.policy import Policy, TenantClass
+from deploy.cli import run_check
+from deploy.serve_config import ServeConfig, ServeConfigError
+from deploy.serve_config_schema import FIELDS, TARGETS
+from gateway.service_runner import flag_overrides
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+EXAMPLES = sorted(p for p in DEPLOY.glob("serve*.yaml"))
+
+
+def write(tmp_path: Path, data: Any, name: str = "serve.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_every_shipped_example_passes_config_check(capsys: pytest.CaptureFixture[str]) -> None:
+    assert [p.name for p in EXAMPLES] == ["serve-gaudi.yaml", "serve.yaml"]
+    for path in EXAMPLES:
+        assert run_check(argparse.Namespace(file=path)) == 0, capsys.readouterr().err
+        assert f"{path}: valid" in capsys.readouterr().out
+
+
+def test_the_yaml_lands_in_the_typed_configs(tmp_path: Path, tiny_model_dir: Path) -> None:
+    data = {
+        "model": {"path": str(tiny_model_dir), "dtype": "float32", "max_model_len": 256},
+        "kv_cache": {"block_size": 8, "memory_fraction": 0.5, "num_blocks": 300},
+        "controller": {
+            "ray_address": "auto",
+            "prefill": {"num_workers": 2, "accelerator": "hpu", "resources": {"p": 1},
+                        "kv_blocks": 40},
+            "decode": {"num_workers": 3, "accelerator": "hpu", "max_num_seqs": 32,
+                       "pipeline_depth": 2},
+        },
+        "buckets": {"strategy": "linear", "theta": 0.7, "max_buckets": 8,
+                    "prompt": {"bs": [1, 1, 4], "query": [8, 8, 64]},
+                    "batching": {"safety_fraction": 0.8}},
+        "tenants": [{"name": "a", "api_keys": ["k"], "class": "offline", "policy": "ljf"}],
+        "gateway": {"grpc_port": 6000, "http_port": None},
+        "cluster": {"resources": {"HPU": 5}},
+    }
+    config = ServeConfig.load(write(tmp_path, data))
+    controller = config.controller_config()
+    runner = controller.runner
+    assert (runner.model, runner.dtype, runner.max_model_len) == (str(tiny_model_dir),
+                                                                 "float32", 256)
+    assert (runner.block_size, runner.kv_memory_fraction, runner.num_kv_blocks) == (8, 0.5, 300)
+    assert (controller.num_prefill, controller.num_decode, controller.prefill_kv_blocks) == (
+        2, 3, 40)
+    assert controller.prefill_placement.resources == {"p": 1}
+    assert controller.decode_placement.accelerator == "hpu"
+    assert (controller.scheduler.max_num_seqs, controller.pipeline_depth) == (32, 2)
+    assert (controller.mode, controller.ray_address) == ("ray", "auto")
+    buckets = controller.buckets
+    assert (buckets.request_buckets.theta, buckets.request_buckets.max_len) == (0.7, 256)
+    assert buckets.request_buckets.max_buckets == 8
+    assert buckets.batching.safety_fraction == 0.8
+    shapes = buckets.shape_buckets
+    assert (shapes.strategy, shapes.block_size, shapes.max_model_len) == ("linear", 8, 256)
+    assert shapes.prompt.query.as_list(with_limit=False) == [8, 8, 64]
+    assert shapes.decode.bs.max == 32  # not given: derived from max_num_seqs
+    (tenant,) = buckets.tenants
+    assert (tenant.name, tenant.tenant_class, tenant.policy) == ("a", TenantClass.OFFLINE,
+                                                                 Policy.LJF)
+    assert config.tenants.auth_required and config.tenants.authenticate("k").name == "a"
+    assert (config.gateway.grpc_port, config.gateway.http_port) == (6000, None)
+    assert config.actor_resources("prefill") == {"CPU": 1.0, "p": 1, "HPU": 1}
+
+
+def test_flags_override_the_file(tmp_path: Path, tiny_model_dir: Path) -> None:
+    path = write(tmp_path, {"controller": {"ray_address": "10.0.0.1:6379"},
+                            "gateway": {"grpc_port": 6000}})
+    args = argparse.Namespace(config=path, grpc_port=7000, http_port=None, host="0.0.0.0",
+                              model=str(tiny_model_dir), ray_address=None, local=True)
+    config = ServeConfig.load(path, flag_overrides(args))
+    assert (config.gateway.grpc_port, config.gateway.host) == (7000, "0.0.0.0")
+    assert config.controller.runner.model == str(tiny_model_dir)
+    assert (config.controller.mode, config.controller.ray_address) == ("local", None)
+    args.local, args.grpc_port = False, -5
+    with pytest.raises(ServeConfigError, match=r"^--grpc-port: gateway\.grpc_port: must be"):
+        ServeConfig.load(path, flag_overrides(args))
+
+
+def test_every_schema_key_feeds_a_real_field_of_its_config() -> None:
+    for path, (target, name) in FIELDS.items():
+        assert name in {f.name for f in dataclasses.fields(TARGETS[target])}, path
+
+
+def test_no_file_is_the_embedded_default() -> None:
+    config = ServeConfig.load(None)
+    assert config.controller.runner.model is None
+    assert (config.controller.num_prefill, config.controller.num_decode) == (1, 1)
+    assert not config.tenants.auth_required
+
+
+HPU_CLUSTER = {"cluster": {"resources": {"HPU": 4}}}
+BROKEN = [
+    ({"controller": {"prefill": {"num_workers": 0}}},
+     "controller.prefill.num_workers", "must be an integer >= 1, got 0"),
+    ({"controller": {"prefill": {"num_workers": "two"}}},
+     "controller.prefill.num_workers", "must be an integer, got a string 'two'"),
+    ({"controller": {"prefill": {"nm_workers": 1}}},
+     "controller.prefill.nm_workers", "did you mean 'num_workers'"),
+    ({"modle": {"path": None}}, "modle", "did you mean 'model'"),
+    ({"controller": "ray"}, "controller", "must be a mapping, got a string"),
+    ({"controller": {"mode": "k8s"}}, "controller.mode", "('ray', 'local')"),
+    ({"controller": {"mode": "local", "ray_address": "auto"}},
+     "controller.ray_address", "mode 'local' runs every worker in this process"),
+    ({"controller": {"decode": {"enable_chunked_prefill": "yes"}}},
+     "controller.decode.enable_chunked_prefill", "must be true or false"),
+    ({"controller": {"prefill": {"resources": {"HPU": "one"}}}},
+     "controller.prefill.resources", "a mapping of names to numbers"),
+    ({"controller": {"decode": {"num_workers": 3, "accelerator": "hpu"},
+                     "prefill": {"num_workers": 2, "accelerator": "hpu"}}, **HPU_CLUSTER},
+     "controller.decode.num_workers", "need 5 HPU but cluster.resources.HPU is 4"),
+    ({"controller": {"prefill": {"num_workers": 5}}, **HPU_CLUSTER},
+     "controller.prefill.num_workers", "at most 4 prefill workers"),
+    ({"model": {"device": "hpu"}, "controller": {"prefill": {"accelerator": "gpu"}}},
+     "controller.prefill.accelerator", "must be 'auto' or 'hpu'"),
+    ({"model": {"device": "tpu"}}, "model.device", "'cpu', 'cuda'"),
+    ({"model": {"dtype": "int4"}}, "model.dtype", "'bfloat16'"),
+    ({"model": {"max_model_len": 0}}, "model.max_model_len", ">= 1"),
+    ({"kv_cache": {"memory_fraction": 1.5}}, "kv_cache.memory_fraction", "(0, 1]"),
+    ({"kv_cache": {"memory_fraction": 0}}, "kv_cache.memory_fraction", "(0, 1]"),
+    ({"kv_cache": {"block_size": -16}}, "kv_cache.block_size", "positive integer"),
+    ({"gateway": {"grpc_port": -1}}, "gateway.grpc_port", ">= 0"),
+    ({"gateway": {"http_port": 70000}}, "gateway.http_port", "at most 65535"),
+    ({"gateway": {"http_port": 9000, "grpc_port": 9000}}, "gateway.http_port", "must differ"),
+    ({"gateway": {"tls_cert_file": "/nonexistent/cert.pem"}}, "gateway.tls_cert_file",
+     "go together"),
+    ({"buckets": {"strategy": "logarithmic"}}, "buckets.strategy", "'exponential', 'linear'"),
+    ({"buckets": {"strategy": "file"}}, "buckets.file", "required by the 'file' strategy"),
+    ({"buckets": {"theta": 0}}, "buckets.theta", "(0, 1]"),
+    ({"buckets": {"theta": 1.5}}, "buckets.theta", "[0.0, 1.0]"),
+    ({"buckets": {"max_len": 1}}, "buckets.max_len", ">= 2"),
+    ({"buckets": {"max_len": 512}, "model": {"max_model_len": 256}},
+     "buckets.max_len", "differs from model.max_model_len 256"),
+    ({"buckets": {"prompt": {"bs": [1, 2]}}}, "buckets.prompt.bs", "[min, step, max]"),
+    ({"buckets": {"decode": {"blocks": [1, 1, 64]}}}, "buckets.decode.blocks.limit",
+     "required by the exponential strategy"),
+    ({"buckets": {"batching": {"safety_fraction": 2}}}, "buckets.batching.safety_fraction",
+     "1.0]"),
+    ({"tenants": [{"name": "a", "api_keys": ["k"], "colour": "red"}]},
+     "tenants[0]", "unknown keys ['colour']"),
+    ({"tenants": [{"name": "a", "api_keys": ["k"], "policy": "sjf"}]},
+     "tenants", "online tenants are served by earliest arrival"),
+    ({"tenants": [{"name": "a"}, {"name": "b", "api_keys": ["k"]}]},
+     "tenants", "tenant 'a' has no api_keys"),
+    ({"cluster": {"resources": {"HPU": -1}}}, "cluster.resources.HPU", ">= 0"),
+]
+
+
+@pytest.mark.parametrize(("data", "key", "allowed"), BROKEN,
+                         ids=[f"{i}-{case[1]}" for i, case in enumerate(BROKEN)])
+def test_a_broken_config_names_the_file_and_the_key(
+    tmp_path: Path, data: dict[str, Any], key: str, allowed: str
+) -> None:
+    path = write(tmp_path, data)
+    with pytest.raises(ServeConfigError) as caught:
+        ServeConfig.load(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: {key}"), message
+    assert allowed in message
+    assert caught.value.path.startswith(key.split("[")[0])
+
+
+def test_lengths_beyond_the_model_are_rejected_when_the_model_is_here(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    model = {"path": str(tiny_model_dir)}  # max_position_embeddings 512
+    for data, key in [
+        ({"model": {**model, "max_model_len": 1024}}, "model.max_model_len"),
+        ({"model": model, "buckets": {"max_len": 600}}, "buckets.max_len"),
+    ]:
+        path = write(tmp_path, data)
+        config = ServeConfig.load(path)  # static checks pass: the length needs the model
+        with pytest.raises(ServeConfigError, match=rf"^{path}: {key}: .* allowed 2\.\.512"):
+            config.controller_config()
+    missing = write(tmp_path, {"model": {"path": str(tmp_path / "nope")}})
+    with pytest.raises(ServeConfigError, match=r"model\.path: model path .* does not exist"):
+        ServeConfig.load(missing).controller_config()
+
+
+def test_config_check_command_exit_codes(tmp_path: Path, tiny_model_dir: Path) -> None:
+    good = write(tmp_path, {"model": {"path": str(tiny_model_dir)},
+                            "controller": {"decode": {"num_workers": 2}}}, "good.yaml")
+    bad = write(tmp_path, {"model": {"path": str(tiny_model_dir), "max_model_len": 4096}},
+                "bad.yaml")
+    run = [sys.executable, "-m", "bucketserve.cli", "config", "check"]
+    ok = subprocess.run([*run, str(good)], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "decode      2 worker(s)" in ok.stdout and "max_model_len 512" in ok.stdout
+    failed = subprocess.run([*run, str(bad)], capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1 and failed.stdout == ""
+    assert f"{bad}: model.max_model_len: 4096 is beyond the model's length" in failed.stderr
