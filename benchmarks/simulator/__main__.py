@@ -1,4 +1,4 @@
-"""python -m benchmarks.simulator {calibrate,offline,online,overhead,scale,all} --out DIR
+"""python -m benchmarks.simulator {roofline,calibrate,offline,online,overhead,scale,all} --out DIR
 
 Each command prints its tables and writes DIR/<command>.json and PNG plots. The paper's
 experiments run on 4 simulated A100-40GB (Llama-2-13B, tensor parallel 2: one prefill and
@@ -19,18 +19,24 @@ from benchmarks.simulator.offline import offline_table, run_offline
 from benchmarks.simulator.online import online_table, run_online
 from benchmarks.simulator.overhead import overhead_table, run_overhead
 from benchmarks.simulator.report import write_json
+from benchmarks.simulator.roofline_table import roofline_table, run_roofline_table
 from benchmarks.simulator.scale import run_scale, scale_table
 
 PAPER_CLUSTER = ClusterConfig(
     model="llama-2-13b", hardware="a100-40gb", link="nvlink3", num_prefill=1, num_decode=1, tp=2
 )
-COMMANDS = ("calibrate", "offline", "online", "overhead", "scale")
+COMMANDS = ("roofline", "calibrate", "offline", "online", "overhead", "scale")
 
 
 def experiments(args: argparse.Namespace) -> dict[str, tuple[Callable, Callable, Callable]]:
     """command -> (run, table, plot)"""
     return {
-        "calibrate": (run_calibration, calibration_table, plots.plot_calibration),
+        "roofline": (run_roofline_table, roofline_table, lambda result, out: []),
+        "calibrate": (
+            lambda: run_calibration(rounds=args.rounds),
+            calibration_table,
+            plots.plot_calibration,
+        ),
         "offline": (
             lambda: run_offline(PAPER_CLUSTER, seeds=args.seeds),
             offline_table,
@@ -58,12 +64,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.simulator", description=__doc__)
     parser.add_argument("command", choices=(*COMMANDS, "all"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/simulator"))
+    parser.add_argument("--rounds", type=int, default=9, help="calibrate: timing rounds")
     parser.add_argument("--seeds", type=int, default=3, help="offline: seeds per point")
     parser.add_argument("--duration", type=float, default=120.0, help="online: seconds of arrivals")
     parser.add_argument("--scale-rate", type=float, default=10_000.0)
-    parser.add_argument("--scale-duration", type=float, default=10.0, help="seconds of arrivals")
+    parser.add_argument("--scale-duration", type=float, default=5.0, help="seconds of arrivals")
     args = parser.parse_args(argv)
     for name, value in (
+        ("--rounds", args.rounds),
         ("--seeds", args.seeds),
         ("--duration", args.duration),
         ("--scale-rate", args.scale_rate),

@@ -125,6 +125,12 @@ LINKS: dict[str, LinkSpec] = {
         LinkSpec("pcie4", 32 * GB, 10e-6, source="PCIe 4.0 x16: 32 GB/s per direction"),
         LinkSpec("roce-100g", 12.5 * GB, 20e-6, source="one 100 GbE RoCE port"),
         LinkSpec(
+            "ib-ndr-400g",
+            50 * GB,
+            5e-6,
+            source="one 400 Gb/s NDR InfiniBand port per GPU (as in DGX H100: 8 per node)",
+        ),
+        LinkSpec(
             "gaudi2-roce-3x100g", 37.5 * GB, 20e-6, source="Gaudi2 scale-out: 3 x 100 GbE RoCE"
         ),
     )

@@ -5,14 +5,32 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.simulator.overhead import PHASES
-from benchmarks.simulator.systems import SYSTEMS
 
 LABELS = {
     "bucketserve": "BucketServe (ours)",
     "bucketserve-prompt-kv": "BucketServe, prompt-only KV",
     "fcfs": "DistServe-like FCFS",
+    "fcfs-varlen": "DistServe-like FCFS, varlen prefill",
     "static": "UELLM-like static",
 }
+COLORS = {
+    "bucketserve": "tab:blue",
+    "bucketserve-prompt-kv": "tab:purple",
+    "fcfs": "tab:orange",
+    "fcfs-varlen": "tab:green",
+    "static": "tab:red",
+}
+PHASE_COLORS = {  # bucketing red as in the paper; no phase shares its color
+    "queue": "tab:gray",
+    "prefill": "tab:blue",
+    "transfer": "tab:green",
+    "decode": "tab:orange",
+    "bucketing": "red",
+}
+
+
+def _style(name: str) -> dict:
+    return {"label": LABELS.get(name, name), "color": COLORS.get(name)}
 
 
 def _pyplot():
@@ -35,19 +53,17 @@ def _save(fig, path: Path) -> Path:
 def plot_offline(result: dict, out: Path) -> list[Path]:
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for name in SYSTEMS:
+    for name in dict.fromkeys(r["system"] for r in result["rows"]):
         rows = [r for r in result["rows"] if r["system"] == name]
         sizes = [r["batch_size"] for r in rows]
-        axes[0].plot(sizes, [r["output_tok_s"] for r in rows], "o-", label=LABELS.get(name, name))
-        axes[1].plot(
-            sizes, [100 * r["utilization"] for r in rows], "o-", label=LABELS.get(name, name)
-        )
+        axes[0].plot(sizes, [r["output_tok_s"] for r in rows], "o-", **_style(name))
+        axes[1].plot(sizes, [100 * r["utilization"] for r in rows], "o-", **_style(name))
     for ax, ylabel, tag in zip(axes, ("output tokens/s", "busy time (%)"), "ab", strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("max batch size")
         ax.set_ylabel(ylabel)
         ax.set_title(f"Fig. 5{tag} (simulated)")
-        ax.legend()
+        ax.legend(fontsize=8)
     return [_save(fig, out / "fig5ab_offline.png")]
 
 
@@ -64,10 +80,8 @@ def plot_online(result: dict, out: Path) -> list[Path]:
         for name in dict.fromkeys(r["system"] for r in rows):
             mine = [r for r in rows if r["system"] == name]
             rates = [r["rate"] for r in mine]
-            axes[0].plot(
-                rates, [100 * r["slo_attainment"] for r in mine], "o-", label=LABELS.get(name, name)
-            )
-            axes[1].plot(rates, [r["server_rps"] for r in mine], "o-", label=LABELS.get(name, name))
+            axes[0].plot(rates, [100 * r["slo_attainment"] for r in mine], "o-", **_style(name))
+            axes[1].plot(rates, [r["server_rps"] for r in mine], "o-", **_style(name))
         axes[0].axhline(80, color="grey", lw=0.8)
         axes[0].set_ylabel("SLO attainment (%)")
         axes[1].set_ylabel("server requests/s")
@@ -75,7 +89,7 @@ def plot_online(result: dict, out: Path) -> list[Path]:
         axes[1].set_title(f"Fig. 5{rps_tag}: {dist} (simulated)")
         for ax in axes:
             ax.set_xlabel("client requests/s")
-            ax.legend()
+            ax.legend(fontsize=8)
         paths.append(_save(fig, out / f"fig5{att_tag}{rps_tag}_online_{dist}.png"))
     return paths
 
@@ -88,14 +102,23 @@ def plot_overhead(result: dict, out: Path) -> list[Path]:
     bottom = [0.0] * len(rows)
     for phase in (*PHASES, "bucketing"):
         values = [r[f"{phase}_s"] for r in rows]
-        color = "red" if phase == "bucketing" else None
-        axes[0].bar(labels, values, bottom=bottom, label=phase, color=color)
+        axes[0].bar(labels, values, bottom=bottom, label=phase, color=PHASE_COLORS[phase])
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for x, (top, r) in enumerate(zip(bottom, rows, strict=True)):
+        share = 100 * r["bucketing_share_of_e2e"]
+        axes[0].annotate(f"bucketing {share:.4f} %", (x, top), ha="center", va="bottom", fontsize=8)
+    axes[0].set_ylim(top=1.12 * max(bottom))
     axes[0].set_ylabel("mean seconds per request")
     axes[0].set_title("Fig. 6a: where the time goes (simulated)")
     axes[0].legend()
     scaling = result["scaling"]
-    axes[1].plot([r["max_buckets"] for r in scaling], [r["us_per_request"] for r in scaling], "o-")
+    median = [r["us_per_request"] for r in scaling]
+    spread = [
+        [m - r.get("us_per_request_min", m) for m, r in zip(median, scaling, strict=True)],
+        [r.get("us_per_request_max", m) - m for m, r in zip(median, scaling, strict=True)],
+    ]
+    axes[1].errorbar([r["max_buckets"] for r in scaling], median, yerr=spread, fmt="o-")
+    axes[1].set_xscale("log", base=2)
     axes[1].set_xlabel("request buckets reached")
     axes[1].set_ylabel("bucket manager CPU (us/request)")
     axes[1].set_title("Fig. 6b: bucketing overhead vs buckets")
@@ -119,10 +142,13 @@ def plot_calibration(result: dict, out: Path) -> list[Path]:
             )
     top = max(max(r["measured_ms"], r["predicted_ms"]) for r in result["rows"])
     ax.plot([0, top], [0, top], "k--", lw=0.8)
+    for factor in (0.8, 1.2):
+        ax.plot([0, top], [0, factor * top], ":", color="grey", lw=0.8)
+    ax.text(0.97, 0.03, "dotted: +/- 20 %", transform=ax.transAxes, ha="right", color="grey")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("measured step (ms)")
+    ax.set_xlabel("measured step (ms, CPU time of one thread)")
     ax.set_ylabel("predicted step (ms)")
-    ax.set_title("Cost model vs ModelRunner, SmolLM2 fp32 CPU")
+    ax.set_title("Cost model vs ModelRunner\nSmolLM2-135M fp32, one CPU thread")
     ax.legend()
     return [_save(fig, out / "calibration.png")]

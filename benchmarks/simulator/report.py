@@ -27,9 +27,20 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> 
 
 
 def write_json(path: Path, data: Any) -> Path:
+    """`data` with floats cut to 5 significant digits (the results get committed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    path.write_text(json.dumps(_rounded(data), indent=1, default=str) + "\n")
     return path
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.5g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
 
 
 def rate_at(rates: Sequence[float], attainment: Sequence[float], target: float = 0.8) -> float:

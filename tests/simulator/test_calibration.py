@@ -24,6 +24,7 @@ def test_nelder_mead_finds_a_quadratic_minimum():
 def test_fit_recovers_a_known_cpu_from_its_own_step_times():
     truth = CPU_START.with_(
         peak_flops=300e9,
+        flops_efficiency=0.55,
         attn_flops_efficiency=0.3,
         gemm_m_half=20.0,
         kv_traffic=5.0,
@@ -33,12 +34,13 @@ def test_fit_recovers_a_known_cpu_from_its_own_step_times():
         mem_bandwidth=40e9,
     )
     measured = [p.predict(CostModel(SMOLLM, truth)) for p in DEFAULT_POINTS]
-    fitted = fit(DEFAULT_POINTS, measured, start=CPU_START.with_(mem_bandwidth=40e9))
+    roofline = CPU_START.with_(peak_flops=300e9, mem_bandwidth=40e9)
+    fitted = fit(DEFAULT_POINTS, measured, start=roofline)
     rows = compare(DEFAULT_POINTS, measured, CostModel(SMOLLM, fitted))
     assert max(abs(r["error_pct"]) for r in rows) < 2.0  # held-out points included
-    assert fitted.peak_flops == pytest.approx(300e9, rel=0.05)
+    assert fitted.flops_efficiency == pytest.approx(0.55, rel=0.05)
     assert fitted.step_overhead_s == pytest.approx(0.012, rel=0.1)
-    assert fitted.mem_bandwidth == 40e9  # measured, never fitted
+    assert (fitted.peak_flops, fitted.mem_bandwidth) == (300e9, 40e9)  # measured, never fitted
 
 
 def test_compare_reports_signed_percent_error():

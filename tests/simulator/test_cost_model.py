@@ -136,3 +136,22 @@ def test_kv_transfer_time_from_link_bandwidth():
     assert cost.transfer_time(1000, LINKS["roce-100g"]) > 20 * cost.transfer_time(
         1000, LINKS["nvlink3"]
     )
+
+
+def test_roofline_table_covers_every_paper_model_on_every_accelerator():
+    from benchmarks.simulator.roofline_table import run_roofline_table
+
+    rows = run_roofline_table()["rows"]
+    assert {(r["hardware"], r["model"]) for r in rows} == {
+        (h, m)
+        for h in ("a100-40gb", "h100-sxm", "gaudi2")
+        for m in ("llama-2-7b", "llama-2-13b", "opt-13b")
+    }
+    gaudi = next(r for r in rows if r["hardware"] == "gaudi2" and r["model"] == "llama-2-13b")
+    # 1024 tokens x 800 KiB over 3 x 100 GbE at 80 %, plus 20 us latency
+    assert gaudi["kv_transfer_1024_ms"] == pytest.approx(1e3 * (20e-6 + 1024 * 819_200 / 30e9))
+    a100 = next(r for r in rows if r["hardware"] == "a100-40gb" and r["model"] == "llama-2-7b")
+    assert a100["decode_b1_ms"] == pytest.approx(
+        1e3 * CostModel(MODELS["llama-2-7b"], HARDWARE["a100-40gb"]).decode_time(1, 1024)
+    )
+    assert not a100["b64_fits"] and a100["kv_tokens"] < 64 * 1025

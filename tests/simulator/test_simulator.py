@@ -160,3 +160,27 @@ def test_pd_scheduler_picks_the_most_room_and_follows_every_change():
     assert pd.pick() is c and b.room == 100
     b.land(lease.lease_id)
     assert [w.room for w in (a, b, c)] == [110, 100, 130]
+
+
+def test_varlen_fcfs_computes_only_real_tokens_and_takes_less_prefill_time():
+    requests = [SimRequest(i, n, 2, 8, 0.0) for i, n in enumerate((100, 400, 250))]
+    cluster = dataclasses.replace(CLUSTER, num_prefill=1)
+    padded_sim, _ = run("fcfs", requests, cluster)
+    varlen_sim, varlen = run("fcfs", requests, cluster, SystemConfig(pad="none"))
+    assert varlen.stats["padded_tokens"] == varlen.stats["real_tokens"] == 750
+    assert varlen.stats["prefill_padding"] == 0.0
+    cost = cluster.cost_model()
+    prefill_s = [w.busy_s for w in varlen_sim.prefill]
+    assert prefill_s == [pytest.approx(cost.prefill_time([100]) + cost.prefill_time([400, 250]))]
+    assert prefill_s[0] < padded_sim.prefill[0].busy_s
+    assert_drained(varlen_sim)
+
+
+def test_scheduler_cost_is_metered_per_component_in_cpu_and_wall_time():
+    _, result = run("bucketserve", make_workload(WORKLOAD))
+    stats = result.stats
+    for part in ("bucket_manager", "pd_scheduler"):
+        assert stats[f"{part}_cpu_s"] > 0 and stats[f"{part}_s"] > 0
+    assert stats["max_queued"] >= 1 and stats["bucket_splits"] >= stats["bucket_merges"] >= 0
+    fcfs = run("fcfs", make_workload(WORKLOAD))[1].stats
+    assert fcfs["bucket_splits"] == fcfs["bucket_merges"] == 0 and fcfs["max_buckets"] == 1
