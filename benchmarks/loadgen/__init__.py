@@ -1,0 +1,1 @@
+"""`bucketserve bench`: an online load generator with SLO attainment (issue 7)."""

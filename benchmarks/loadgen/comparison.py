@@ -1,0 +1,129 @@
+"""The same workload against the service in three configurations, each started here:
+
+- `bucketserve`: adaptive request buckets (Algorithm 1) + tenant policies (an online FCFS
+  tenant for short requests ahead of an offline SJF tenant for long ones);
+- `fcfs`: one request bucket that never splits (`max_buckets=1`), one FCFS tenant — the
+  DistServe-like disaggregated FCFS baseline;
+- `shape-only`: as `fcfs`, with every batch padded to the fixed shape buckets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.loadgen.bench import Bench
+from benchmarks.loadgen.bench_config import BenchConfig
+from benchmarks.loadgen.bench_metrics import rate_at_attainment
+from benchmarks.loadgen.service_harness import ServiceHarness
+from benchmarks.loadgen.tenant_mix import TenantShare
+
+SYSTEMS = ("bucketserve", "fcfs", "shape-only")
+TENANTS = [
+    {"name": "chat", "api_keys": ["chat-key"]},
+    {"name": "batch", "api_keys": ["batch-key"], "class": "offline", "policy": "sjf",
+     "priority": 1},
+]
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """The controller the harness starts: the embedded model (or `model`) in local mode."""
+
+    model: str | None = None
+    max_model_len: int = 1024
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    mode: str = "local"
+
+
+def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, list[TenantShare]]:
+    """(controller config, server tenants, client tenant mix) of one system."""
+    from bucket_manager.config import TenantConfig
+    from deploy.controller_config import ControllerConfig
+    from gateway.service_runner import with_tenants
+    from gateway.tenant_registry import TenantRegistry
+    from runtime.model_runner import ModelRunnerConfig
+
+    runner = ModelRunnerConfig(
+        model=spec.model, block_size=spec.block_size, num_kv_blocks=spec.num_kv_blocks,
+        max_model_len=spec.max_model_len,
+    )
+    base = ControllerConfig(runner=runner, mode=spec.mode, warmup="smallest")
+    if name == "bucketserve":
+        config = with_tenants(base, TenantRegistry.from_dict(TENANTS).bucket_configs())
+        mix = [TenantShare("chat", 1.0, "chat-key"), TenantShare("batch", 1.0, "batch-key", "long")]
+        return config, TENANTS, mix
+    if name not in SYSTEMS:
+        raise ValueError(f"system must be one of {SYSTEMS}, got {name!r}")
+    config = with_tenants(base, [TenantConfig("default")])
+    one_bucket = dataclasses.replace(config.buckets.request_buckets, max_buckets=1)
+    config = dataclasses.replace(
+        config,
+        buckets=dataclasses.replace(config.buckets, request_buckets=one_bucket),
+        pad_to_shape_buckets=name == "shape-only",
+    )
+    return config, None, [TenantShare("default")]
+
+
+class Comparison:
+    """Runs `bench` (its workload, rates, SLO) against each system and finds the rate at
+    which each reaches `target` attainment."""
+
+    def __init__(
+        self, bench: BenchConfig, spec: ServiceSpec, systems: tuple[str, ...] = SYSTEMS,
+        target: float = 0.8,
+    ) -> None:
+        bad = [s for s in systems if s not in SYSTEMS]
+        if bad:
+            raise ValueError(f"unknown systems {bad}; choose from {SYSTEMS}")
+        if not bench.rates:
+            raise ValueError("the comparison sweeps request rates: give --rates")
+        self.bench = bench
+        self.spec = spec
+        self.systems = systems
+        self.target = target
+        self.benches: dict[str, Bench] = {}
+
+    def run(self) -> dict[str, Any]:
+        """Every system is started first; then each rate is offered to each system in turn
+        (the order rotating per rate), so noise from a shared machine spreads over all."""
+        benches = self.benches
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in self.systems}
+        with contextlib.ExitStack() as stack:
+            tokenizer = None
+            for name in self.systems:
+                controller, tenants, mix = system_setup(name, self.spec)
+                service = stack.enter_context(ServiceHarness(controller, tenants))
+                config = dataclasses.replace(
+                    self.bench, backend="grpc", target=service.target, tenants=mix,
+                    metrics_url=service.http_url + "/metrics",
+                )
+                benches[name] = Bench(config, tokenizer)
+                tokenizer = benches[name].tokenizer
+            for i, rate in enumerate(self.bench.rates):
+                order = self.systems[i % len(self.systems):] + self.systems[: i % len(self.systems)]
+                for name in order:
+                    runs[name].append(benches[name].run_rates([rate])["runs"][0])
+        results = {
+            name: benches[name].result(runs[name]) for name in self.systems
+        }
+        return {"systems": results, "rate_at_target": self._rates(results)}
+
+    def _rates(self, results: dict[str, Any]) -> dict[str, Any]:
+        found = {}
+        for name, result in results.items():
+            runs = result["runs"]
+            rate, how = rate_at_attainment(
+                [r["rate"] for r in runs], [r["summary"]["slo_attainment"] for r in runs],
+                self.target,
+            )
+            found[name] = {"rate": rate, "how": how}
+        base = found.get("bucketserve", {}).get("rate")
+        ratios = {
+            f"bucketserve/{name}": (base / f["rate"] if base and f["rate"] else None)
+            for name, f in found.items() if name != "bucketserve"
+        }
+        return {"target": self.target, "systems": found, "ratios": ratios}

@@ -1,0 +1,68 @@
+"""Plain-text tables of bench and comparison results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{1000 * value:.0f}"
+
+
+def bench_table(result: dict[str, Any]) -> str:
+    head = (f"{'rate':>6} {'sent':>5} {'ok':>5} {'req/s':>6} {'tok/s':>7} {'SLO%':>5} "
+            f"{'good/s':>6} {'TTFT p50/p90/p99 ms':>20} {'TPOT p50/p90/p99 ms':>20} "
+            f"{'e2e p50/p99 s':>13}")
+    lines = [head]
+    for run in result["runs"]:
+        s = run["summary"]
+        rate = f"{run['rate']:g}" if run["rate"] is not None else f"c{run['concurrency']}"
+        ttft = "/".join(_ms(s["ttft"][k]) for k in ("p50", "p90", "p99"))
+        tpot = "/".join(_ms(s["tpot"][k]) for k in ("p50", "p90", "p99"))
+        e2e = "/".join("-" if s["e2e"][k] is None else f"{s['e2e'][k]:.1f}" for k in ("p50", "p99"))
+        lines.append(
+            f"{rate:>6} {s['sent']:>5} {s['completed']:>5} {s['request_throughput']:>6.2f} "
+            f"{s['output_throughput']:>7.1f} {100 * s['slo_attainment']:>5.1f} "
+            f"{s['goodput']:>6.2f} {ttft:>20} {tpot:>20} {e2e:>13}"
+        )
+        if run.get("server"):
+            server = ", ".join(f"{k}={v:g}" for k, v in sorted(run["server"].items()))
+            lines.append(f"{'':>6} server: {server}")
+    return "\n".join(lines)
+
+
+def compare_table(result: dict[str, Any]) -> str:
+    parts = []
+    for name, res in result["systems"].items():
+        parts += [f"== {name}", bench_table(res)]
+    target = result["rate_at_target"]
+    parts.append(f"rate at {100 * target['target']:.0f}% SLO attainment:")
+    for name, found in target["systems"].items():
+        rate = "-" if found["rate"] is None else f"{found['rate']:.3f} req/s"
+        parts.append(f"  {name:<12} {rate} ({found['how']})")
+    for pair, ratio in target["ratios"].items():
+        parts.append(f"  {pair}: {'-' if ratio is None else f'{ratio:.2f}x'}")
+    return "\n".join(parts)
+
+
+def aggregate_table(results: list[dict[str, Any]]) -> str:
+    """Median over repeated comparisons (e.g. seeds) of each system's rate at the target
+    attainment and of the ratios; the runs' own values beside it."""
+    import statistics
+
+    def med(values: list[float | None]) -> str:
+        known = [v for v in values if v is not None]
+        return "-" if not known else f"{statistics.median(known):.3f}"
+
+    first = results[0]["rate_at_target"]
+    lines = [f"{len(results)} runs, rate at {100 * first['target']:.0f}% SLO attainment (req/s):"]
+    for name in first["systems"]:
+        values = [r["rate_at_target"]["systems"][name]["rate"] for r in results]
+        hows = [r["rate_at_target"]["systems"][name]["how"] for r in results]
+        runs = ", ".join("-" if v is None else f"{v:.3f}" for v in values)
+        lines.append(f"  {name:<12} median {med(values)}  runs [{runs}]  {sorted(set(hows))}")
+    for pair in first["ratios"]:
+        values = [r["rate_at_target"]["ratios"][pair] for r in results]
+        runs = ", ".join("-" if v is None else f"{v:.2f}" for v in values)
+        lines.append(f"  {pair:<24} median {med(values)}x  runs [{runs}]")
+    return "\n".join(lines)

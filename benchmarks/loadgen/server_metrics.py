@@ -1,0 +1,65 @@
+"""The server's own figures from its Prometheus endpoint, scraped before and after a run."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# sample name (labels summed) -> report key; counters are reported as after - before
+COUNTERS = {
+    "bucketserve:graph_misses_total": "graph_misses",
+    "bucketserve:num_preemptions_total": "preemptions",
+    "bucketserve:bucket_splits_total": "bucket_splits",
+    "bucketserve:bucket_merges_total": "bucket_merges",
+    "bucketserve:prompt_tokens_total": "prompt_tokens",
+    "bucketserve:generation_tokens_total": "generation_tokens",
+    "vllm:num_preemptions_total": "preemptions",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:generation_tokens_total": "generation_tokens",
+}
+GAUGES = {
+    "bucketserve:padding_waste_ratio": "padding_waste_ratio",
+    "bucketserve:request_buckets": "request_buckets",
+}
+
+
+class ServerMetrics:
+    """Scrapes `url`; `delta()` is the change since `start()` (None values: not exported)."""
+
+    def __init__(self, url: str | None, timeout_s: float = 5.0) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self.before: dict[str, float] = {}
+
+    def scrape(self) -> dict[str, float]:
+        if not self.url:
+            return {}
+        with urllib.request.urlopen(self.url, timeout=self.timeout_s) as response:
+            return parse(response.read().decode())
+
+    def start(self) -> None:
+        self.before = self.scrape()
+
+    def delta(self) -> dict[str, float]:
+        return diff(self.before, self.scrape())
+
+
+def parse(text: str) -> dict[str, float]:
+    """Report key -> value (summed over label sets) for the samples we know."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = COUNTERS.get(sample.name) or GAUGES.get(sample.name)
+            if key is not None:
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Counters as after - before, gauges as after."""
+    gauges = set(GAUGES.values())
+    return {
+        key: value if key in gauges else value - before.get(key, 0.0)
+        for key, value in after.items()
+    }

@@ -1,0 +1,63 @@
+"""The comparison's three systems: their configs, and one real run over the tiny model with
+the services started by the harness in child processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.loadgen.bench_config import BenchConfig
+from benchmarks.loadgen.comparison import Comparison, ServiceSpec, system_setup
+from benchmarks.loadgen.length_distribution import LengthDistribution
+from benchmarks.loadgen.slo import SLO
+from benchmarks.loadgen.workload import WorkloadConfig
+
+
+def test_the_three_systems_differ_only_in_buckets_policies_and_padding(
+    tiny_model_dir: Path,
+) -> None:
+    spec = ServiceSpec(model=str(tiny_model_dir), max_model_len=256, block_size=4)
+    a, a_tenants, a_mix = system_setup("bucketserve", spec)
+    b, b_tenants, b_mix = system_setup("fcfs", spec)
+    c, c_tenants, _ = system_setup("shape-only", spec)
+    assert a.buckets.request_buckets.max_buckets > 1
+    assert b.buckets.request_buckets.max_buckets == c.buckets.request_buckets.max_buckets == 1
+    assert [t.name for t in a.buckets.tenants] == ["chat", "batch"]
+    assert [t.policy.value for t in a.buckets.tenants] == ["fcfs", "sjf"]
+    assert [t.name for t in b.buckets.tenants] == [t.name for t in c.buckets.tenants] == ["default"]
+    assert b_tenants is None and c_tenants is None and a_tenants
+    assert (a.pad_to_shape_buckets, b.pad_to_shape_buckets, c.pad_to_shape_buckets) == (
+        "auto", False, True
+    )
+    assert a.buckets.shape_buckets == b.buckets.shape_buckets == c.buckets.shape_buckets
+    assert {t.name for t in a_mix} == {"chat", "batch"} and [t.name for t in b_mix] == ["default"]
+    with pytest.raises(ValueError, match="system must be one of"):
+        system_setup("vllm", spec)
+    with pytest.raises(ValueError, match="unknown systems"):
+        Comparison(BenchConfig(), spec, ("bucketserve", "vllm"))
+
+
+@pytest.mark.slow
+def test_a_comparison_run_over_the_tiny_model(tiny_model_dir: Path) -> None:
+    spec = ServiceSpec(model=str(tiny_model_dir), max_model_len=256, block_size=4,
+                       num_kv_blocks=512)
+    workload = WorkloadConfig(name="mixed", num_requests=8, max_model_len=256, long_fraction=0.3,
+                              output=LengthDistribution(8.0, 0.5, 2, 16))
+    bench = BenchConfig(model_path=str(tiny_model_dir), workload=workload, rates=[10.0, 40.0],
+                        slo=SLO(ttft_s=60.0, tpot_s=10.0), progress=False)
+    comparison = Comparison(bench, spec, ("bucketserve", "shape-only"))
+    result = comparison.run()
+    for name in ("bucketserve", "shape-only"):
+        runs = result["systems"][name]["runs"]
+        assert [r["rate"] for r in runs] == [10.0, 40.0]
+        for run in runs:
+            assert run["summary"]["sent"] == run["summary"]["completed"] == 8
+            assert run["server"]["generation_tokens"] == sum(
+                r.max_tokens for r in comparison.benches[name].workload.requests
+            )
+        found = result["rate_at_target"]["systems"][name]
+        assert found == {"rate": 40.0, "how": "above_sweep"}
+    tenants = {r.tenant for r in comparison.benches["bucketserve"].workload.requests}
+    assert tenants == {"chat", "batch"}
+    assert result["rate_at_target"]["ratios"] == {"bucketserve/shape-only": 1.0}
