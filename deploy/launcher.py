@@ -39,7 +39,10 @@ class Launcher:
             self.handles = self._local_handles()
         else:
             self.handles = self._ray_handles()
-        reports = await asyncio.gather(*(self._start_one(h) for h in self.handles))
+        if self.config.mode == "local":  # one process: one model load / graph capture at a time
+            reports = [await self._start_one(h) for h in self.handles]
+        else:
+            reports = await asyncio.gather(*(self._start_one(h) for h in self.handles))
         self.infos = {h.name: r for h, r in zip(self.handles, reports, strict=True)}
         if self.config.transport == "auto" and self._all_on_accelerators():
             self.transport = "collective"

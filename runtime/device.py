@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Callable
 
 import psutil
@@ -19,6 +20,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 GraphFn = Callable[..., torch.Tensor]
+_CUDA_CAPTURE = threading.Lock()  # entering a capture syncs the device: one at a time
 
 # oneDNN's fp32 GEMM is ~2x MKL's on the AMD CPUs we run on (MKL picks a slow path there).
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
@@ -109,8 +111,8 @@ class Device:
         return int(psutil.virtual_memory().available)
 
     def synchronize(self) -> None:
-        if self.type == "cuda":
-            torch.cuda.synchronize(self.torch_device)
+        if self.type == "cuda":  # this thread's stream: a device-wide sync breaks a capture
+            torch.cuda.current_stream(self.torch_device).synchronize()  # on another thread
         elif self.type == "hpu":
             importlib.import_module("habana_frameworks.torch.hpu").synchronize()
 
@@ -129,6 +131,10 @@ class Device:
         return fn
 
     def _cuda_graph(self, fn: GraphFn, example_args: tuple[torch.Tensor, ...]) -> GraphFn:
+        with _CUDA_CAPTURE:
+            return self._capture(fn, example_args)
+
+    def _capture(self, fn: GraphFn, example_args: tuple[torch.Tensor, ...]) -> GraphFn:
         static_args = tuple(a.clone() for a in example_args)
         stream = torch.cuda.Stream(self.torch_device)
         stream.wait_stream(torch.cuda.current_stream(self.torch_device))
@@ -138,7 +144,8 @@ class Device:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        # thread_local: a worker sharing this process (local mode) may step on another thread
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             static_out = fn(*static_args)
 
         def replay(*args: torch.Tensor) -> torch.Tensor:

