@@ -55,6 +55,7 @@ def controller_config(args: argparse.Namespace, mode: str) -> Any:
         mode=mode,
         ray_init_kwargs={"log_to_driver": False},
         prefill_placement=PlacementConfig(torch_threads=args.prefill_threads),
+        decode_placement=PlacementConfig(torch_threads=args.decode_threads),
     )
 
 
@@ -237,6 +238,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     parser.add_argument("--prefill-threads", type=int, default=None,
                         help="the Ray prefill actor's torch threads (default: half the cores)")
+    parser.add_argument("--decode-threads", type=int, default=None,
+                        help="the Ray decode actor's torch threads (default: all the cores)")
     parser.add_argument("--out", default="benchmarks/results/disagg_overhead.json")
     args = parser.parse_args()
     args.systems = args.systems.split(",")
