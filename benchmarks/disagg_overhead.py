@@ -37,7 +37,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.offline_throughput import load_prompts, median_of, summarize
+from benchmarks.offline_throughput import (
+    add_workload_args,
+    load_prompts,
+    median_of,
+    summarize,
+)
 
 SYSTEMS = ("engine", "disagg-inprocess", "disagg-ray")
 MODES = {"disagg-inprocess": "local", "disagg-ray": "ray"}
@@ -230,12 +235,8 @@ def print_report(out: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="running limit, both paths")
-    parser.add_argument("--repeats", type=int, default=3)
+    add_workload_args(parser, repeats=3)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     parser.add_argument("--prefill-threads", type=int, default=None,
                         help="the Ray prefill actor's torch threads (default: half the cores)")
     parser.add_argument("--decode-threads", type=int, default=None,

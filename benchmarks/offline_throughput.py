@@ -289,16 +289,21 @@ def print_report(out: dict[str, Any]) -> None:
         print(f"target {name}: {t['value']:.2f} {'met' if t['met'] else 'MISSED'}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_args(parser: argparse.ArgumentParser, repeats: int) -> None:
+    """The offline workload's flags, shared by the benchmarks that replay it."""
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="engine running limit")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(parser, repeats=1)
     parser.add_argument("--decode-context", type=int, default=128,
                         help="KV tokens per sequence in the roofline decode step")
-    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--systems", default=",".join((*SYSTEMS, "roofline")))
-    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     parser.add_argument("--out", default="benchmarks/results/offline_throughput.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
