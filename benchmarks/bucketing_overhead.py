@@ -96,7 +96,9 @@ def make_manager(
         max_len=max_len, max_buckets=max_buckets, shape_edge_snap=snap, lookup=lookup
     )
     config = BucketManagerConfig(
-        request_buckets=requests, shape_buckets=shapes, batching=BatchingConfig(max_num_seqs=64)
+        request_buckets=requests,
+        shape_buckets=shapes,
+        batching=BatchingConfig(max_num_seqs=64, max_batched_tokens=None),
     )
     return BucketManager(config)
 

@@ -238,7 +238,7 @@ def main() -> None:
     add_workload_args(parser, repeats=3)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--prefill-threads", type=int, default=None,
-                        help="the Ray prefill actor's torch threads (default: half the cores)")
+                        help="the Ray prefill actor's torch threads (default: all the cores)")
     parser.add_argument("--decode-threads", type=int, default=None,
                         help="the Ray decode actor's torch threads (default: all the cores)")
     parser.add_argument("--out", default="benchmarks/results/disagg_overhead.json")

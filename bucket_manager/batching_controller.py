@@ -40,6 +40,14 @@ class BatchingController:
         """Eq. 6: the largest N whose first N block needs sum to at most the safe blocks."""
         return largest_prefix(needs, self.safe_blocks(free_blocks), self.config.max_num_seqs)
 
+    def within_token_budget(self, prompt_lens: Sequence[int]) -> int:
+        """How many of these prompts, in order, one forward takes under `max_batched_tokens`
+        (at least the first: a prompt over the budget is not starved)."""
+        budget = self.config.max_batched_tokens
+        if budget is None:
+            return len(prompt_lens)
+        return max(min(1, len(prompt_lens)), largest_prefix(prompt_lens, budget))
+
     def n_max(self, free_blocks: int, mean_blocks: float) -> int:
         """Eq. 6 for a queue of mean-sized requests; Algorithm 1's split size m (at least 1)."""
         if mean_blocks <= 0:

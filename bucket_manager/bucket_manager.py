@@ -35,14 +35,22 @@ class BucketManager:
     served first (aging); otherwise the bucket holding the tenant's first
     request in policy order. Requests are taken in that order while their KV
     blocks fit 0.9 x the free blocks (Eq. 5-6) and the batch stays within
-    `max_num_seqs` and the largest warmed prompt batch size; the first that
-    does not fit ends the batch, so nothing overtakes it.
+    `max_num_seqs`, `max_batched_tokens` and the largest warmed prompt batch
+    size; the first that does not fit ends the batch, so nothing overtakes it.
+
+    `padded=False` serves prefill workers that run each batch at its own
+    shape (the CPU's varlen runner): no graph can be missed, so the warmed
+    batch sizes cap nothing and a batch's shape is exactly its own.
     """
 
     def __init__(
-        self, config: BucketManagerConfig | None = None, shapes: ShapeBuckets | None = None
+        self,
+        config: BucketManagerConfig | None = None,
+        shapes: ShapeBuckets | None = None,
+        padded: bool = True,
     ) -> None:
         self.config = config or BucketManagerConfig()
+        self.padded = padded
         self.shapes = shapes or ShapeBuckets(self.config.shape_buckets)
         self.buckets = AdaptiveBuckets(self.config.request_buckets, self.shapes.query_edges)
         self.controller = BatchingController(self._batching_config())
@@ -100,6 +108,7 @@ class BucketManager:
                 yield self.controller.kv_blocks(entry.request, block_size)
 
         n = self.controller.admit(needs(), free_blocks)
+        n = self.controller.within_token_budget([e.request.prompt_len for e in chosen[:n]])
         if n == 0:
             return None
         for entry in chosen[:n]:
@@ -152,6 +161,8 @@ class BucketManager:
     def _batching_config(self) -> BatchingConfig:
         """No batch outgrows the largest warmed prompt batch size: that would only miss graphs."""
         config = self.config.batching
+        if not self.padded:
+            return config
         warmed = max((bs for bs, _, _ in self.shapes.prompt), default=config.max_num_seqs)
         return dataclasses.replace(config, max_num_seqs=min(config.max_num_seqs, warmed))
 
@@ -219,7 +230,10 @@ class BucketManager:
     ) -> PrefillBatch:
         requests = tuple(e.request for e in entries)
         lengths = [r.prompt_len for r in requests]
-        shape, miss = self.shapes.pad_prompt(len(requests), max(lengths), 0)
+        if self.padded:
+            shape, miss = self.shapes.pad_prompt(len(requests), max(lengths), 0)
+        else:
+            shape, miss = (len(requests), max(lengths), 0), False
         return PrefillBatch(
             batch_id=next(self._batch_ids),
             tenant=tenant.name,

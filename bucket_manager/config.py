@@ -250,15 +250,23 @@ class BatchingConfig:
     block_size) blocks, the most its sequence can hold, so an admitted batch
     never outgrows its reservation; False counts the prompt only (for pools
     that preempt instead).
+
+    `max_batched_tokens` bounds one prefill forward as vLLM's
+    `max_num_batched_tokens` does: a batch's prompt tokens, summed, stay
+    within it, except that a longer prompt still goes alone (None: no bound
+    beyond the KV blocks and the shapes).
     """
 
     safety_fraction: float = 0.9
     max_num_seqs: int = 256
     count_output_tokens: bool = True
+    max_batched_tokens: int | None = 8192
 
     def __post_init__(self) -> None:
         check_number("BatchingConfig.safety_fraction", self.safety_fraction, 1e-9, 1.0)
         check_int("BatchingConfig.max_num_seqs", self.max_num_seqs, 1)
+        if self.max_batched_tokens is not None:
+            check_int("BatchingConfig.max_batched_tokens", self.max_batched_tokens, 1)
         if not isinstance(self.count_output_tokens, bool):
             raise ValueError(
                 f"BatchingConfig.count_output_tokens must be true or false, "

@@ -120,6 +120,7 @@ class Controller:
             await self.launcher.shutdown()
             raise
         self._fit_limits()
+        self._fit_batching()
         self._state = "running"
         self._spawn(self._dispatch_loop())
         self._spawn(self._monitor_loop())
@@ -539,6 +540,13 @@ class Controller:
             await asyncio.sleep(self.config.stats_interval_s)
             await self.refresh_stats()
             self._wake_dispatcher()
+
+    def _fit_batching(self) -> None:
+        """Prefill workers that run every batch at its own shape (no padding: the CPU) take
+        batches past the warmed batch sizes, up to `max_num_seqs` and `max_batched_tokens`."""
+        infos = self.launcher.infos
+        if not any(infos[h.name].get("padding", True) for h in self._role("prefill")):
+            self.buckets = BucketManager(self.buckets.config, self.buckets.shapes, padded=False)
 
     def _fit_limits(self) -> None:
         """Bounds from the pools the workers actually got."""

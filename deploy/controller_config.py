@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bucket_manager.config import (
+    BatchingConfig,
     BucketManagerConfig,
     BucketRange,
     DecodeShapeConfig,
@@ -32,8 +33,10 @@ class PlacementConfig:
     (`num_gpus=1`), "none" (CPU), or "auto": HPU when the cluster has it,
     else GPU when it has it, else none. `resources` adds custom resources per
     actor (e.g. a node label pinning the role to some nodes). `torch_threads`
-    sizes the actor's intra-op pool (None: all the node's cores for decode,
-    half for prefill, so a co-located pair does not oversubscribe much).
+    sizes the actor's intra-op pool (None: all the node's cores, for either
+    role: a co-located pair takes turns more than it overlaps, since a burst's
+    prefill batch runs while the decode pool waits for it, and the launcher
+    makes idle OpenMP threads sleep rather than spin).
     """
 
     accelerator: str = "auto"
@@ -144,16 +147,17 @@ class ControllerConfig:
         placement = self.prefill_placement if role == "prefill" else self.decode_placement
         if placement.torch_threads is not None:
             return placement.torch_threads
-        cores = os.cpu_count() or 1
-        return cores if role == "decode" else max(1, cores // 2)
+        return os.cpu_count() or 1
 
 
 def default_buckets(max_model_len: int, block_size: int, max_num_seqs: int) -> BucketManagerConfig:
     """Request buckets over the model's length; prompt shapes of batch 1..16 and query
     block_size..max_model_len (fresh prompts only: no context blocks); decode shapes of
-    batch 1..max_num_seqs and blocks up to one max_model_len sequence."""
+    batch 1..max_num_seqs and blocks up to one max_model_len sequence; prefill batches of
+    at most max_num_seqs, the decode batch they join."""
     return fit_buckets(
         BucketManagerConfig(
+            batching=BatchingConfig(max_num_seqs=max_num_seqs),
             shape_buckets=ShapeBucketConfig(
                 prompt=PromptShapeConfig(
                     bs=BucketRange(1, 1, 16, 5),

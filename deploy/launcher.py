@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 from bucket_manager.config import BucketManagerConfig
@@ -190,7 +191,9 @@ class Launcher:
             options["resources"] = resources
         threads = self.config.torch_threads(role)
         if threads:
-            options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+            wait = os.environ.get("OMP_WAIT_POLICY", "passive")  # co-located pools share cores
+            env = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": wait}
+            options["runtime_env"] = {"env_vars": env}
         return options
 
     # -- shared ------------------------------------------------------------------------------

@@ -69,7 +69,9 @@ def bucket_manager_config(cluster: ClusterConfig, system: SystemConfig) -> Bucke
     return BucketManagerConfig(
         request_buckets=RequestBucketConfig(max_len=max_len, max_buckets=system.max_buckets),
         shape_buckets=shapes,
-        batching=BatchingConfig(max_num_seqs=n, count_output_tokens=system.count_output_tokens),
+        batching=BatchingConfig(  # the paper bounds batches by memory alone: no token budget
+            max_num_seqs=n, count_output_tokens=system.count_output_tokens, max_batched_tokens=None
+        ),
         tenants=(system.tenant(),),
     )
 

@@ -21,6 +21,8 @@ def make_manager(
     max_len: int = 1024,
     snap: float = 0.0,
     count_output_tokens: bool = True,
+    max_batched_tokens: int | None = 8192,
+    padded: bool = True,
 ) -> BucketManager:
     """Doc shape buckets (block 128, length 1024) with prompt batch sizes 1, 2, 4."""
     shapes = ShapeBucketConfig(prompt=PromptShapeConfig(bs=BucketRange(1, 2, 4, 3)))
@@ -29,10 +31,13 @@ def make_manager(
             request_buckets=RequestBucketConfig(max_len=max_len, shape_edge_snap=snap),
             shape_buckets=shapes,
             batching=BatchingConfig(
-                max_num_seqs=max_num_seqs, count_output_tokens=count_output_tokens
+                max_num_seqs=max_num_seqs,
+                count_output_tokens=count_output_tokens,
+                max_batched_tokens=max_batched_tokens,
             ),
             tenants=tenants or (TenantConfig("default"),),
-        )
+        ),
+        padded=padded,
     )
 
 

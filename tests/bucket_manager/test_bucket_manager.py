@@ -3,6 +3,7 @@ import random
 import pytest
 
 from bucket_manager import (
+    BatchingConfig,
     BucketManager,
     BucketManagerConfig,
     BucketRange,
@@ -74,6 +75,25 @@ def test_a_batch_beyond_every_shape_is_a_counted_graph_miss():
     assert batch.shape == (4, 1500, 0) and batch.graph_miss  # 4: the largest warmed bs
     assert batch.padded_waste == batch.shape_waste == 0.0
     assert manager.snapshot().graph_misses == 1
+
+
+def test_the_token_budget_ends_a_batch_but_a_longer_prompt_goes_alone():
+    manager = make_manager(max_batched_tokens=100)
+    for i, length in enumerate((40, 40, 40, 150, 10)):
+        manager.add(req(i, length, arrival=float(i)))
+    take = [ids(manager.next_batch(free_blocks=10_000, block_size=16, now=9.0)) for _ in range(3)]
+    assert take == [[0, 1], [2], [3]]  # 40 + 40 + 40 > 100; 150 alone, not starved
+    assert ids(manager.next_batch(free_blocks=10_000, block_size=16, now=9.0)) == [4]
+
+
+def test_unpadded_batches_outgrow_the_warmed_batch_sizes_at_their_own_shape():
+    manager = make_manager(max_len=2048, padded=False)
+    for i in range(6):
+        manager.add(req(i, 1000 + i))
+    batch = manager.next_batch(free_blocks=10_000, block_size=16, now=0.0)
+    assert len(batch) == 6 and batch.shape == (6, 1005, 0)  # 4 is the largest warmed bs
+    assert not batch.graph_miss and manager.snapshot().graph_misses == 0
+    assert manager.controller.config.max_num_seqs == 256  # not capped at the warmed 4
 
 
 def test_requeue_restores_the_exact_order_and_accounting():
@@ -206,6 +226,7 @@ def run_mixed_workload(snap: float, seed: int, waves: int = 80) -> tuple[float, 
                 bs=BucketRange(1, 2, 8, 4), query=BucketRange(128, 128, 6000, 14)
             ),
         ),
+        batching=BatchingConfig(max_batched_tokens=None),  # the paper's: memory bounds batches
     )
     manager = BucketManager(config)
     rng = random.Random(seed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -145,5 +146,29 @@ def test_a_worker_killed_mid_request_is_restarted_and_nothing_is_lost(
         assert stats.worker(f"{role}-0").restarts == 1 and stats.worker_restarts == 1
         if role == "decode":
             assert stats.requests_requeued >= 1
+
+    asyncio.run(main())
+
+
+def test_an_unpadded_prefill_takes_a_whole_burst_past_the_warmed_batch_sizes(
+    tiny_model_dir: Path, work: list, reference: list
+) -> None:
+    """On the CPU (no padding, no graphs) a burst of 32 goes out as one prefill batch, past the
+    largest warmed prompt batch (16): the decode pool starts on all of it at once."""
+    config = controller_config(tiny_model_dir, mode="local")
+    runner = dataclasses.replace(config.runner, num_kv_blocks=1024)
+
+    async def main() -> None:
+        controller = Controller(dataclasses.replace(config, runner=runner))
+        await controller.start()
+        try:
+            assert not controller.buckets.padded
+            assert tokens(await generate(controller, work + work, "burst")) == reference * 2
+            stats = await controller.drain(30)
+        finally:
+            await controller.shutdown()
+        assert_drained(stats)
+        assert [w.batches for w in stats.workers if w.role == "prefill"] == [1]
+        assert stats.transfers == 1 and stats.buckets.graph_misses == 0
 
     asyncio.run(main())
