@@ -17,6 +17,7 @@ from typing import Any
 from benchmarks.loadgen.bench import Bench
 from benchmarks.loadgen.bench_config import BenchConfig
 from benchmarks.loadgen.bench_metrics import rate_at_attainment
+from benchmarks.loadgen.server_metrics import ServerMetrics
 from benchmarks.loadgen.service_harness import ServiceHarness
 from benchmarks.loadgen.tenant_mix import TenantShare
 
@@ -85,11 +86,13 @@ class Comparison:
         self.spec = spec
         self.systems = systems
         self.target = target
+        self.settle_timeout_s = 2 * bench.timeout_s + 60
         self.benches: dict[str, Bench] = {}
 
     def run(self) -> dict[str, Any]:
         """Every system is started first; then each rate is offered to each system in turn
-        (the order rotating per rate), so noise from a shared machine spreads over all."""
+        (the order rotating per rate), so noise from a shared machine spreads over all, and
+        each run waits until no service is still busy with an earlier one."""
         benches = self.benches
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in self.systems}
         with contextlib.ExitStack() as stack:
@@ -106,11 +109,24 @@ class Comparison:
             for i, rate in enumerate(self.bench.rates):
                 order = self.systems[i % len(self.systems):] + self.systems[: i % len(self.systems)]
                 for name in order:
-                    runs[name].append(benches[name].run_rates([rate])["runs"][0])
+                    settled = self._settle()
+                    run = benches[name].run_rates([rate])["runs"][0]
+                    runs[name].append({**run, "settled": settled})
         results = {
             name: benches[name].result(runs[name]) for name in self.systems
         }
         return {"systems": results, "rate_at_target": self._rates(results)}
+
+    def _settle(self) -> dict[str, list[float]]:
+        """Wait until no service holds work from an earlier run (a client gives up on a
+        request at its timeout, a server may still be finishing its batch): every run
+        starts on idle cores. Returns, per system that was busy, [requests, seconds]."""
+        settled = {}
+        for name, bench in self.benches.items():
+            busy, waited = ServerMetrics(bench.config.metrics_url).wait_idle(self.settle_timeout_s)
+            if busy:
+                settled[name] = [busy, round(waited, 2)]
+        return settled
 
     def _rates(self, results: dict[str, Any]) -> dict[str, Any]:
         found = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,6 +22,10 @@ COUNTERS = {
 GAUGES = {
     "bucketserve:padding_waste_ratio": "padding_waste_ratio",
     "bucketserve:request_buckets": "request_buckets",
+    "bucketserve:num_requests_running": "requests_running",
+    "bucketserve:num_requests_waiting": "requests_waiting",
+    "vllm:num_requests_running": "requests_running",
+    "vllm:num_requests_waiting": "requests_waiting",
 }
 
 
@@ -43,6 +48,24 @@ class ServerMetrics:
 
     def delta(self) -> dict[str, float]:
         return diff(self.before, self.scrape())
+
+    def in_flight(self) -> int:
+        """Requests the server still runs or queues (0 when it exports no such gauge)."""
+        now = self.scrape()
+        return int(now.get("requests_running", 0) + now.get("requests_waiting", 0))
+
+    def wait_idle(self, timeout_s: float, poll_s: float = 0.2) -> tuple[int, float]:
+        """Wait until nothing is in flight; (requests in flight at the call, seconds waited).
+        Raises TimeoutError when the server is still busy after `timeout_s`."""
+        start = time.monotonic()
+        busy = first = self.in_flight()
+        while busy:
+            if time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"{self.url}: {busy} requests still in flight after "
+                                   f"{timeout_s:g} s")
+            time.sleep(poll_s)
+            busy = self.in_flight()
+        return first, time.monotonic() - start
 
 
 def parse(text: str) -> dict[str, float]:

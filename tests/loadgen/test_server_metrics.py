@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from benchmarks.loadgen.server_metrics import diff, parse
+import http.server
+import threading
+
+import pytest
+
+from benchmarks.loadgen.server_metrics import ServerMetrics, diff, parse
 
 BEFORE = """\
 # TYPE bucketserve:graph_misses counter
@@ -37,3 +42,53 @@ def test_counters_are_summed_over_labels_and_differenced() -> None:
         "padding_waste_ratio": 0.125,  # a gauge: its value after the run
         "generation_tokens": 20.0,
     }
+
+
+class _Exposition:
+    """A /metrics endpoint on loopback that serves `pages` in turn (the last one for good)."""
+
+    def __init__(self, pages: list[str]) -> None:
+        pages = list(pages)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = (pages.pop(0) if len(pages) > 1 else pages[0]).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
+
+
+def load(running: int, waiting: int) -> str:
+    return (
+        "# TYPE bucketserve:num_requests_running gauge\n"
+        f"bucketserve:num_requests_running{{model_name=\"m\"}} {running}.0\n"
+        "# TYPE bucketserve:num_requests_waiting gauge\n"
+        f"bucketserve:num_requests_waiting{{model_name=\"m\"}} {waiting}.0\n"
+    )
+
+
+def test_wait_idle_polls_until_nothing_runs_or_waits() -> None:
+    endpoint = _Exposition([load(2, 3), load(1, 0), load(0, 0)])
+    try:
+        busy, waited = ServerMetrics(endpoint.url).wait_idle(10.0, poll_s=0.01)
+        assert busy == 5 and waited > 0
+        assert ServerMetrics(endpoint.url).wait_idle(10.0)[0] == 0  # idle now: no wait
+    finally:
+        endpoint.server.shutdown()
+
+
+def test_wait_idle_gives_up_on_a_server_that_stays_busy() -> None:
+    endpoint = _Exposition([load(1, 0)])
+    try:
+        with pytest.raises(TimeoutError, match=r"1 requests still in flight after 0\.05 s"):
+            ServerMetrics(endpoint.url).wait_idle(0.05, poll_s=0.01)
+    finally:
+        endpoint.server.shutdown()
