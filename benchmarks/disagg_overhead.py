@@ -14,6 +14,9 @@ shared machine hits them alike:
 - `disagg-ray`: the Controller with both workers as Ray actors (local Ray),
   KV through the Ray object store.
 
+Both the engine and the workers take up to `--max-batched-tokens` prompt tokens
+(default 8192, an offline budget) per prefill step or batch.
+
 (Running each system in its own process instead made the engine alone up to
 3x slower on the shared 2-core machine, for reasons outside the code paths
 compared, so the pairing is in-process.) Per system: total output tok/s,
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -49,14 +53,18 @@ MODES = {"disagg-inprocess": "local", "disagg-ray": "ray"}
 TARGET = 1.15  # disaggregated wall time / engine wall time
 
 
-def controller_config(args: argparse.Namespace, mode: str) -> Any:
-    from deploy.controller_config import ControllerConfig, PlacementConfig
+def controller_config(args: argparse.Namespace, mode: str, max_model_len: int) -> Any:
+    from deploy.controller_config import ControllerConfig, PlacementConfig, default_buckets
     from runtime.model_runner import ModelRunnerConfig
     from runtime.scheduler import SchedulerConfig
 
+    runner = ModelRunnerConfig(args.model, dtype="float32", device="cpu")
+    buckets = default_buckets(max_model_len, runner.block_size, args.max_num_seqs)
+    batching = dataclasses.replace(buckets.batching, max_batched_tokens=args.max_batched_tokens)
     return ControllerConfig(
-        runner=ModelRunnerConfig(args.model, dtype="float32", device="cpu"),
+        runner=runner,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
+        buckets=dataclasses.replace(buckets, batching=batching),
         mode=mode,
         ray_init_kwargs={"log_to_driver": False},
         prefill_placement=PlacementConfig(torch_threads=args.prefill_threads),
@@ -81,11 +89,11 @@ async def timed_stream(controller: Any, request: Any) -> tuple[list[int], float,
 class Disagg:
     """A started Controller serving the workload, run after run."""
 
-    def __init__(self, args: argparse.Namespace, mode: str) -> None:
+    def __init__(self, args: argparse.Namespace, mode: str, max_model_len: int) -> None:
         from deploy.controller import Controller
 
         self.args = args
-        self.controller = Controller(controller_config(args, mode))
+        self.controller = Controller(controller_config(args, mode, max_model_len))
         self.runs = 0
 
     async def start(self, prompts: list[list[int]]) -> None:
@@ -150,11 +158,13 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
     loop = asyncio.get_running_loop()
-    llm = LLM(args.model, dtype="float32", device="cpu", max_num_seqs=args.max_num_seqs)
+    llm = LLM(args.model, dtype="float32", device="cpu", max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_batched_tokens)
     prompts = load_prompts(args, llm.tokenizer)
     warm = SamplingParams(temperature=0, max_tokens=4)
     await loop.run_in_executor(pool, lambda: llm.generate(prompts[:2], warm, use_tqdm=False))
-    disagg = {s: Disagg(args, MODES[s]) for s in args.systems if s != "engine"}
+    max_model_len = llm.engine.runner.max_model_len
+    disagg = {s: Disagg(args, MODES[s], max_model_len) for s in args.systems if s != "engine"}
     try:
         for system in disagg.values():
             await system.start(prompts)
@@ -241,6 +251,10 @@ def main() -> None:
                         help="the Ray prefill actor's torch threads (default: all the cores)")
     parser.add_argument("--decode-threads", type=int, default=None,
                         help="the Ray decode actor's torch threads (default: all the cores)")
+    parser.add_argument("--max-batched-tokens", type=int, default=8192,
+                        help="prompt tokens in one prefill step of the engine and one prefill "
+                        "batch of the workers (an offline run's budget, as vLLM's LLM class "
+                        "raises max_num_batched_tokens; the service's default is 2048)")
     parser.add_argument("--out", default="benchmarks/results/disagg_overhead.json")
     args = parser.parse_args()
     args.systems = args.systems.split(",")
@@ -249,6 +263,8 @@ def main() -> None:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {list(SYSTEMS)}")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.max_batched_tokens < 1:
+        parser.error(f"--max-batched-tokens must be >= 1, got {args.max_batched_tokens}")
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before torch starts its threads
     out = report(args, asyncio.run(run_all(args)))
     print_report(out)

@@ -252,15 +252,17 @@ class BatchingConfig:
     that preempt instead).
 
     `max_batched_tokens` bounds one prefill forward as vLLM's
-    `max_num_batched_tokens` does: a batch's prompt tokens, summed, stay
-    within it, except that a longer prompt still goes alone (None: no bound
-    beyond the KV blocks and the shapes).
+    `max_num_batched_tokens` does (and with its default): a batch's prompt
+    tokens, summed, stay within it, except that a longer prompt still goes
+    alone (None: no bound beyond the KV blocks and the shapes). It is how long
+    a prefill worker is busy with one batch, so how long a request arriving
+    behind it waits: offline work raises it, latency targets keep it low.
     """
 
     safety_fraction: float = 0.9
     max_num_seqs: int = 256
     count_output_tokens: bool = True
-    max_batched_tokens: int | None = 8192
+    max_batched_tokens: int | None = 2048
 
     def __post_init__(self) -> None:
         check_number("BatchingConfig.safety_fraction", self.safety_fraction, 1e-9, 1.0)
