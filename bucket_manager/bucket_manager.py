@@ -159,7 +159,8 @@ class BucketManager:
         )
 
     def _batching_config(self) -> BatchingConfig:
-        """No batch outgrows the largest warmed prompt batch size: that would only miss graphs."""
+        """Padded, no batch outgrows the largest warmed prompt batch size: that would only miss
+        graphs. Unpadded runs have no graphs to miss."""
         config = self.config.batching
         if not self.padded:
             return config
