@@ -33,12 +33,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from benchmarks.offline_throughput import (
@@ -46,6 +44,7 @@ from benchmarks.offline_throughput import (
     load_prompts,
     median_of,
     summarize,
+    write_json,
 )
 
 SYSTEMS = ("engine", "disagg-inprocess", "disagg-ray")
@@ -268,10 +267,7 @@ def main() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before torch starts its threads
     out = report(args, asyncio.run(run_all(args)))
     print_report(out)
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_json(out, args.out)
 
 
 if __name__ == "__main__":

@@ -289,6 +289,13 @@ def print_report(out: dict[str, Any]) -> None:
         print(f"target {name}: {t['value']:.2f} {'met' if t['met'] else 'MISSED'}")
 
 
+def write_json(out: dict[str, Any], path: str) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {target}")
+
+
 def add_workload_args(parser: argparse.ArgumentParser, repeats: int) -> None:
     """The offline workload's flags, shared by the benchmarks that replay it."""
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -324,10 +331,7 @@ def main() -> None:
         runs.append(run)
     out = report(args, runs)
     print_report(out)
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_json(out, args.out)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,18 @@ def assert_drained(stats: Any) -> None:
     assert stats.leases_open == 0 and stats.running == 0 and stats.waiting == 0, stats
 
 
+async def serve_and_drain(controller: Any, work: list, tag: str) -> tuple[list[list[int]], Any]:
+    """The token ids a started controller gives `work`, and its stats once drained (every
+    block and lease back); the controller is shut down either way."""
+    try:
+        outputs = tokens(await generate(controller, work, tag))
+        stats = await controller.drain(30)
+    finally:
+        await controller.shutdown()
+    assert_drained(stats)
+    return outputs, stats
+
+
 def small_batches(max_num_seqs: int = 4) -> Any:
     """Default buckets for the tiny model with prefill batches of at most `max_num_seqs`, so
     the 16 requests spread over several batches (and workers)."""

@@ -17,6 +17,7 @@ from tests.disagg.helpers import (
     controller_config,
     generate,
     generate_signalling,
+    serve_and_drain,
     small_batches,
     tokens,
 )
@@ -37,12 +38,8 @@ def test_matches_the_in_process_engine(
             tiny_model_dir, num_prefill=num_prefill, num_decode=num_decode,
             buckets=small_batches(),
         )
-        try:
-            assert tokens(await generate(controller, work, "local")) == reference
-            stats = await controller.drain(30)
-        finally:
-            await controller.shutdown()
-        assert_drained(stats)
+        outputs, stats = await serve_and_drain(controller, work, "local")
+        assert outputs == reference
         assert all(w.batches > 0 and w.transport == "inprocess" for w in stats.workers)
         assert stats.transfers >= 4 and stats.requests_requeued == 0
         assert sum(stats.finish_reasons.values()) == len(work)
@@ -59,13 +56,9 @@ def test_padded_to_warmed_shape_buckets_matches_the_engine(
 
     async def main() -> None:
         controller = await started(tiny_model_dir, pad_to_shape_buckets=True, warmup="auto")
-        try:
-            infos = controller.launcher.infos
-            assert tokens(await generate(controller, work, "padded")) == reference
-            stats = await controller.drain(30)
-        finally:
-            await controller.shutdown()
-        assert_drained(stats)
+        infos = controller.launcher.infos
+        outputs, stats = await serve_and_drain(controller, work, "padded")
+        assert outputs == reference
         assert all(w.graph_misses == 0 for w in stats.workers)
         buckets = controller.buckets.config.shape_buckets
         prompt = infos["prefill-0"]
@@ -161,13 +154,9 @@ def test_an_unpadded_prefill_takes_a_whole_burst_past_the_warmed_batch_sizes(
     async def main() -> None:
         controller = Controller(dataclasses.replace(config, runner=runner))
         await controller.start()
-        try:
-            assert not controller.buckets.padded
-            assert tokens(await generate(controller, work + work, "burst")) == reference * 2
-            stats = await controller.drain(30)
-        finally:
-            await controller.shutdown()
-        assert_drained(stats)
+        padded = controller.buckets.padded
+        outputs, stats = await serve_and_drain(controller, work + work, "burst")
+        assert not padded and outputs == reference * 2
         assert [w.batches for w in stats.workers if w.role == "prefill"] == [1]
         assert stats.transfers == 1 and stats.buckets.graph_misses == 0
 

@@ -10,7 +10,7 @@ import pytest
 
 from deploy.controller import Controller
 from deploy.controller_config import PlacementConfig
-from tests.disagg.helpers import assert_drained, controller_config, generate, tokens
+from tests.disagg.helpers import controller_config, serve_and_drain
 
 pytestmark = pytest.mark.slow
 
@@ -47,12 +47,8 @@ def test_kv_crosses_nodes_through_the_object_store(
     async def main() -> None:
         controller = Controller(config)
         await controller.start()
-        try:
-            assert tokens(await generate(controller, work, "nodes")) == reference
-            stats = await controller.drain(30)
-        finally:
-            await controller.shutdown()
-        assert_drained(stats)
+        outputs, stats = await serve_and_drain(controller, work, "nodes")
+        assert outputs == reference
         prefill, decode = stats.worker("prefill-0"), stats.worker("decode-0")
         assert prefill.node_id != decode.node_id
         assert {prefill.transport, decode.transport} == {"ray"}

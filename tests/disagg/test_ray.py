@@ -20,6 +20,7 @@ from tests.disagg.helpers import (
     controller_config,
     generate,
     generate_signalling,
+    serve_and_drain,
     small_batches,
     tokens,
 )
@@ -89,13 +90,9 @@ def test_2p2d_places_one_prefill_actor_per_hpu_card_and_matches_the_engine(
         )
         controller = Controller(config)
         await controller.start()
-        try:
-            infos = controller.launcher.infos
-            assert tokens(await generate(controller, work, "hpu")) == reference
-            stats = await controller.drain(30)
-        finally:
-            await controller.shutdown()
-        assert_drained(stats)
+        infos = controller.launcher.infos
+        outputs, stats = await serve_and_drain(controller, work, "hpu")
+        assert outputs == reference
         cards = [infos[f"prefill-{i}"]["accelerator_ids"] for i in range(2)]
         assert sorted(c["HPU"][0] for c in cards) == ["0", "1"] and all(
             len(c["HPU"]) == 1 for c in cards
@@ -130,12 +127,8 @@ def test_collective_transport_over_gloo_matches_the_engine(
         controller = Controller(ray_config(tiny_model_dir, transport="collective",
                                            buckets=small_batches()))
         await controller.start()
-        try:
-            assert tokens(await generate(controller, work, "gloo")) == reference
-            stats = await controller.drain(30)
-        finally:
-            await controller.shutdown()
-        assert_drained(stats)
+        outputs, stats = await serve_and_drain(controller, work, "gloo")
+        assert outputs == reference
         assert {w.transport for w in stats.workers} == {"collective"}
         assert stats.transfers >= 4
 
