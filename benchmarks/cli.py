@@ -55,6 +55,11 @@ def register(subparsers: Any) -> None:
     slo = p.add_argument_group("SLO and output")
     slo.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT target, seconds")
     slo.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT target, seconds")
+    slo.add_argument("--slo-kind", action="append", default=[], type=_kind_slo,
+                     metavar="KIND=TTFT,TPOT",
+                     help="targets of one workload kind (short, long, sharegpt), e.g. "
+                     "long=20,0.25 for offline long-document requests (repeatable); results "
+                     "also report attainment under the base targets alone")
     slo.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     slo.add_argument("--name", default="bench", help="results file stem")
     slo.add_argument("--no-progress", action="store_true")
@@ -63,9 +68,13 @@ def register(subparsers: Any) -> None:
     cmp = p.add_argument_group("comparison (--compare)")
     cmp.add_argument("--compare", action="store_true",
                      help="start the service in three configurations and compare them")
-    cmp.add_argument("--systems", default="bucketserve,fcfs,shape-only")
+    cmp.add_argument("--systems", help="comma-separated, from bucketserve,fcfs,shape-only "
+                     "(default: all three; bucketserve,fcfs with --padded)")
     cmp.add_argument("--serve-model", help="model the harness serves (default: embedded)")
     cmp.add_argument("--num-kv-blocks", type=int, help="decode KV pool of the started service")
+    cmp.add_argument("--padded", action="store_true",
+                     help="every system pads its batches to the shape buckets, as HPU and CUDA "
+                     "graphs do (on the CPU nothing is padded by default)")
     cmp.add_argument("--aggregate", type=Path, nargs="+", metavar="JSON",
                      help="print the medians of earlier --compare results and exit")
     p.set_defaults(func=run)
@@ -77,6 +86,16 @@ def _floats(text: str) -> list[float]:
     except ValueError:
         msg = f"--rates takes numbers like 0.5,1,2; got {text!r}"
         raise argparse.ArgumentTypeError(msg) from None
+
+
+def _kind_slo(text: str) -> tuple[str, tuple[float, float]]:
+    kind, _, targets = text.partition("=")
+    try:
+        ttft, tpot = (float(x) for x in targets.split(","))
+    except ValueError:
+        msg = f"--slo-kind takes KIND=TTFT,TPOT in seconds, like long=20,0.25; got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+    return kind.strip(), (ttft, tpot)
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -98,7 +117,7 @@ def build_config(args: argparse.Namespace) -> Any:
         model_path=args.tokenizer or args.serve_model, workload=workload,
         tenants=[TenantShare.parse(t) for t in args.tenant],
         rates=[*args.rates, *(args.rate_list or [])], concurrency=args.concurrency,
-        duration_s=args.duration, slo=SLO(args.slo_ttft, args.slo_tpot),
+        duration_s=args.duration, slo=SLO(args.slo_ttft, args.slo_tpot, dict(args.slo_kind)),
         timeout_s=args.timeout, allow_remote=args.allow_remote, progress=not args.no_progress,
     )
 
@@ -140,8 +159,9 @@ def _compare(args: argparse.Namespace, config: Any) -> int:
     from benchmarks.loadgen.report import compare_table
 
     spec = ServiceSpec(model=args.serve_model, max_model_len=args.max_model_len,
-                       num_kv_blocks=args.num_kv_blocks)
-    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+                       num_kv_blocks=args.num_kv_blocks, padded=args.padded)
+    names = args.systems or ("bucketserve,fcfs" if args.padded else "bucketserve,fcfs,shape-only")
+    systems = tuple(s.strip() for s in names.split(",") if s.strip())
     comparison = Comparison(config, spec, systems)
     result = comparison.run()
     path = write_json(result, args.out / f"{args.name}.json")

@@ -156,6 +156,8 @@ class BucketManager:
             mean_padded_waste=monitor.mean_padded_waste,
             mean_shape_waste=monitor.mean_shape_waste,
             graph_misses=monitor.graph_misses,
+            prompt_tokens=monitor.prompt_tokens,
+            padded_tokens=monitor.padded_tokens,
         )
 
     def _batching_config(self) -> BatchingConfig:
@@ -247,5 +249,6 @@ class BucketManager:
             waste_ratio=waste_ratio(lengths),
             padded_waste=padded_waste(lengths, shape[1]),
             shape_waste=padded_waste(lengths, shape[1], shape[0]),
+            padded_tokens=shape[0] * shape[1] if self.padded else sum(lengths),
             order_keys=tuple(e.key for e in entries),
         )

@@ -27,6 +27,8 @@ class BucketMetrics:
     mean_padded_waste: float  # Eq. 2 against the padded query length, per batch
     mean_shape_waste: float  # padding share of the padded shapes, batch rows included
     graph_misses: int
+    prompt_tokens: int  # of the formed batches
+    padded_tokens: int  # their forwards' tokens, padding included
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -40,6 +42,8 @@ class BucketMonitor:
     requeued_batches: int = 0
     graph_misses: int = 0
     last_waste_ratio: float = 0.0
+    prompt_tokens: int = 0
+    padded_tokens: int = 0
     _waste_sum: float = field(default=0.0, repr=False)
     _padded_sum: float = field(default=0.0, repr=False)
     _shape_sum: float = field(default=0.0, repr=False)
@@ -55,6 +59,8 @@ class BucketMonitor:
     def _add(self, batch: PrefillBatch, sign: int) -> None:
         self.batches += sign
         self.graph_misses += sign * batch.graph_miss
+        self.prompt_tokens += sign * batch.prompt_tokens
+        self.padded_tokens += sign * batch.padded_tokens
         self._waste_sum += sign * batch.waste_ratio
         self._padded_sum += sign * batch.padded_waste
         self._shape_sum += sign * batch.shape_waste

@@ -29,6 +29,7 @@ class PrefillBatch:
     waste_ratio: float  # Eq. 2: padding to the longest prompt
     padded_waste: float  # Eq. 2 against the padded query length
     shape_waste: float  # padding share of the whole padded shape, batch rows included
+    padded_tokens: int  # tokens the forward runs, padding included (unpadded: the prompts')
     order_keys: tuple[OrderKey, ...] = field(repr=False, compare=False)
 
     def __len__(self) -> int:

@@ -163,6 +163,14 @@ def _service_metrics(stats: Any) -> Iterator[Metric]:
     )
     waste = buckets.mean_waste_ratio
     yield gauge("padding_waste_ratio", "Mean padding waste of prefill batches (Eq. 2).", waste)
+    yield counter(
+        "prefill_batch_tokens", "Prompt tokens of formed prefill batches.", buckets.prompt_tokens
+    )
+    yield counter(
+        "prefill_padded_tokens",
+        "Tokens prefill batches run, padding to their shapes included.",
+        buckets.padded_tokens,
+    )
     yield gauge("request_buckets", "Request buckets now.", buckets.num_buckets)
     yield counter("bucket_splits", "Request bucket splits.", buckets.splits)
     yield counter("bucket_merges", "Request bucket merges.", buckets.merges)

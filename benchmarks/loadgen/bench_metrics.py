@@ -51,6 +51,7 @@ class BenchSummary:
     output_throughput: float  # output tokens/s
     slo_attainment: float
     goodput: float  # requests/s that met the SLO
+    uniform_slo_attainment: float | None  # base targets for all (None: no per-kind targets)
     ttft: dict[str, float | None]
     tpot: dict[str, float | None]
     e2e: dict[str, float | None]
@@ -85,6 +86,7 @@ def summarize(
         output_throughput=sum(r.output_tokens for r in done) * per,
         slo_attainment=attainment(records, slo),
         goodput=sum(slo.met(r) for r in records) * per,
+        uniform_slo_attainment=attainment(records, slo.uniform) if slo.per_kind else None,
         ttft=dist([r.ttft for r in done if r.ttft is not None]),
         tpot=dist([r.tpot for r in done if r.tpot is not None]),
         e2e=dist([r.e2e for r in done if r.e2e is not None]),

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+TARGETS = (
+    ("rate_at_target", ""),
+    ("rate_at_target_uniform", ", every request judged by the base targets"),
+)
+
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{1000 * value:.0f}"
@@ -25,6 +30,12 @@ def bench_table(result: dict[str, Any]) -> str:
             f"{s['output_throughput']:>7.1f} {100 * s['slo_attainment']:>5.1f} "
             f"{s['goodput']:>6.2f} {ttft:>20} {tpot:>20} {e2e:>13}"
         )
+        kinds = [f"{k} {100 * v['slo_attainment']:.1f}% of {v['count']}"
+                 for k, v in s.get("per_kind", {}).items()]
+        if s.get("uniform_slo_attainment") is not None:
+            kinds.append(f"all by the base targets {100 * s['uniform_slo_attainment']:.1f}%")
+        if len(kinds) > 1:
+            lines.append(f"{'':>6} SLO: {', '.join(kinds)}")
         if run.get("server"):
             server = ", ".join(f"{k}={v:g}" for k, v in sorted(run["server"].items()))
             lines.append(f"{'':>6} server: {server}")
@@ -35,13 +46,16 @@ def compare_table(result: dict[str, Any]) -> str:
     parts = []
     for name, res in result["systems"].items():
         parts += [f"== {name}", bench_table(res)]
-    target = result["rate_at_target"]
-    parts.append(f"rate at {100 * target['target']:.0f}% SLO attainment:")
-    for name, found in target["systems"].items():
-        rate = "-" if found["rate"] is None else f"{found['rate']:.3f} req/s"
-        parts.append(f"  {name:<12} {rate} ({found['how']})")
-    for pair, ratio in target["ratios"].items():
-        parts.append(f"  {pair}: {'-' if ratio is None else f'{ratio:.2f}x'}")
+    for key, judged in TARGETS:
+        if key not in result:
+            continue
+        target = result[key]
+        parts.append(f"rate at {100 * target['target']:.0f}% SLO attainment{judged}:")
+        for name, found in target["systems"].items():
+            rate = "-" if found["rate"] is None else f"{found['rate']:.3f} req/s"
+            parts.append(f"  {name:<12} {rate} ({found['how']})")
+        for pair, ratio in target["ratios"].items():
+            parts.append(f"  {pair}: {'-' if ratio is None else f'{ratio:.2f}x'}")
     return "\n".join(parts)
 
 
@@ -54,15 +68,20 @@ def aggregate_table(results: list[dict[str, Any]]) -> str:
         known = [v for v in values if v is not None]
         return "-" if not known else f"{statistics.median(known):.3f}"
 
-    first = results[0]["rate_at_target"]
-    lines = [f"{len(results)} runs, rate at {100 * first['target']:.0f}% SLO attainment (req/s):"]
-    for name in first["systems"]:
-        values = [r["rate_at_target"]["systems"][name]["rate"] for r in results]
-        hows = [r["rate_at_target"]["systems"][name]["how"] for r in results]
-        runs = ", ".join("-" if v is None else f"{v:.3f}" for v in values)
-        lines.append(f"  {name:<12} median {med(values)}  runs [{runs}]  {sorted(set(hows))}")
-    for pair in first["ratios"]:
-        values = [r["rate_at_target"]["ratios"][pair] for r in results]
-        runs = ", ".join("-" if v is None else f"{v:.2f}" for v in values)
-        lines.append(f"  {pair:<24} median {med(values)}x  runs [{runs}]")
+    lines = []
+    for key, judged in TARGETS:
+        if not all(key in r for r in results):
+            continue
+        first = results[0][key]
+        lines.append(f"{len(results)} runs, rate at {100 * first['target']:.0f}% SLO attainment"
+                     f"{judged} (req/s):")
+        for name in first["systems"]:
+            values = [r[key]["systems"][name]["rate"] for r in results]
+            hows = [r[key]["systems"][name]["how"] for r in results]
+            runs = ", ".join("-" if v is None else f"{v:.3f}" for v in values)
+            lines.append(f"  {name:<12} median {med(values)}  runs [{runs}]  {sorted(set(hows))}")
+        for pair in first["ratios"]:
+            values = [r[key]["ratios"][pair] for r in results]
+            runs = ", ".join("-" if v is None else f"{v:.2f}" for v in values)
+            lines.append(f"  {pair:<24} median {med(values)}x  runs [{runs}]")
     return "\n".join(lines)

@@ -15,6 +15,8 @@ COUNTERS = {
     "bucketserve:bucket_merges_total": "bucket_merges",
     "bucketserve:prompt_tokens_total": "prompt_tokens",
     "bucketserve:generation_tokens_total": "generation_tokens",
+    "bucketserve:prefill_batch_tokens_total": "prefill_batch_tokens",
+    "bucketserve:prefill_padded_tokens_total": "prefill_padded_tokens",
     "vllm:num_preemptions_total": "preemptions",
     "vllm:prompt_tokens_total": "prompt_tokens",
     "vllm:generation_tokens_total": "generation_tokens",
@@ -82,7 +84,11 @@ def parse(text: str) -> dict[str, float]:
 def diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Counters as after - before, gauges as after."""
     gauges = set(GAUGES.values())
-    return {
+    out = {
         key: value if key in gauges else value - before.get(key, 0.0)
         for key, value in after.items()
     }
+    padded = out.get("prefill_padded_tokens")
+    if padded:  # the run's share of prefill compute spent on padding
+        out["prefill_padding_share"] = 1 - out.get("prefill_batch_tokens", padded) / padded
+    return out

@@ -84,5 +84,6 @@ class FcfsBatcher:
             waste_ratio=waste_ratio(lengths),
             padded_waste=padded_waste(lengths, longest),
             shape_waste=padded_waste(lengths, longest),
+            padded_tokens=len(chosen) * longest,
             order_keys=tuple((r.arrival_time,) for r in chosen),
         )

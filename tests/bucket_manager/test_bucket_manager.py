@@ -64,6 +64,7 @@ def test_batches_are_padded_to_the_smallest_warmed_shape():
     assert batch.waste_ratio == pytest.approx((412 - 254) / 412)  # Eq. 2
     assert batch.padded_waste == pytest.approx(1 - 762 / (3 * 512))
     assert batch.shape_waste == pytest.approx(1 - 762 / (4 * 512))
+    assert batch.padded_tokens == 4 * 512 and batch.prompt_tokens == 762
     assert batch.bucket == (0, 1024)
 
 
@@ -73,6 +74,7 @@ def test_a_batch_beyond_every_shape_is_a_counted_graph_miss():
         manager.add(req(i, 1500))
     batch = manager.next_batch(free_blocks=10_000, block_size=16, now=0.0)
     assert batch.shape == (4, 1500, 0) and batch.graph_miss  # 4: the largest warmed bs
+    assert batch.padded_tokens == 6000  # a miss runs at its own rectangle
     assert batch.padded_waste == batch.shape_waste == 0.0
     assert manager.snapshot().graph_misses == 1
 
@@ -93,6 +95,7 @@ def test_unpadded_batches_outgrow_the_warmed_batch_sizes_at_their_own_shape():
     batch = manager.next_batch(free_blocks=10_000, block_size=16, now=0.0)
     assert len(batch) == 6 and batch.shape == (6, 1005, 0)  # 4 is the largest warmed bs
     assert not batch.graph_miss and manager.snapshot().graph_misses == 0
+    assert manager.snapshot().padded_tokens == batch.padded_tokens == sum(range(1000, 1006))
     assert manager.controller.config.max_num_seqs == 256  # not capped at the warmed 4
 
 
@@ -106,8 +109,10 @@ def test_requeue_restores_the_exact_order_and_accounting():
     assert empty.boundaries == [0, 128, 256, 512, 1024]
     batch = manager.next_batch(free_blocks=10_000, block_size=16, now=9.0)
     assert ids(batch) == [0, 1, 2] and len(manager) == 3
+    assert manager.snapshot().prompt_tokens == 303
     manager.requeue(batch)
     after = manager.snapshot()
+    assert (after.prompt_tokens, after.padded_tokens) == (0, 0)
     assert after.tokens_served_by_tenant == empty.tokens_served_by_tenant == {"default": 0}
     assert (after.batches, after.requeued_batches) == (0, 1)
     assert after.queue_by_bucket == empty.queue_by_bucket

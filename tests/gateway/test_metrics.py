@@ -67,6 +67,11 @@ def test_metrics_parse_and_move_with_traffic(
         d.prompt_tokens for d in done
     )
     assert value(after, "bucketserve:generation_tokens_total", tenant=tenant) == 18
+    # unpadded on the CPU, prefill runs exactly the prompt tokens (the backend is shared with
+    # other tests: count this test's batches only)
+    for name in ("prefill_batch_tokens_total", "prefill_padded_tokens_total"):
+        ran = value(after, f"bucketserve:{name}") - value(before, f"bucketserve:{name}")
+        assert ran == sum(d.prompt_tokens for d in done), name
     assert value(after, "bucketserve:request_success_total", finished_reason="length") == 3
     assert value(after, "bucketserve:e2e_request_latency_seconds_count", model_name=model) == 3
     assert value(after, "bucketserve:time_to_first_token_seconds_count") == 3

@@ -15,8 +15,8 @@ from benchmarks.loadgen.slo import SLO
 
 
 def record(i: int, send: float, first: float | None, end: float | None, tokens: int,
-           error: str | None = None, tenant: str = "a") -> RequestRecord:
-    return RequestRecord(i, tenant, "short", 10, tokens, send_time=send, first_token_time=first,
+           error: str | None = None, tenant: str = "a", kind: str = "short") -> RequestRecord:
+    return RequestRecord(i, tenant, kind, 10, tokens, send_time=send, first_token_time=first,
                          end_time=end, output_tokens=tokens, error=error)
 
 
@@ -74,6 +74,24 @@ def test_summary_throughput_goodput_and_tenants() -> None:
     assert s.errors == ["boom"]
 
 
+def test_a_kind_judged_by_its_own_targets() -> None:
+    slo = SLO(ttft_s=1.0, tpot_s=0.5, per_kind={"long": (10.0, 0.5)})
+    records = [
+        record(0, 0.0, 0.5, 1.0, 2),  # short, ttft 0.5: met
+        record(1, 0.0, 2.0, 2.5, 2),  # short, ttft 2.0: missed
+        record(2, 0.0, 8.0, 8.5, 2, tenant="b", kind="long"),  # long, 8.0 within 10: met
+        record(3, 0.0, 12.0, 12.5, 2, tenant="b", kind="long"),  # long, 12.0: missed
+        record(4, 0.0, 0.5, 2.0, 2, tenant="b", kind="long"),  # long, tpot 1.5: missed
+    ]
+    assert slo.targets("long") == (10.0, 0.5) and slo.targets("sharegpt") == (1.0, 0.5)
+    s = summarize(records, slo)
+    assert s.slo_attainment == 0.4
+    assert s.uniform_slo_attainment == 0.2  # only record 0 meets 1.0 s
+    assert s.per_kind["long"]["slo_attainment"] == pytest.approx(1 / 3)
+    assert s.per_tenant_attainment == {"a": 0.5, "b": pytest.approx(1 / 3)}
+    assert summarize(records, slo.uniform).uniform_slo_attainment is None
+
+
 def test_rate_at_80_percent_is_interpolated() -> None:
     rates = [1.0, 2.0, 3.0, 4.0]
     assert rate_at_attainment(rates, [1.0, 0.9, 0.7, 0.2]) == (pytest.approx(2.5), "interpolated")
@@ -92,3 +110,7 @@ def test_rate_at_80_percent_is_interpolated() -> None:
 def test_slo_rejects_non_positive_targets() -> None:
     with pytest.raises(ValueError, match="SLO targets"):
         SLO(ttft_s=0.0, tpot_s=0.1)
+    with pytest.raises(ValueError, match="for long requests must be > 0"):
+        SLO(ttft_s=1.0, tpot_s=0.1, per_kind={"long": (20.0, 0.0)})
+    with pytest.raises(ValueError, match="for the kinds"):
+        SLO(ttft_s=1.0, tpot_s=0.1, per_kind={"offline": (20.0, 0.1)})

@@ -38,6 +38,16 @@ def test_the_three_systems_differ_only_in_buckets_policies_and_padding(
         Comparison(BenchConfig(), spec, ("bucketserve", "vllm"))
 
 
+def test_padded_pads_every_system_and_refuses_shape_only(tiny_model_dir: Path) -> None:
+    spec = ServiceSpec(model=str(tiny_model_dir), max_model_len=256, block_size=4, padded=True)
+    a, _, _ = system_setup("bucketserve", spec)
+    b, _, _ = system_setup("fcfs", spec)
+    assert a.pad_to_shape_buckets is True and b.pad_to_shape_buckets is True
+    assert a.buckets.request_buckets.max_buckets > 1 == b.buckets.request_buckets.max_buckets
+    with pytest.raises(ValueError, match="shape-only is fcfs"):
+        Comparison(BenchConfig(), spec, ("bucketserve", "shape-only"))
+
+
 @pytest.mark.slow
 def test_a_comparison_run_over_the_tiny_model(tiny_model_dir: Path) -> None:
     spec = ServiceSpec(model=str(tiny_model_dir), max_model_len=256, block_size=4,

@@ -20,12 +20,18 @@ bucketserve:padding_waste_ratio 0.25
 # TYPE bucketserve:generation_tokens counter
 bucketserve:generation_tokens_total{model_name="m",tenant="a"} 10.0
 bucketserve:generation_tokens_total{model_name="m",tenant="b"} 5.0
+# TYPE bucketserve:prefill_batch_tokens counter
+bucketserve:prefill_batch_tokens_total 100.0
+# TYPE bucketserve:prefill_padded_tokens counter
+bucketserve:prefill_padded_tokens_total 100.0
 # TYPE bucketserve:unrelated gauge
 bucketserve:unrelated 9.0
 """
 AFTER = BEFORE.replace("} 2.0", "} 5.0").replace("total 4.0", "total 6.0").replace(
     "ratio 0.25", "ratio 0.125"
-).replace('"b"} 5.0', '"b"} 25.0')
+).replace('"b"} 5.0', '"b"} 25.0').replace(
+    "batch_tokens_total 100.0", "batch_tokens_total 400.0"
+).replace("padded_tokens_total 100.0", "padded_tokens_total 600.0")
 
 
 def test_counters_are_summed_over_labels_and_differenced() -> None:
@@ -35,12 +41,17 @@ def test_counters_are_summed_over_labels_and_differenced() -> None:
         "preemptions": 4.0,
         "padding_waste_ratio": 0.25,
         "generation_tokens": 15.0,
+        "prefill_batch_tokens": 100.0,
+        "prefill_padded_tokens": 100.0,
     }
     assert diff(before, after) == {
         "graph_misses": 3.0,
         "preemptions": 2.0,
         "padding_waste_ratio": 0.125,  # a gauge: its value after the run
         "generation_tokens": 20.0,
+        "prefill_batch_tokens": 300.0,
+        "prefill_padded_tokens": 500.0,
+        "prefill_padding_share": pytest.approx(0.4),  # the run's 200 padding of 500
     }
 
 
