@@ -6,8 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from benchmarks.loadgen.request_record import RequestRecord
-
-KINDS = ("short", "long", "sharegpt")
+from benchmarks.loadgen.workload import REQUEST_KINDS
 
 
 @dataclass(frozen=True)
@@ -27,9 +26,9 @@ class SLO:
                 where = f" for {kind} requests" if kind else ""
                 raise ValueError(f"SLO targets{where} must be > 0 seconds, got TTFT {ttft}, "
                                  f"TPOT {tpot}")
-        bad = sorted(set(self.per_kind) - set(KINDS))
+        bad = sorted(set(self.per_kind) - set(REQUEST_KINDS))
         if bad:
-            raise ValueError(f"per-kind SLO targets are for the kinds {KINDS}, got {bad}")
+            raise ValueError(f"per-kind SLO targets are for the kinds {REQUEST_KINDS}, got {bad}")
 
     @property
     def uniform(self) -> SLO:

@@ -15,6 +15,7 @@ from benchmarks.loadgen.tenant_mix import TenantMix
 from benchmarks.loadgen.text_corpus import TextCorpus
 
 WORKLOADS = ("short", "long", "mixed", "sharegpt")
+REQUEST_KINDS = ("short", "long", "sharegpt")  # the part of a workload a request comes from
 OUTPUT = LengthDistribution(mean=128.0, sigma=0.5, low=8, high=512)
 
 
