@@ -53,7 +53,7 @@ TARGET = 1.15  # disaggregated wall time / engine wall time
 
 
 def controller_config(args: argparse.Namespace, mode: str, max_model_len: int) -> Any:
-    from deploy.controller_config import ControllerConfig, PlacementConfig, default_buckets
+    from controller.config import ControllerConfig, PlacementConfig, default_buckets
     from runtime.model_runner import ModelRunnerConfig
     from runtime.scheduler import SchedulerConfig
 
@@ -89,14 +89,14 @@ class Disagg:
     """A started Controller serving the workload, run after run."""
 
     def __init__(self, args: argparse.Namespace, mode: str, max_model_len: int) -> None:
-        from deploy.controller import Controller
+        from controller.controller import Controller
 
         self.args = args
         self.controller = Controller(controller_config(args, mode, max_model_len))
         self.runs = 0
 
     async def start(self, prompts: list[list[int]]) -> None:
-        from runtime.request import ServeRequest
+        from kv_worker.messages import ServeRequest
         from runtime.sampling_params import SamplingParams
 
         await self.controller.start()
@@ -108,7 +108,7 @@ class Disagg:
         await self.controller.drain(60)
 
     async def run(self, prompts: list[list[int]]) -> dict[str, Any]:
-        from runtime.request import ServeRequest
+        from kv_worker.messages import ServeRequest
         from runtime.sampling_params import SamplingParams
 
         controller, self.runs = self.controller, self.runs + 1

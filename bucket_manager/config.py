@@ -6,34 +6,16 @@ and the allowed values. `from_dict` builds them from the service YAML's mappings
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from bucket_manager.checks import check_choice, check_int, check_number
 from bucket_manager.policy import Policy, TenantClass
 
 BUCKET_FILE_ENV = "BUCKETSERVE_BUCKET_FILE"
 STRATEGIES = ("exponential", "linear", "file")
 LOOKUPS = ("bisect", "linear")
-
-
-def check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def check_number(name: str, value: Any, low: float, high: float = math.inf) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not low <= value <= high or math.isnan(value):
-        bound = f"in [{low}, {high}]" if high != math.inf else f">= {low}"
-        raise ValueError(f"{name} must be a number {bound}, got {value!r}")
-
-
-def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        allowed = ", ".join(repr(c) for c in choices)
-        raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
 
 
 def _build(cls: type, data: Any, where: str, nested: dict[str, Any] | None = None) -> Any:

@@ -15,8 +15,8 @@ import sys
 _COMMAND_MODULES = (
     "runtime.cli",
     "bucket_manager.cli",
-    "gateway.cli",
     "deploy.cli",
+    "gateway.cli",
     "benchmarks.cli",
 )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deploy.worker_config import WorkerConfig
+from kv_worker.config import WorkerConfig
 from runtime.engine_config import EngineConfig
 
 

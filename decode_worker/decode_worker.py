@@ -10,12 +10,19 @@ import time
 from collections.abc import Sequence
 
 from decode_worker.config import DecodeWorkerConfig
-from decode_worker.reservation import AdmitResult, Reservation, ReservationError
-from deploy.kv_worker import KVWorker
-from deploy.worker_messages import HandoffRequest, StepOutput, TokenDelta, WorkerStats
 from kv_transfer.kv_format import KVBlockHandle
 from kv_transfer.lease import Lease, LeaseState, LeaseTable
 from kv_transfer.transport import KVTransport, TransferError
+from kv_worker.kv_worker import KVWorker
+from kv_worker.messages import (
+    AdmitResult,
+    HandoffRequest,
+    Reservation,
+    ReservationError,
+    StepOutput,
+    TokenDelta,
+    WorkerStats,
+)
 from runtime.engine import LLMEngine
 from runtime.model_runner import ModelRunnerConfig, Shape
 from runtime.outputs import RequestOutput

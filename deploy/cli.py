@@ -1,4 +1,5 @@
-"""`bucketserve config check FILE`: validate a service config without starting anything."""
+"""`bucketserve serve` (the service from a config file and flags) and `bucketserve config
+check FILE` (validate a service config without starting anything)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,28 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from gateway.gateway_config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+
 
 def register(subparsers: Any) -> None:
+    serve = subparsers.add_parser(
+        "serve",
+        help="start the service: gRPC API and OpenAI-compatible HTTP (embedded default model)",
+        description="Start the service. With no --config: one prefill and one decode Ray "
+        "actor on CPU serving the embedded SmolLM2, no API key needed. Flags override the "
+        "config file. Ctrl-C or SIGTERM drains running requests, then stops.",
+    )
+    serve.add_argument("--config", type=Path, help="service YAML: gateway, tenants, controller")
+    serve.add_argument("--grpc-port", type=int, help=f"gRPC port ({DEFAULT_GRPC_PORT})")
+    serve.add_argument("--http-port", type=int, help=f"HTTP port ({DEFAULT_HTTP_PORT})")
+    serve.add_argument("--host", help="address to bind (127.0.0.1; 0.0.0.0 for a network)")
+    serve.add_argument("--model", help="HF model dir or .gguf file (default: embedded SmolLM2)")
+    serve.add_argument("--ray-address", help="join this Ray cluster ('auto' finds it)")
+    serve.add_argument(
+        "--local", action="store_true", help="all workers in this process, without Ray"
+    )
+    serve.set_defaults(func=run_serve)
+
     config = subparsers.add_parser("config", help="service config tools (check)")
     commands = config.add_subparsers(dest="config_command", metavar="COMMAND", required=True)
     check = commands.add_parser(
@@ -22,8 +43,20 @@ def register(subparsers: Any) -> None:
     check.set_defaults(func=run_check)
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    from deploy.service_runner import ServiceRunner
+
+    try:
+        runner = ServiceRunner.from_args(args)
+    except ValueError as exc:
+        print(f"bucketserve serve: {exc}", file=sys.stderr)
+        return 2
+    return runner.run()
+
+
 def run_check(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from deploy.serve_config import ServeConfig, ServeConfigError
+    from deploy.serve_config_summary import summarize
 
     out = out or sys.stdout
     try:
@@ -35,7 +68,7 @@ def run_check(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except ServeConfigError as exc:
         print(f"bucketserve config check: {exc}", file=sys.stderr)
         return 1
-    out.write(f"{args.file}: valid\n{config.summary(model_len)}\n")
+    out.write(f"{args.file}: valid\n{summarize(config, model_len)}\n")
     if model_len is None:
         out.write(
             f"note: model {config.controller.runner.model} is not on this machine; its length "

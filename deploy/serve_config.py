@@ -26,7 +26,7 @@ from bucket_manager.config import (
     ShapeBucketConfig,
     TenantConfig,
 )
-from deploy.controller_config import ControllerConfig, PlacementConfig, default_buckets
+from controller.config import ControllerConfig, PlacementConfig, default_buckets
 from deploy.serve_config_error import ServeConfigError
 from deploy.serve_config_schema import FIELDS, TARGETS, ServeConfigSchema, check_type
 from gateway.gateway_config import GatewayConfig
@@ -234,10 +234,6 @@ class ServeConfig:
     def _error(self, path: str, message: str) -> ServeConfigError:
         return ServeConfigError(path, message, self.flags.get(path, self.source))
 
-    def summary(self, model_len: int | None = None) -> str:
-        from deploy.serve_config_summary import summarize
-
-        return summarize(self, model_len)
 
 
 def with_tenants(config: ControllerConfig, tenants: Sequence[TenantConfig]) -> ControllerConfig:

@@ -15,7 +15,7 @@ import typing
 from typing import Any, Union
 
 from bucket_manager.config import BatchingConfig, RequestBucketConfig
-from deploy.controller_config import ControllerConfig, PlacementConfig
+from controller.config import ControllerConfig, PlacementConfig
 from deploy.serve_config_error import ServeConfigError
 from gateway.gateway_config import GatewayConfig
 from runtime.model_runner import ModelRunnerConfig

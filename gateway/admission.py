@@ -23,7 +23,7 @@ from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
 from gateway.tenant_registry import TenantRegistry
 from gateway.tenant_spec import TenantSpec
-from runtime.request import ServeRequest
+from kv_worker.messages import ServeRequest
 from runtime.sampling_params import SamplingParams
 
 MAX_REQUEST_ID_LEN = 128

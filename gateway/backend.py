@@ -1,21 +1,20 @@
-"""What the gateway needs from the serving layer: `deploy.controller.Controller` fits it."""
+"""What the gateway needs from the serving layer: `controller.controller.Controller` fits it."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Protocol
 
-from runtime.request import ServeRequest, StreamDelta
+from kv_worker.messages import ModelInfo, ServeRequest, ServiceStats, StreamDelta
 
 
 class Backend(Protocol):
     """`submit` raises ValueError (bad input), QueueFullError or NoWorkersError before
     anything is queued; the iterator ends with exactly one `finished` delta, and closing it
-    early aborts the request. `model_info` is a deploy.model_info.ModelInfo (name, limits,
-    tokenizer); `stats()` a deploy.service_stats.ServiceStats."""
+    early aborts the request."""
 
     @property
-    def model_info(self) -> Any: ...
+    def model_info(self) -> ModelInfo: ...
 
     async def start(self) -> None: ...
 
@@ -23,6 +22,6 @@ class Backend(Protocol):
 
     async def abort(self, request_id: str) -> bool: ...
 
-    def stats(self) -> Any: ...
+    def stats(self) -> ServiceStats: ...
 
     async def shutdown(self) -> None: ...

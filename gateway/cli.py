@@ -1,38 +1,18 @@
-"""`bucketserve serve`, `bucketserve generate "prompt"` and `bucketserve chat`."""
+"""`bucketserve generate "prompt"` and `bucketserve chat` (`serve` is deploy.cli's)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Any, TextIO
 
 from gateway.client_base import API_KEY_ENV, DEFAULT_TARGET
-from gateway.gateway_config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
 
 TARGET_ENV = "BUCKETSERVE_TARGET"
 
 
 def register(subparsers: Any) -> None:
-    serve = subparsers.add_parser(
-        "serve",
-        help="start the service: gRPC API and OpenAI-compatible HTTP (embedded default model)",
-        description="Start the service. With no --config: one prefill and one decode Ray "
-        "actor on CPU serving the embedded SmolLM2, no API key needed. Flags override the "
-        "config file. Ctrl-C or SIGTERM drains running requests, then stops.",
-    )
-    serve.add_argument("--config", type=Path, help="service YAML: gateway, tenants, controller")
-    serve.add_argument("--grpc-port", type=int, help=f"gRPC port ({DEFAULT_GRPC_PORT})")
-    serve.add_argument("--http-port", type=int, help=f"HTTP port ({DEFAULT_HTTP_PORT})")
-    serve.add_argument("--host", help="address to bind (127.0.0.1; 0.0.0.0 for a network)")
-    serve.add_argument("--model", help="HF model dir or .gguf file (default: embedded SmolLM2)")
-    serve.add_argument("--ray-address", help="join this Ray cluster ('auto' finds it)")
-    serve.add_argument(
-        "--local", action="store_true", help="all workers in this process, without Ray"
-    )
-    serve.set_defaults(func=run_serve)
-
     generate = subparsers.add_parser(
         "generate", help="stream a completion of PROMPT from a running server"
     )
@@ -66,17 +46,6 @@ def _client_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--timeout", type=float, help="seconds before the call is abandoned")
     parser.add_argument("--tls", action="store_true", help="connect with TLS")
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    from gateway.service_runner import ServiceRunner
-
-    try:
-        runner = ServiceRunner.from_args(args)
-    except ValueError as exc:
-        print(f"bucketserve serve: {exc}", file=sys.stderr)
-        return 2
-    return runner.run()
 
 
 def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:

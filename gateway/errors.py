@@ -10,7 +10,7 @@ import logging
 
 import grpc
 
-from runtime.request import NoWorkersError, QueueFullError
+from kv_worker.messages import NoWorkersError, QueueFullError
 
 logger = logging.getLogger(__name__)
 

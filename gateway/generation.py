@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from gateway.errors import BucketServeError, InternalError, from_backend
-from runtime.request import ServeRequest, StreamDelta
+from kv_worker.messages import ServeRequest, StreamDelta
 
 if TYPE_CHECKING:
     from gateway.tenant_spec import TenantSpec

@@ -14,7 +14,7 @@ from gateway.generation import Generation
 from gateway.openai_format import OpenAIFormat, error_body
 from gateway.openai_request import OpenAIRequest
 from gateway.tenant_registry import parse_bearer
-from runtime.request import StreamDelta
+from kv_worker.messages import StreamDelta
 
 
 class OpenAIApi:

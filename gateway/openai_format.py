@@ -7,7 +7,7 @@ from typing import Any
 
 from gateway.errors import BucketServeError
 from gateway.openai_request import OpenAIRequest
-from runtime.request import StreamDelta
+from kv_worker.messages import StreamDelta
 
 OPENAI_FINISH = {"stop": "stop", "length": "length", "cancelled": "abort"}  # vLLM's "abort"
 

@@ -15,7 +15,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from gateway.generate_input import GenerateInput
 from gateway.proto.bucketserve.v1 import serving_pb2 as pb
 from gateway.sdk_types import Chunk
-from runtime.request import RequestTimings, StreamDelta
+from kv_worker.messages import RequestTimings, StreamDelta
 
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,

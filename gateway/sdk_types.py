@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from runtime.request import RequestTimings
+from kv_worker.messages import RequestTimings
 
 
 @dataclass

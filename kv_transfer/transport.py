@@ -69,14 +69,3 @@ class KVTransport(ABC):
 def check_transport(name: str) -> None:
     if name not in TRANSPORTS:
         raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {name!r}")
-
-
-def default_transport(name: str) -> KVTransport | None:
-    """The transport a worker can build alone: `ray`. `inprocess` is shared by the workers of
-    one process and `collective` needs its group, so those are handed in later."""
-    check_transport(name)
-    if name == "ray":
-        from kv_transfer.ray_store import RayObjectStoreTransport
-
-        return RayObjectStoreTransport()
-    return None

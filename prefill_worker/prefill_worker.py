@@ -6,12 +6,11 @@ import logging
 import threading
 import time
 
-from deploy.kv_worker import KVWorker
-from deploy.worker_messages import HandoffRequest, TokenDelta, WorkerStats
 from kv_transfer.lease import Lease, LeaseError, LeaseTable
 from kv_transfer.transport import KVSender, KVTransport
+from kv_worker.kv_worker import KVWorker
+from kv_worker.messages import HandoffRequest, PrefillResult, PrefillTask, TokenDelta, WorkerStats
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.prefill_task import PrefillResult, PrefillTask
 from runtime.block_manager import BlockManager
 from runtime.detokenizer import Detokenizer
 from runtime.scheduler import finish_reason

@@ -48,8 +48,8 @@ class ServiceSpec:
 def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, list[TenantShare]]:
     """(controller config, server tenants, client tenant mix) of one system."""
     from bucket_manager.config import TenantConfig
-    from deploy.controller_config import ControllerConfig
-    from gateway.service_runner import with_tenants
+    from controller.config import ControllerConfig
+    from deploy.serve_config import with_tenants
     from gateway.tenant_registry import TenantRegistry
     from runtime.model_runner import ModelRunnerConfig
 

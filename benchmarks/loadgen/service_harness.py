@@ -19,8 +19,8 @@ def free_port() -> int:
 
 
 def _serve(controller: Any, grpc_port: int, http_port: int, tenants: list[dict] | None) -> None:
+    from deploy.service_runner import ServiceRunner
     from gateway.gateway_config import GatewayConfig
-    from gateway.service_runner import ServiceRunner
     from gateway.tenant_registry import TenantRegistry
 
     gateway = GatewayConfig(grpc_port=grpc_port, http_port=http_port, drain_timeout_s=5.0)

@@ -17,11 +17,12 @@ from benchmarks.simulator.cluster_config import ClusterConfig
 from benchmarks.simulator.decode_worker import EOS, TOKEN, DecodeWorker
 from benchmarks.simulator.event_loop import EventLoop
 from benchmarks.simulator.metrics import RequestRecord, RunResult
-from benchmarks.simulator.pd_scheduler import PDScheduler
 from benchmarks.simulator.prefill_worker import PrefillWorker
 from benchmarks.simulator.workload import SimRequest
 from bucket_manager import BucketRequest, PrefillBatch
 from bucket_manager.config import check_choice
+from controller.pd_scheduler import PDScheduler
+from kv_transfer.lease import Lease
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import SchedulerConfig
 from runtime.sequence import Sequence
@@ -85,7 +86,10 @@ class Simulator:
             PrefillWorker(i, self.loop, self.cost, link) for i in range(cluster.num_prefill)
         ]
         self._idle = list(reversed(self.prefill))
-        self.pd = PDScheduler(self.decode)
+        self.pd = PDScheduler(cluster.num_decode, cluster.block_size)  # the service's own
+        for worker in self.decode:
+            worker.on_room_change = self._room_changed
+            self._room_changed(worker)
         self.records: dict[int, RequestRecord] = {}
         self._requests: dict[int, SimRequest] = {}
         self._params: dict[int, SamplingParams] = {}
@@ -145,7 +149,7 @@ class Simulator:
     def _dispatch(self) -> None:
         while self._idle and len(self.batcher):
             start = _stamp()
-            worker = self.pd.pick()
+            worker = self.decode[self.pd.pick_decode()]
             picked = _stamp()
             batch = self.batcher.next_batch(
                 max(0, worker.room), self.cluster.block_size, self.loop.now
@@ -156,7 +160,7 @@ class Simulator:
             self._track_buckets()
             if batch is None:
                 return
-            lease = self.pd.reserve(worker, batch)
+            lease = self._reserve(worker, batch)
             reserved = _stamp()
             self._charge("pd_scheduler", batched, reserved)
             if lease is None:  # the batcher's designed path for a failed reservation
@@ -165,6 +169,19 @@ class Simulator:
                 self.counts["failed_reservations"] += 1
                 return
             self._launch(self._idle.pop(), batch, worker, lease.lease_id)
+
+    def _room_changed(self, worker: DecodeWorker) -> None:
+        self.pd.update(worker.index, worker.room, worker.load)
+
+    @staticmethod
+    def _reserve(worker: DecodeWorker, batch: PrefillBatch) -> Lease | None:
+        """Hold the batch's blocks on `worker` under one lease (kv_transfer's LeaseTable);
+        None when they are not free (prompt-only accounting leaves out the first token)."""
+        lens = [r.prompt_len for r in batch.requests]
+        if not worker.can_reserve(lens):
+            return None
+        ids = [r.request_id for r in batch.requests]
+        return worker.reserve(ids, lens, batch.kv_blocks_per_request)
 
     def _charge(self, part: str, start: tuple[float, float], end: tuple[float, float]) -> None:
         self.cpu[f"{part}_s"] += end[0] - start[0]

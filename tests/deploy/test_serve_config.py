@@ -16,7 +16,7 @@ from bucket_manager.policy import Policy, TenantClass
 from deploy.cli import run_check
 from deploy.serve_config import ServeConfig, ServeConfigError
 from deploy.serve_config_schema import FIELDS, TARGETS
-from gateway.service_runner import flag_overrides
+from deploy.service_runner import flag_overrides
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 EXAMPLES = sorted(p for p in DEPLOY.glob("serve*.yaml"))

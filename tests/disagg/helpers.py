@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from runtime.request import ServeRequest, StreamDelta
+from kv_worker.messages import ServeRequest, StreamDelta
 from runtime.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -38,7 +38,7 @@ def reference_outputs(model_dir: Path, work: list[tuple[list[int], SamplingParam
 
 
 def controller_config(model_dir: Path, **options: Any) -> Any:
-    from deploy.controller_config import ControllerConfig
+    from controller.config import ControllerConfig
     from runtime.model_runner import ModelRunnerConfig
 
     runner = ModelRunnerConfig(
@@ -93,7 +93,7 @@ async def serve_and_drain(controller: Any, work: list, tag: str) -> tuple[list[l
 def small_batches(max_num_seqs: int = 4) -> Any:
     """Default buckets for the tiny model with prefill batches of at most `max_num_seqs`, so
     the 16 requests spread over several batches (and workers)."""
-    from deploy.controller_config import default_buckets
+    from controller.config import default_buckets
 
     buckets = default_buckets(512, BLOCK_SIZE, 64)
     return dataclasses.replace(

@@ -7,19 +7,19 @@ import sys
 
 import pytest
 
-from deploy.worker_handle import LocalWorkerHandle
-from deploy.worker_messages import WorkerStats
+from controller.pd_scheduler import PDScheduler
+from controller.worker_handle import LocalWorkerHandle
 from kv_transfer.lease import LeaseError, LeaseState, LeaseTable
+from kv_worker.messages import WorkerStats
 from runtime.block_manager import BlockManager
 
 TORCH_FREE = (
     "kv_transfer.lease",
     "kv_transfer.kv_format",
     "kv_transfer.transport",
-    "decode_worker.reservation",
-    "deploy.worker_messages",
-    "deploy.request_state",
-    "deploy.service_stats",
+    "kv_worker.messages",
+    "controller.request_state",
+    "controller.pd_scheduler",
 )
 
 
@@ -121,7 +121,11 @@ def decode_handle(name: str, free: int, running: int, pending: int = 0) -> Local
 
 
 def test_the_reservation_goes_to_the_decode_worker_with_most_room_then_least_load() -> None:
-    from deploy.controller import _decode_room
+    def pick(handles: list) -> str:
+        pd = PDScheduler(len(handles), 4)
+        for i, handle in enumerate(handles):
+            pd.update(i, handle.free_blocks, handle.load)
+        return handles[pd.pick_decode()].name
 
     handles = [
         decode_handle("busy", 40, running=9),
@@ -129,7 +133,7 @@ def test_the_reservation_goes_to_the_decode_worker_with_most_room_then_least_loa
         decode_handle("small", 30, running=0),
         decode_handle("promised", 60, running=0, pending=25),  # blocks being reserved
     ]
-    assert max(handles, key=_decode_room).name == "idle"
+    assert pick(handles) == "idle"
     handles[1].stats.num_free_blocks = 39
-    assert max(handles, key=_decode_room).name == "busy"
+    assert pick(handles) == "busy"
     assert handles[3].free_blocks == 35

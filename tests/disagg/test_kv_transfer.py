@@ -11,13 +11,11 @@ import torch
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.decode_worker import DecodeWorker
-from decode_worker.reservation import ReservationError
-from deploy.worker_messages import HandoffRequest
 from kv_transfer.inprocess import InProcessTransport
 from kv_transfer.kv_format import KVFormat
 from kv_transfer.ray_store import from_wire, to_wire
+from kv_worker.messages import HandoffRequest, PrefillTask, ReservationError
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.prefill_task import PrefillTask
 from prefill_worker.prefill_worker import PrefillWorker
 from runtime.engine_config import EngineConfig
 from runtime.model_runner import ModelRunnerConfig

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from deploy.controller import Controller
+from controller.controller import Controller
 from tests.disagg.helpers import (
     BLOCK_SIZE,
     assert_drained,
@@ -52,11 +52,11 @@ def test_padded_to_warmed_shape_buckets_matches_the_engine(
 ) -> None:
     """Prefill batches padded to prompt shapes, decode batches to decode shapes, every shape
     warmed (and logged) at start: same tokens, no graph miss."""
-    caplog.set_level(logging.INFO, logger="deploy.kv_worker")
+    caplog.set_level(logging.INFO, logger="kv_worker.kv_worker")
 
     async def main() -> None:
         controller = await started(tiny_model_dir, pad_to_shape_buckets=True, warmup="auto")
-        infos = controller.launcher.infos
+        infos = controller.pool.infos
         outputs, stats = await serve_and_drain(controller, work, "padded")
         assert outputs == reference
         assert all(w.graph_misses == 0 for w in stats.workers)
@@ -123,7 +123,7 @@ def test_a_worker_killed_mid_request_is_restarted_and_nothing_is_lost(
             first = asyncio.Event()
             run = asyncio.ensure_future(generate_signalling(controller, long_work, first))
             if role == "prefill":
-                handle = controller._by_name("prefill-0")
+                handle = controller.pool.by_name("prefill-0")
                 for _ in range(10_000):  # until it holds a batch
                     if handle.inflight:
                         break

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.controller import Controller
-from deploy.controller_config import PlacementConfig
+from controller.config import PlacementConfig
+from controller.controller import Controller
 from tests.disagg.helpers import controller_config, serve_and_drain
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from deploy.controller import Controller
-from deploy.controller_config import PlacementConfig
+from controller.config import PlacementConfig
+from controller.controller import Controller
 from tests.disagg.helpers import (
     assert_drained,
     controller_config,
@@ -90,7 +90,7 @@ def test_2p2d_places_one_prefill_actor_per_hpu_card_and_matches_the_engine(
         )
         controller = Controller(config)
         await controller.start()
-        infos = controller.launcher.infos
+        infos = controller.pool.infos
         outputs, stats = await serve_and_drain(controller, work, "hpu")
         assert outputs == reference
         cards = [infos[f"prefill-{i}"]["accelerator_ids"] for i in range(2)]
@@ -110,7 +110,7 @@ def test_a_third_hpu_prefill_actor_is_refused_with_a_clear_error(
         tiny_model_dir, num_prefill=3, prefill_placement=PlacementConfig(accelerator="hpu")
     )
     controller = Controller(config)
-    options = controller.launcher.actor_options("prefill", config.prefill_placement)
+    options = controller.pool.actor_options("prefill", config.prefill_placement)
     assert options["resources"] == {"HPU": 1} and "num_gpus" not in options
     # restartable, and the call that crashed an actor is not re-run by Ray behind our back
     assert options["max_restarts"] == -1 and options["max_task_retries"] == 0

@@ -43,8 +43,8 @@ def tenant_registry() -> TenantRegistry:
 
 def local_controller_config(model_dir: Path, tenants: list[TenantConfig], **options: Any) -> Any:
     """All workers in this process: the fast path every gateway test but the Ray one uses."""
-    from deploy.controller_config import ControllerConfig
-    from gateway.service_runner import with_tenants
+    from controller.config import ControllerConfig
+    from deploy.serve_config import with_tenants
     from runtime.model_runner import ModelRunnerConfig
 
     runner = ModelRunnerConfig(
@@ -58,7 +58,7 @@ def local_controller_config(model_dir: Path, tenants: list[TenantConfig], **opti
 def backend(loop_thread: LoopThread, tiny_model_dir: Path, tenant_registry: TenantRegistry) -> Any:
     """The real Controller in local mode, serving the tiny model, knowing every test tenant
     (and `default`, the open server's)."""
-    from deploy.controller import Controller
+    from controller.controller import Controller
 
     tenants = [*tenant_registry.bucket_configs(), TenantConfig("default")]
     controller = loop_thread.call(

@@ -23,7 +23,7 @@ from tests.gateway.conftest import http_post, local_controller_config, start_ser
 @pytest.fixture(scope="module")
 def small_service(loop_thread: Any, tiny_model_dir: Path) -> Any:
     """A controller whose queue holds one request."""
-    from deploy.controller import Controller
+    from controller.controller import Controller
 
     config = local_controller_config(
         tiny_model_dir, [TenantConfig("default")], max_queued_requests=1
@@ -65,7 +65,7 @@ def test_full_queue_is_resource_exhausted(loop_thread: Any, small_service: Any) 
 
 
 def test_no_workers_is_unavailable(loop_thread: Any, tiny_model_dir: Path) -> None:
-    from deploy.controller import Controller
+    from controller.controller import Controller
 
     config = local_controller_config(tiny_model_dir, [TenantConfig("default")])
     controller = loop_thread.call(lambda: Controller(config))

@@ -12,7 +12,7 @@ from gateway.proto_codec import (
     response_to_chunk,
     unknown_fields,
 )
-from runtime.request import RequestTimings, StreamDelta
+from kv_worker.messages import RequestTimings, StreamDelta
 
 
 def test_committed_stubs_match_the_proto() -> None:

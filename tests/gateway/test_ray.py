@@ -20,7 +20,7 @@ LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 def test_sdk_through_ray_actors_matches_the_engine_and_cancel_frees_blocks(
     loop_thread: Any, tiny_model_dir: Path
 ) -> None:
-    from deploy.controller import Controller
+    from controller.controller import Controller
 
     config = local_controller_config(
         tiny_model_dir, [TenantConfig("default")], mode="ray",

@@ -17,9 +17,9 @@ QUESTIONS = ["What is the capital of France?", "Name three colours."]
 
 @pytest.mark.smollm
 def test_sdk_text_equals_the_engine_on_smollm2(loop_thread: Any, smollm_dir: Path) -> None:
-    from deploy.controller import Controller
-    from deploy.controller_config import ControllerConfig
-    from gateway.service_runner import with_tenants
+    from controller.config import ControllerConfig
+    from controller.controller import Controller
+    from deploy.serve_config import with_tenants
     from runtime.llm import LLM
     from runtime.model_runner import ModelRunnerConfig
 

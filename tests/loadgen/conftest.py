@@ -29,11 +29,11 @@ def loop_thread() -> Iterator[LoopThread]:
 @pytest.fixture(scope="module")
 def service(loop_thread: LoopThread, tiny_model_dir: Path) -> Iterator[tuple[Any, Any]]:
     """(controller, gateway server)."""
-    from deploy.controller import Controller
-    from deploy.controller_config import ControllerConfig
+    from controller.config import ControllerConfig
+    from controller.controller import Controller
+    from deploy.serve_config import with_tenants
     from gateway.gateway_config import GatewayConfig
     from gateway.server import GatewayServer
-    from gateway.service_runner import with_tenants
     from runtime.model_runner import ModelRunnerConfig
 
     tenants = TenantRegistry.from_dict(TENANTS)

@@ -150,14 +150,14 @@ def test_decode_worker_room_counts_commitments_or_comebacks():
 def test_pd_scheduler_picks_the_most_room_and_follows_every_change():
     sim = build("bucketserve", dataclasses.replace(CLUSTER, num_decode=3))
     pd, (a, b, c) = sim.pd, sim.decode
-    assert pd.pick() is a  # all equal: the lowest index
+    assert sim.decode[pd.pick_decode()] is a  # all equal: the lowest index
     a.reserve([1], [15], [50])
-    assert pd.pick() is b
+    assert sim.decode[pd.pick_decode()] is b
     b.reserve([2], [15], [20])
     c.reserve([3], [15], [30])
-    assert pd.pick() is b  # rooms 110, 140, 130
+    assert sim.decode[pd.pick_decode()] is b  # rooms 110, 140, 130
     lease = b.reserve([4], [15], [40])
-    assert pd.pick() is c and b.room == 100
+    assert sim.decode[pd.pick_decode()] is c and b.room == 100
     b.land(lease.lease_id)
     assert [w.room for w in (a, b, c)] == [110, 100, 130]
 

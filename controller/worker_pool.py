@@ -4,14 +4,16 @@ in-process workers, warmed up and wired to their KV transport."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from typing import Any
 
 from bucket_manager.config import BucketManagerConfig
+from controller.config import ControllerConfig, PlacementConfig
+from controller.worker_handle import Failure, LocalWorkerHandle, RayWorkerHandle, WorkerHandle
 from decode_worker.config import DecodeWorkerConfig
-from deploy.controller_config import ControllerConfig, PlacementConfig
-from deploy.worker_handle import LocalWorkerHandle, RayWorkerHandle, WorkerHandle
+from kv_worker.messages import WorkerStats
 from prefill_worker.config import PrefillWorkerConfig
 from runtime.engine_config import EngineConfig
 
@@ -21,8 +23,9 @@ ACTOR_CONCURRENCY = 8  # threads per actor: a long-poll, admissions, reservation
 _COLLECTIVE_DEVICES = ("cuda", "hpu")
 
 
-class Launcher:
-    """Creates P prefill and D decode workers; `revive` brings a dead one back."""
+class WorkerPool:
+    """Creates P prefill and D decode workers (`start`), brings a dead one back (`revive`),
+    forms the KV collective group, and finds handles by role or name."""
 
     def __init__(self, config: ControllerConfig, buckets: BucketManagerConfig) -> None:
         self.config = config
@@ -65,9 +68,43 @@ class Launcher:
         if self.transport == "collective" and all(h.alive for h in self.handles):
             await self._form_collective()
 
+    def role(self, role: str, alive: bool = False) -> list[WorkerHandle]:
+        """The handles of `role` in start order (only the live ones with `alive`)."""
+        return [h for h in self.handles if h.role == role and (h.alive or not alive)]
+
+    def by_name(self, name: str | None) -> WorkerHandle:
+        for handle in self.handles:
+            if handle.name == name:
+                return handle
+        raise ValueError(f"no worker named {name!r}; workers: {[h.name for h in self.handles]}")
+
+    async def poll(self, handle: WorkerHandle) -> list[Failure]:
+        """Fetch `handle`'s fresh stats; the failed call, if it failed."""
+        epoch = handle.epoch
+        try:
+            stats = await handle.call("stats")
+        except Exception as exc:
+            return [Failure(handle, exc, epoch)]
+        if handle.epoch == epoch:
+            handle.stats = stats
+        return []
+
+    async def refresh(self) -> list[Failure]:
+        """Every live worker's fresh stats; the calls that failed."""
+        polls = await asyncio.gather(*(self.poll(h) for h in self.handles if h.alive))
+        return [f for failures in polls for f in failures]
+
+    def worker_stats(self) -> list[WorkerStats]:
+        """Each worker's last report, with the pool's view of its liveness and restarts."""
+        return [
+            dataclasses.replace(
+                h.stats or WorkerStats(h.name, h.role, "", 0, 0), alive=h.alive, restarts=h.restarts
+            )
+            for h in self.handles
+        ]
+
     async def shutdown(self) -> None:
         await asyncio.gather(*(h.stop() for h in self.handles), return_exceptions=True)
-        self.handles = []
         if self._started_ray:
             import ray
 

@@ -4,41 +4,46 @@
     await controller.start()
     async for delta in controller.submit(request):  # StreamDelta, the last one finished
         ...
+
+Method groups: lifecycle (start, shutdown, drain, stats), the request table (submit,
+abort), dispatch (the PDScheduler's choices, one Handoff per batch, acting on its
+outcomes), the output pump (decode step messages -> RequestStreams), the fault policy
+(requeue, put back, judge failures, revive) and bounds from the pools the workers got.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Coroutine
-from numbers import Integral
 from typing import Any
 
 from bucket_manager.bucket_manager import BucketManager
 from bucket_manager.prefill_batch import PrefillBatch
+from controller.config import ControllerConfig
+from controller.handoff import Admitted, Handoff
+from controller.pd_scheduler import PDScheduler, subset
+from controller.request_state import RequestState
+from controller.request_stream import RequestStream
+from controller.service_limits import ServiceLimits
+from controller.worker_handle import Failure, WorkerDiedError, WorkerHandle
+from controller.worker_pool import WorkerPool
 from decode_worker.decode_worker import WorkerFailedError
-from decode_worker.reservation import Reservation, ReservationError
-from deploy.controller_config import ControllerConfig, default_buckets, fit_buckets
-from deploy.launcher import Launcher
-from deploy.model_info import ModelInfo
-from deploy.request_state import RequestState
-from deploy.request_stream import RequestStream
-from deploy.service_stats import ServiceStats
-from deploy.worker_handle import WorkerDiedError, WorkerHandle
-from deploy.worker_messages import StepOutput, TokenDelta, WorkerStats
 from kv_transfer.lease import LeaseError
 from kv_transfer.transport import TransferError
-from prefill_worker.prefill_task import PrefillResult, PrefillTask
+from kv_worker.messages import (
+    ModelInfo,
+    NoWorkersError,
+    PrefillResult,
+    QueueFullError,
+    ServeRequest,
+    ServiceStats,
+    StepOutput,
+    TokenDelta,
+)
 from prefill_worker.prefill_worker import PrefillCapacityError
-from runtime.model_config import ModelConfig
-from runtime.request import NoWorkersError, QueueFullError, ServeRequest
-from runtime.sampling_params import SamplingParams
-from runtime.tokenizer import Tokenizer
-from runtime.weights import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -61,39 +66,12 @@ class Controller:
 
     def __init__(self, config: ControllerConfig | None = None) -> None:
         self.config = config = config or ControllerConfig()
-        model_dir = resolve_model(config.runner.model)
-        model_config = ModelConfig.from_dir(model_dir)
-        max_model_len = config.runner.max_model_len or model_config.max_position_embeddings
-        if max_model_len > model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"{model_config.max_position_embeddings}"
-            )
-        self.block_size = block_size = config.runner.block_size
-        max_seqs = config.scheduler.max_num_seqs
-        buckets = (
-            default_buckets(max_model_len, block_size, max_seqs)
-            if config.buckets is None
-            else fit_buckets(config.buckets, max_model_len, block_size)
-        )
-        self.buckets = BucketManager(buckets)
-        self.launcher = Launcher(config, buckets)
-        tokenizer = Tokenizer.from_dir(model_dir)
-        eos = {*model_config.eos_token_ids, tokenizer.eos_token_id} - {None}
-        self._model = ModelInfo(
-            name=config.runner.model or "SmolLM2-135M-Instruct",
-            path=model_dir,
-            max_model_len=max_model_len,
-            max_prompt_len=max_model_len - 1,
-            block_size=block_size,
-            vocab_size=model_config.vocab_size,
-            eos_token_ids=frozenset(eos),
-            tokenizer=tokenizer,
-        )
-        self._max_seq_len = max_model_len
-        self._decode_capacity = 0  # blocks one batch may need at most (Eq. 5 of an empty pool)
+        self.limits = limits = ServiceLimits(config)
+        self.block_size = limits.block_size
+        self.buckets = BucketManager(limits.buckets)
+        self.pool = WorkerPool(config, limits.buckets)
+        self.pd = PDScheduler(config.num_decode, limits.block_size)
         self._requests: dict[str, RequestState] = {}
-        self._handles: list[WorkerHandle] = []
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self._state = "new"
@@ -105,7 +83,7 @@ class Controller:
 
     @property
     def model_info(self) -> ModelInfo:
-        return self._model
+        return self.limits.model
 
     async def start(self) -> None:
         """Start Ray (or the local workers), create and warm up every worker."""
@@ -114,17 +92,16 @@ class Controller:
         self._state = "starting"
         self._wake = asyncio.Event()
         try:
-            self._handles = await self.launcher.start()
+            await self.pool.start()
         except BaseException:
             self._state = "stopped"
-            await self.launcher.shutdown()
+            await self.pool.shutdown()
             raise
-        self._fit_limits()
-        self._fit_batching()
+        self._bound_by_pools()
         self._state = "running"
         self._spawn(self._dispatch_loop())
         self._spawn(self._monitor_loop())
-        for handle in self._role("decode"):
+        for handle in self.pool.role("decode"):
             self._spawn(self._pump(handle))
 
     async def shutdown(self) -> None:
@@ -137,7 +114,7 @@ class Controller:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.launcher.shutdown()
+        await self.pool.shutdown()
         self._state = "stopped"
 
     async def __aenter__(self) -> Controller:
@@ -151,18 +128,21 @@ class Controller:
 
     def submit(self, request: ServeRequest) -> RequestStream:
         """Queue `request`; its deltas come out of the returned async iterator, the last with
-        `finished=True`. Raises (queuing nothing) ValueError for a malformed request,
-        QueueFullError at the queue bound, NoWorkersError without live workers."""
+        `finished=True`. The request was validated at the edge (the gateway's admission);
+        raises (queuing nothing) ValueError for an id in use or a tenant the bucket manager
+        does not serve, QueueFullError at the queue bound, NoWorkersError without live
+        workers."""
         if self._state != "running":
             raise NoWorkersError(f"the controller is {self._state}; call start() first")
-        self._validate(request)
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         if len(self.buckets) >= self.config.max_queued_requests:
             raise QueueFullError(
                 f"{len(self.buckets)} requests are queued, the bound is "
                 f"{self.config.max_queued_requests}; retry later",
                 retry_after_s=1.0,
             )
-        if not self._role("prefill", alive=True) or not self._role("decode", alive=True):
+        if not self.pool.role("prefill", alive=True) or not self.pool.role("decode", alive=True):
             raise NoWorkersError("no live prefill or decode worker; retry once they restart")
         state = RequestState(request, RequestStream(request.request_id, self.abort))
         self.buckets.add(state.bucket_request(self._max_tokens_hint(state)))
@@ -180,7 +160,7 @@ class Controller:
         phase, worker = state.phase, state.decode_worker
         self._finish(state, "cancelled")
         if phase == "decode":
-            handle = self._by_name(worker)
+            handle = self.pool.by_name(worker)
             try:
                 await handle.call("abort", request_id)
             except Exception as exc:  # a dead worker freed everything anyway
@@ -192,7 +172,7 @@ class Controller:
         return ServiceStats(
             waiting=len(self.buckets),
             running=running,
-            workers=[self._worker_stats(h) for h in self._handles],
+            workers=self.pool.worker_stats(),
             buckets=self.buckets.snapshot(),
             requests_total=self._counts["requests_total"],
             requests_finished=self._counts["requests_finished"],
@@ -200,7 +180,7 @@ class Controller:
             kv_bytes_moved=self._counts["kv_bytes"],
             transfers=self._counts["transfers"],
             transfer_s=self._transfer_s,
-            worker_restarts=sum(h.restarts for h in self._handles),
+            worker_restarts=sum(h.restarts for h in self.pool.handles),
             finish_reasons=dict(self._reasons),
         )
 
@@ -220,11 +200,11 @@ class Controller:
         return self.stats()
 
     async def refresh_stats(self) -> None:
-        await asyncio.gather(*(self._poll(h) for h in self._handles if h.alive))
+        self._judge(await self.pool.refresh())
 
     async def kill_worker(self, name: str) -> None:
         """Fault drill: kill a worker as a crash would (Ray restarts it, local rebuilds it)."""
-        await self._by_name(name).kill()
+        await self.pool.by_name(name).kill()
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -237,125 +217,64 @@ class Controller:
 
     def _dispatch(self) -> None:
         """Form and send batches while a prefill worker has a free slot and a decode worker
-        has room for the next batch."""
+        has room for the next batch; the PDScheduler makes each choice."""
+        pd, decodes = self.pd, self.pool.role("decode")
         while len(self.buckets):
-            prefills = [
-                h
-                for h in self._role("prefill", alive=True)
-                if h.inflight < self.config.max_batches_per_prefill
-            ]
-            decodes = self._role("decode", alive=True)
-            if not prefills or not decodes:
+            for i, h in enumerate(decodes):
+                if h.alive:
+                    pd.update(i, h.free_blocks, h.load)
+                else:
+                    pd.remove(i)
+            prefills = self.pool.role("prefill", alive=True)
+            p = pd.pick_prefill(
+                [h.free_blocks for h in prefills],
+                [h.inflight for h in prefills],
+                self.config.max_batches_per_prefill,
+            )
+            d = pd.pick_decode()
+            if p is None or d is None:
                 return
-            decode = max(decodes, key=_decode_room)
+            decode, prefill = decodes[d], prefills[p]
             batch = self.buckets.next_batch(decode.free_blocks, self.block_size, time.monotonic())
             if batch is None:
                 return
-            prefill = max(prefills, key=lambda h: (h.free_blocks, -h.inflight))
-            batch = self._fit(batch, prefill.free_blocks)
+            batch, rest = pd.split_for_pool(batch, prefill.free_blocks)
+            if rest is not None:
+                self.buckets.requeue(rest)
             if batch is None:  # wait for handoffs to be acknowledged
                 return
-            need = [(r.request_id, self._blocks(r.prompt_len)) for r in batch.requests]
-            total = sum(n for _, n in need)
-            prefill.inflight += 1
-            prefill.pending_blocks += total
-            decode.pending_blocks += total
             states = [self._requests[r.request_id] for r in batch.requests]
             now = time.monotonic()
             for state in states:
                 state.phase, state.decode_worker = "prefill", decode.name
                 state.dispatched_at = state.dispatched_at or now
                 state.request_bucket, state.shape_bucket = batch.bucket, batch.shape
-            epochs = (prefill.epoch, decode.epoch)
-            self._spawn(self._handoff(prefill, decode, batch, states, need, epochs))
-
-    def _fit(self, batch: PrefillBatch, free_blocks: int) -> PrefillBatch | None:
-        """The head of `batch` whose prompts fit the prefill pool's free blocks; the rest
-        goes back to the queue where it was."""
-        used, n = 0, 0
-        for request in batch.requests:
-            used += self._blocks(request.prompt_len)
-            if used > free_blocks:
-                break
-            n += 1
-        if n < len(batch):
-            self.buckets.requeue(_subset(batch, list(range(n, len(batch)))))
-        return _subset(batch, list(range(n))) if n else None
+            handoff = Handoff(prefill, decode, pd.need(batch), self.config.lease_ttl_s)
+            self._spawn(self._handoff(handoff, batch, states))
 
     async def _handoff(
-        self,
-        prefill: WorkerHandle,
-        decode: WorkerHandle,
-        batch: PrefillBatch,
-        states: list[RequestState],
-        need: list[tuple[str, int]],
-        epochs: tuple[int, int],
+        self, handoff: Handoff, batch: PrefillBatch, states: list[RequestState]
     ) -> None:
-        total = sum(n for _, n in need)
+        """Drive `handoff` and act on each outcome it returns."""
         try:
-            reservation = await self._reserve(decode, batch, need, epochs[1])
-            if reservation is None:
+            requests = [s.handoff() for s in states]
+            prefilled = await handoff.run_prefill(batch, requests, self.limits.max_seq_len)
+            if prefilled.result is None:
+                if prefilled.put_back:
+                    self._put_back(batch, prefilled.count)
+                self._judge(prefilled.failures)
+                if prefilled.poll is not None:
+                    self._judge(await self.pool.poll(prefilled.poll))
                 return
-            result = await self._prefill(prefill, decode, batch, states, reservation, epochs)
-            if result is None:
-                return
-            try:
-                await self._admit(decode, states, reservation, result, epochs[1])
-            finally:
-                await self._release(prefill, result.lease_id, epochs[0])
+            self._prefilled(states, prefilled.result)
+            live = [s for s in states if s.phase == "prefill"]
+            admitted = await handoff.admit([s.handoff() for s in live])
+            await self._admitted(handoff.decode, live, admitted)
         finally:
-            if prefill.epoch == epochs[0]:
-                prefill.inflight -= 1
-                prefill.pending_blocks -= total
+            handoff.close()
             self._wake_dispatcher()
 
-    async def _reserve(
-        self, decode: WorkerHandle, batch: PrefillBatch, need: list[tuple[str, int]], epoch: int
-    ) -> Reservation | None:
-        try:
-            reservation = await decode.call("reserve", need, self.config.lease_ttl_s)
-        except ReservationError as exc:  # its free count moved on since our last report
-            logger.info("reservation on %s failed: %s", decode.name, exc)
-            self._put_back(batch, count=False)
-            await self._poll(decode)
-            return None
-        except Exception as exc:
-            self._put_back(batch, count=False)
-            self._on_failure(decode, exc, epoch)
-            return None
-        finally:
-            if decode.epoch == epoch:
-                decode.pending_blocks -= sum(n for _, n in need)
-        if decode.epoch == epoch:
-            decode.stats = reservation.stats
-        return reservation
-
-    async def _prefill(
-        self,
-        prefill: WorkerHandle,
-        decode: WorkerHandle,
-        batch: PrefillBatch,
-        states: list[RequestState],
-        reservation: Reservation,
-        epochs: tuple[int, int],
-    ) -> PrefillResult | None:
-        task = PrefillTask(
-            batch_id=batch.batch_id,
-            requests=[s.handoff() for s in states],
-            shape=batch.shape,
-            graph_miss=batch.graph_miss,
-            target=reservation.handle,
-            max_seq_len=self._max_seq_len,
-        )
-        try:
-            result = await prefill.call("run_batch", task)
-        except Exception as exc:
-            await self._release(decode, reservation.lease_id, epochs[1])
-            self._put_back(batch, count=not isinstance(exc, (PrefillCapacityError, LeaseError)))
-            self._on_failure(prefill, exc, epochs[0])
-            return None
-        if prefill.epoch == epochs[0]:
-            prefill.stats = result.stats
+    def _prefilled(self, states: list[RequestState], result: PrefillResult) -> None:
         self._counts["kv_bytes"] += result.kv_bytes
         self._counts["transfers"] += 1
         self._transfer_s += result.send_s
@@ -364,32 +283,17 @@ class Controller:
             state.transfer_s += result.send_s
             if not state.done:
                 self._deliver(state, first)
-        return result
 
-    async def _admit(
-        self,
-        decode: WorkerHandle,
-        states: list[RequestState],
-        reservation: Reservation,
-        result: PrefillResult,
-        epoch: int,
+    async def _admitted(
+        self, decode: WorkerHandle, live: list[RequestState], admitted: Admitted
     ) -> None:
-        live = [s for s in states if s.phase == "prefill"]
-        try:
-            if decode.epoch != epoch:
-                raise WorkerDiedError(f"{decode.name} restarted since the reservation")
-            ack = await decode.call("admit", reservation.lease_id, [s.handoff() for s in live],
-                                    result.payload)
-        except Exception as exc:
+        ack = admitted.ack
+        if ack is None:
             for state in live:
-                self._requeue(state, f"admission on {decode.name} failed: {exc}")
-            self._on_failure(decode, exc, epoch)
+                self._requeue(state, admitted.why)
+        self._judge(admitted.failures)
+        if ack is None:
             return
-        if decode.epoch != epoch:  # admitted by a life of the worker that has ended since
-            for state in live:
-                self._requeue(state, f"{decode.name} died after admitting it")
-            return
-        decode.stats = ack.stats
         self._transfer_s += ack.receive_s
         for state in live:
             state.transfer_s += ack.receive_s
@@ -479,8 +383,12 @@ class Controller:
                     continue
             keep.append(i)
         if keep:
-            self.buckets.requeue(_subset(batch, keep))
+            self.buckets.requeue(subset(batch, keep))
         self._wake_dispatcher()
+
+    def _judge(self, failures: list[Failure]) -> None:
+        for failure in failures:
+            self._on_failure(failure.handle, failure.error, failure.epoch)
 
     def _on_failure(self, handle: WorkerHandle, exc: BaseException, epoch: int) -> None:
         if not isinstance(exc, _DEATHS):
@@ -500,39 +408,21 @@ class Controller:
         try:
             if kill_first:
                 await handle.kill()
-            await self.launcher.revive(handle)
+            await self.pool.revive(handle)
         except Exception:
             logger.exception("%s could not be restarted", handle.name)
-            if not self._role(handle.role, alive=True):
+            if not self.pool.role(handle.role, alive=True):
                 for state in list(self._requests.values()):
                     self._finish(state, "error", f"no live {handle.role} worker is left")
         self._wake_dispatcher()
 
     # -- helpers -----------------------------------------------------------------------------
 
-    async def _release(self, handle: WorkerHandle, lease_id: str, epoch: int) -> None:
-        if handle.epoch != epoch:
-            return
-        try:
-            await handle.call("release", lease_id)
-        except Exception as exc:  # a dead worker's pool is gone with it
-            self._on_failure(handle, exc, epoch)
-
     async def _abort_on(self, decode: WorkerHandle, request_id: str) -> None:
         try:
             await decode.call("abort", request_id)
         except Exception as exc:
             self._on_failure(decode, exc, decode.epoch)
-
-    async def _poll(self, handle: WorkerHandle) -> None:
-        epoch = handle.epoch
-        try:
-            stats = await handle.call("stats")
-        except Exception as exc:
-            self._on_failure(handle, exc, epoch)
-            return
-        if handle.epoch == epoch:
-            handle.stats = stats
 
     async def _monitor_loop(self) -> None:
         """The global monitor: fresh worker reports, and deaths of idle workers noticed."""
@@ -541,90 +431,20 @@ class Controller:
             await self.refresh_stats()
             self._wake_dispatcher()
 
-    def _fit_batching(self) -> None:
-        """Prefill workers that run every batch at its own shape (no padding: the CPU) take
-        batches past the warmed batch sizes, up to `max_num_seqs` and `max_batched_tokens`."""
-        infos = self.launcher.infos
-        if not any(infos[h.name].get("padding", True) for h in self._role("prefill")):
+    def _bound_by_pools(self) -> None:
+        """Bounds from the pools the workers got; prefill workers that run every batch at its
+        own shape (no padding: the CPU) take batches past the warmed batch sizes, up to
+        `max_num_seqs` and `max_batched_tokens`."""
+        decode = min(h.stats.num_total_blocks for h in self.pool.role("decode") if h.stats)
+        prefill = min(h.stats.num_total_blocks for h in self.pool.role("prefill") if h.stats)
+        self.limits.bound_by_pools(decode, prefill, self.buckets.controller.safe_blocks(decode))
+        infos = self.pool.infos
+        if not any(infos[h.name].get("padding", True) for h in self.pool.role("prefill")):
             self.buckets = BucketManager(self.buckets.config, self.buckets.shapes, padded=False)
 
-    def _fit_limits(self) -> None:
-        """Bounds from the pools the workers actually got."""
-        decode = min(h.stats.num_total_blocks for h in self._role("decode") if h.stats)
-        prefill = min(h.stats.num_total_blocks for h in self._role("prefill") if h.stats)
-        self._max_seq_len = min(self._model.max_model_len, decode * self.block_size)
-        self._decode_capacity = self.buckets.controller.safe_blocks(decode)
-        longest = min(
-            self._max_seq_len - 1,
-            prefill * self.block_size,
-            self._decode_capacity * self.block_size - 1,
-        )
-        if longest < 1:
-            raise ValueError(
-                f"the KV pools are too small: decode {decode} and prefill {prefill} blocks of "
-                f"{self.block_size} tokens cannot hold a 1-token prompt"
-            )
-        self._model = dataclasses.replace(self._model, max_prompt_len=longest)
-
     def _max_tokens_hint(self, state: RequestState) -> int:
-        """The output length the bucket manager plans blocks for: what is left of max_tokens,
-        capped by the length limit and by what an empty decode pool can hold."""
         left = state.request.sampling_params.max_tokens - len(state.output_token_ids)
-        room = min(self._max_seq_len, self._decode_capacity * self.block_size) - state.num_tokens
-        return max(1, min(left, room))
-
-    def _validate(self, request: ServeRequest) -> None:
-        if not isinstance(request, ServeRequest):
-            raise ValueError(f"submit() takes a ServeRequest, got {type(request).__name__}")
-        rid = request.request_id
-        if not isinstance(rid, str) or not rid:
-            raise ValueError(f"request_id must be a non-empty str, got {rid!r}")
-        if rid in self._requests:
-            raise ValueError(f"request id {rid!r} is already in use")
-        ids, vocab = request.prompt_token_ids, self._model.vocab_size
-        if not isinstance(ids, (list, tuple)) or not ids:
-            raise ValueError(f"request {rid}: prompt_token_ids must be a non-empty list of ints")
-        bad = [t for t in ids if not isinstance(t, Integral) or isinstance(t, bool)
-               or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"request {rid}: token ids {bad[:5]} are not integers in [0, {vocab})")
-        if not isinstance(request.sampling_params, SamplingParams):
-            raise ValueError(f"request {rid}: sampling_params must be a SamplingParams")
-        request.sampling_params.validate()
-        if request.tenant not in self.buckets.tenants:
-            raise ValueError(
-                f"request {rid}: unknown tenant {request.tenant!r}; configured tenants are "
-                f"{sorted(self.buckets.tenants)}"
-            )
-        if isinstance(request.priority, bool) or not isinstance(request.priority, int):
-            raise ValueError(f"request {rid}: priority must be an integer")
-        arrival = request.arrival_time
-        if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not math.isfinite(
-            arrival
-        ):
-            raise ValueError(f"request {rid}: arrival_time must be a finite time.monotonic()")
-        if len(ids) > self._model.max_prompt_len:
-            raise ValueError(
-                f"request {rid}: the prompt has {len(ids)} tokens, at most "
-                f"{self._model.max_prompt_len} fit (max_model_len {self._model.max_model_len} "
-                "and the KV pools); shorten the prompt"
-            )
-
-    def _blocks(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def _role(self, role: str, alive: bool = False) -> list[WorkerHandle]:
-        return [h for h in self._handles if h.role == role and (h.alive or not alive)]
-
-    def _by_name(self, name: str | None) -> WorkerHandle:
-        for handle in self._handles:
-            if handle.name == name:
-                return handle
-        raise ValueError(f"no worker named {name!r}; workers: {[h.name for h in self._handles]}")
-
-    def _worker_stats(self, handle: WorkerHandle) -> WorkerStats:
-        stats = handle.stats or WorkerStats(handle.name, handle.role, "", 0, 0)
-        return dataclasses.replace(stats, alive=handle.alive, restarts=handle.restarts)
+        return self.limits.max_tokens_hint(left, state.num_tokens)
 
     def _wake_dispatcher(self) -> None:
         if self._wake is not None:
@@ -640,17 +460,3 @@ class Controller:
         if not task.cancelled() and task.exception() is not None:
             logger.error("controller task failed", exc_info=task.exception())
 
-
-def _decode_room(handle: WorkerHandle) -> tuple[int, int]:
-    """Most free blocks first; among equals the lighter load."""
-    load = (handle.stats.running + handle.stats.waiting) if handle.stats else 0
-    return handle.free_blocks, -load
-
-
-def _subset(batch: PrefillBatch, keep: list[int]) -> PrefillBatch:
-    return dataclasses.replace(
-        batch,
-        requests=tuple(batch.requests[i] for i in keep),
-        order_keys=tuple(batch.order_keys[i] for i in keep),
-        kv_blocks_per_request=tuple(batch.kv_blocks_per_request[i] for i in keep),
-    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from runtime.request import StreamDelta
+from kv_worker.messages import StreamDelta
 
 
 class RequestStream:

@@ -1,5 +1,5 @@
 """`bucketserve serve`: build the controller and the gateway from a config file and flags,
-serve until SIGINT / SIGTERM, then drain and stop."""
+wire them, serve until SIGINT / SIGTERM, then drain and stop."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import argparse
 import asyncio
 import signal
 import sys
-from collections.abc import Sequence
 from typing import Any
 
-from bucket_manager.config import TenantConfig
+from controller.config import ControllerConfig
+from controller.controller import Controller
+from deploy.serve_config import ServeConfig
 from gateway.gateway_config import GatewayConfig
 from gateway.server import GatewayServer
 from gateway.tenant_registry import TenantRegistry
@@ -18,7 +19,7 @@ from gateway.tenant_registry import TenantRegistry
 
 class ServiceRunner:
     def __init__(
-        self, controller: Any, gateway: GatewayConfig, tenants: TenantRegistry
+        self, controller: ControllerConfig, gateway: GatewayConfig, tenants: TenantRegistry
     ) -> None:
         self.controller_config = controller
         self.gateway_config = gateway
@@ -28,8 +29,6 @@ class ServiceRunner:
     def from_args(cls, args: argparse.Namespace) -> ServiceRunner:
         """The service YAML (deploy/serve.yaml's schema), then the flags over it; a
         ServeConfigError (a ValueError) names the file, the key path and what is allowed."""
-        from deploy.serve_config import ServeConfig
-
         config = ServeConfig.load(args.config, flag_overrides(args))
         return cls(config.controller_config(), config.gateway, config.tenants)
 
@@ -37,7 +36,6 @@ class ServiceRunner:
         return asyncio.run(self.serve())
 
     async def serve(self, ready: asyncio.Event | None = None) -> int:
-        from deploy.controller import Controller
 
         mode = self.controller_config.mode
         say(f"starting the controller ({mode} mode): loading the model and warming up...")
@@ -85,13 +83,6 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
     if args.local:
         overrides["controller.mode"] = ("local", "--local")
     return overrides
-
-
-def with_tenants(config: Any, tenants: Sequence[TenantConfig]) -> Any:
-    """`config` whose bucket manager serves these tenants' policies (deploy.serve_config's)."""
-    from deploy.serve_config import with_tenants as serve_with_tenants
-
-    return serve_with_tenants(config, tenants)
 
 
 def banner(server: GatewayServer) -> str:

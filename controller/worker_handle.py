@@ -8,15 +8,25 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-from deploy.worker_messages import WorkerStats
+from kv_worker.messages import WorkerStats
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerDiedError(RuntimeError):
     """The worker process (or its in-process stand-in after `kill`) is gone mid-call."""
+
+
+@dataclass
+class Failure:
+    """A call that raised: the Controller's fault policy judges whether `handle` died."""
+
+    handle: WorkerHandle
+    error: BaseException
+    epoch: int
 
 
 class WorkerHandle(ABC):
@@ -73,6 +83,11 @@ class WorkerHandle(ABC):
         if self.stats is not None:
             self.stats.alive = False
         return True
+
+    @property
+    def load(self) -> int:
+        """Sequences running or waiting at the last report."""
+        return (self.stats.running + self.stats.waiting) if self.stats else 0
 
     @property
     def free_blocks(self) -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bucket_manager.config import ShapeBucketConfig
-from deploy.worker_env import check_worker_options
 from kv_transfer.transport import check_transport
+from kv_worker.worker_env import check_worker_options
 
 
 @dataclass

@@ -6,9 +6,8 @@ import logging
 import time
 
 from bucket_manager.request import BucketRequest
-from deploy.request_stream import RequestStream
-from deploy.worker_messages import HandoffRequest, TokenDelta
-from runtime.request import RequestTimings, ServeRequest, StreamDelta
+from controller.request_stream import RequestStream
+from kv_worker.messages import HandoffRequest, RequestTimings, ServeRequest, StreamDelta, TokenDelta
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from bucket_manager.config import (
     PromptShapeConfig,
     ShapeBucketConfig,
 )
-from deploy.worker_env import check_worker_options
+from kv_worker.worker_env import check_worker_options
 from runtime.model_runner import ModelRunnerConfig
 from runtime.scheduler import SchedulerConfig
 
@@ -35,7 +35,7 @@ class PlacementConfig:
     actor (e.g. a node label pinning the role to some nodes). `torch_threads`
     sizes the actor's intra-op pool (None: all the node's cores, for either
     role: a co-located pair takes turns more than it overlaps, since a burst's
-    prefill batch runs while the decode pool waits for it, and the launcher
+    prefill batch runs while the decode pool waits for it, and the worker pool
     makes idle OpenMP threads sleep rather than spin).
     """
 
@@ -130,7 +130,7 @@ class ControllerConfig:
     @property
     def resolved_transport(self) -> str:
         """The transport before devices are known: collective is chosen only when asked for,
-        or later by the launcher when every worker reports an accelerator."""
+        or later by the worker pool when every worker reports an accelerator."""
         if self.transport != "auto":
             return self.transport
         return "inprocess" if self.mode == "local" else "ray"

@@ -10,7 +10,9 @@ from tqdm import tqdm
 
 from bucket_manager.config import ShapeBucketConfig
 from bucket_manager.shape_buckets import ShapeBuckets
-from deploy.worker_env import (
+from kv_transfer.kv_format import KVFormat
+from kv_transfer.transport import KVTransport, check_transport
+from kv_worker.worker_env import (
     accelerator_ids,
     apply_torch_threads,
     new_boot_id,
@@ -18,8 +20,6 @@ from deploy.worker_env import (
     resolve_padding,
     warmup_selection,
 )
-from kv_transfer.kv_format import KVFormat
-from kv_transfer.transport import KVTransport, default_transport
 from runtime.model_runner import ModelRunner, ModelRunnerConfig, Shape
 
 logger = logging.getLogger(__name__)
@@ -115,3 +115,14 @@ class KVWorker:
             "on" if self.padding else "off",
         )
         return {"shapes": list(self.warmed), "seconds": self.warmup_s, "padding": self.padding}
+
+
+def default_transport(name: str) -> KVTransport | None:
+    """The transport a worker can build alone: `ray`. `inprocess` is shared by the workers of
+    one process and `collective` needs its group, so those are handed in later."""
+    check_transport(name)
+    if name == "ray":
+        from kv_transfer.ray_store import RayObjectStoreTransport
+
+        return RayObjectStoreTransport()
+    return None

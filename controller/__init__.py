@@ -1,0 +1,1 @@
+"""The control plane: Controller, PDScheduler, Handoff, the worker pool and handles."""
