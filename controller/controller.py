@@ -218,23 +218,18 @@ class Controller:
     def _dispatch(self) -> None:
         """Form and send batches while a prefill worker has a free slot and a decode worker
         has room for the next batch; the PDScheduler makes each choice."""
-        pd, decodes = self.pd, self.pool.role("decode")
+        pd = self.pd
         while len(self.buckets):
-            for i, h in enumerate(decodes):
-                if h.alive:
-                    pd.update(i, h.free_blocks, h.load)
-                else:
-                    pd.remove(i)
             prefills = self.pool.role("prefill", alive=True)
             p = pd.pick_prefill(
                 [h.free_blocks for h in prefills],
                 [h.inflight for h in prefills],
                 self.config.max_batches_per_prefill,
             )
-            d = pd.pick_decode()
-            if p is None or d is None:
+            decode = self.pick_decode()
+            if p is None or decode is None:
                 return
-            decode, prefill = decodes[d], prefills[p]
+            prefill = prefills[p]
             batch = self.buckets.next_batch(decode.free_blocks, self.block_size, time.monotonic())
             if batch is None:
                 return
@@ -251,6 +246,18 @@ class Controller:
                 state.request_bucket, state.shape_bucket = batch.bucket, batch.shape
             handoff = Handoff(prefill, decode, pd.need(batch), self.config.lease_ttl_s)
             self._spawn(self._handoff(handoff, batch, states))
+
+    def pick_decode(self) -> WorkerHandle | None:
+        """The decode worker the next batch reserves blocks on: the PDScheduler's choice over
+        every live decode worker's room and load as last reported."""
+        decodes = self.pool.role("decode")
+        for i, handle in enumerate(decodes):
+            if handle.alive:
+                self.pd.update(i, handle.free_blocks, handle.load)
+            else:
+                self.pd.remove(i)
+        i = self.pd.pick_decode()
+        return None if i is None else decodes[i]
 
     async def _handoff(
         self, handoff: Handoff, batch: PrefillBatch, states: list[RequestState]

@@ -149,7 +149,7 @@ class Simulator:
     def _dispatch(self) -> None:
         while self._idle and len(self.batcher):
             start = _stamp()
-            worker = self.decode[self.pd.pick_decode()]
+            worker = self.pick_decode()
             picked = _stamp()
             batch = self.batcher.next_batch(
                 max(0, worker.room), self.cluster.block_size, self.loop.now
@@ -169,6 +169,10 @@ class Simulator:
                 self.counts["failed_reservations"] += 1
                 return
             self._launch(self._idle.pop(), batch, worker, lease.lease_id)
+
+    def pick_decode(self) -> DecodeWorker:
+        """The decode worker the next batch reserves on: the service's PDScheduler's choice."""
+        return self.decode[self.pd.pick_decode()]
 
     def _room_changed(self, worker: DecodeWorker) -> None:
         self.pd.update(worker.index, worker.room, worker.load)
