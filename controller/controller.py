@@ -44,6 +44,7 @@ from kv_worker.messages import (
     TokenDelta,
 )
 from prefill_worker.prefill_worker import PrefillCapacityError
+from runtime.output_processor import OutputProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class Controller:
         self.buckets = BucketManager(limits.buckets)
         self.pool = WorkerPool(config, limits.buckets)
         self.pd = PDScheduler(config.num_decode, limits.block_size)
+        self.outputs = OutputProcessor(limits.model.tokenizer)  # text and stop strings
         self._requests: dict[str, RequestState] = {}
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
@@ -146,6 +148,7 @@ class Controller:
             raise NoWorkersError("no live prefill or decode worker; retry once they restart")
         state = RequestState(request, RequestStream(request.request_id, self.abort))
         self.buckets.add(state.bucket_request(self._max_tokens_hint(state)))
+        self.outputs.add(request.request_id, request.prompt_token_ids, request.sampling_params)
         self._requests[request.request_id] = state
         self._counts["requests_total"] += 1
         self._wake_dispatcher()
@@ -341,12 +344,17 @@ class Controller:
         self._wake_dispatcher()
 
     def _deliver(self, state: RequestState, delta: TokenDelta) -> None:
-        out = state.accept(delta)
+        phase = state.phase
+        out = state.accept(delta, self.outputs)
         if out is None:
             return
         state.stream.put(out)
-        if out.finished:
-            self._closed(state, out.finish_reason or "stop")
+        if not out.finished:
+            return
+        self._closed(state, out.finish_reason or "stop")
+        if phase == "decode" and not delta.finished:  # a stop string: the worker runs it still
+            decode = self.pool.by_name(state.decode_worker)
+            self._spawn(self._abort_on(decode, state.request_id))
 
     def _finish(self, state: RequestState, reason: str, error: str | None = None) -> None:
         if state.phase == "queued":
@@ -356,6 +364,7 @@ class Controller:
 
     def _closed(self, state: RequestState, reason: str) -> None:
         self._requests.pop(state.request_id, None)
+        self.outputs.remove(state.request_id)
         self._counts["requests_finished"] += 1
         self._reasons[reason] += 1
 

@@ -8,12 +8,14 @@ import time
 from bucket_manager.request import BucketRequest
 from controller.request_stream import RequestStream
 from kv_worker.messages import HandoffRequest, RequestTimings, ServeRequest, StreamDelta, TokenDelta
+from runtime.output_processor import OutputProcessor
 
 logger = logging.getLogger(__name__)
 
 
 class RequestState:
-    """Tokens and text streamed so far, where the request is, and its timings.
+    """Tokens streamed so far, where the request is, and its timings (the text is the
+    controller's OutputProcessor's).
 
     `phase`: queued (in the bucket manager), prefill (dispatched, KV on its
     way), decode (admitted by `decode_worker`), done. Deltas carry their
@@ -26,7 +28,6 @@ class RequestState:
         self.stream = stream
         self.phase = "queued"
         self.output_token_ids: list[int] = []
-        self.text_len = 0
         self.decode_worker: str | None = None
         self.requeues = 0
         self.dispatched_at: float | None = None
@@ -63,24 +64,25 @@ class RequestState:
             r.request_id, self.num_tokens, max_tokens, r.tenant, r.arrival_time, r.priority
         )
 
-    def accept(self, delta: TokenDelta) -> StreamDelta | None:
-        """Apply a worker's delta; the StreamDelta with what is new to the client (the final
-        one when `delta` finishes the request), or None when nothing is."""
+    def accept(self, delta: TokenDelta, outputs: OutputProcessor) -> StreamDelta | None:
+        """Apply a worker's delta through the output processor; the StreamDelta with what is
+        new to the client (the final one when `delta`, or a stop string in it, ends the
+        request), or None when nothing is."""
         have = len(self.output_token_ids)
-        if delta.token_offset > have or delta.text_offset > self.text_len:
+        if delta.token_offset > have:
             logger.error("request %s: %s skips ahead of %d tokens", self.request_id, delta, have)
             return None
         tokens = delta.token_ids[have - delta.token_offset :]
-        text = delta.text[self.text_len - delta.text_offset :]
-        self.output_token_ids += tokens
-        self.text_len += len(text)
-        if tokens and self.first_token_at is None:
+        reason = (delta.finish_reason or "stop") if delta.finished else None
+        out = outputs.process(self.request_id, tokens, reason)
+        self.output_token_ids += out.token_ids
+        if out.token_ids and self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        if delta.finished:
-            return self.final(delta.finish_reason or "stop", delta.error, tokens, text)
-        if not tokens and not text:
+        if out.finished:
+            return self.final(out.finish_reason or "stop", delta.error, out.token_ids, out.text)
+        if not out.token_ids:
             return None
-        return StreamDelta(self.request_id, token_ids=tokens, text=text)
+        return StreamDelta(self.request_id, token_ids=out.token_ids, text=out.text)
 
     def final(
         self, reason: str, error: str | None = None, tokens: list[int] | None = None, text: str = ""

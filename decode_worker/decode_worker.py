@@ -63,7 +63,7 @@ class DecodeWorker(KVWorker):
             config.torch_threads,
         )
         engine_config = dataclasses.replace(config.engine, runner=ModelRunnerConfig())
-        self.engine = LLMEngine(engine_config, self.runner, pad_fn=self._pad_to)
+        self.engine = LLMEngine(engine_config, self.runner, pad_fn=self._pad_to, detokenize=False)
         self.block_manager = self.engine.block_manager
         self.leases = LeaseTable(f"{self.name}.{self.boot_id}", self._release_lease)
         self._handles: dict[str, KVBlockHandle] = {}
@@ -336,8 +336,6 @@ def _delta(out: RequestOutput) -> TokenDelta:
         request_id=out.request_id,
         token_offset=len(out.token_ids) - len(out.delta_token_ids),
         token_ids=list(out.delta_token_ids),
-        text_offset=len(out.text) - len(out.delta_text),
-        text=out.delta_text,
         finished=out.finished,
         finish_reason=None if reason is None else reason.value,
         error="the model runner failed on this request" if reason == FinishReason.ERROR else None,

@@ -159,14 +159,13 @@ class HandoffRequest:
 
 @dataclass
 class TokenDelta:
-    """New tokens (and text) of one request, with where they start in its output, so a
-    receiver that already has some of them (after a re-prefill) can skip those."""
+    """New token ids of one request, with where they start in its output, so a receiver that
+    already has some of them (after a re-prefill) can skip those. Token ids only: text and
+    stop strings are the controller's output processor's."""
 
     request_id: str
     token_offset: int
     token_ids: list[int]
-    text_offset: int = 0
-    text: str = ""
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None

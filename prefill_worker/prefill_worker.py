@@ -12,7 +12,6 @@ from kv_worker.kv_worker import KVWorker
 from kv_worker.messages import HandoffRequest, PrefillResult, PrefillTask, TokenDelta, WorkerStats
 from prefill_worker.config import PrefillWorkerConfig
 from runtime.block_manager import BlockManager
-from runtime.detokenizer import Detokenizer
 from runtime.scheduler import finish_reason
 from runtime.sequence import Sequence
 
@@ -209,25 +208,16 @@ class PrefillWorker(KVWorker):
         return shape
 
     def _first_delta(self, seq: Sequence, token: int | None, max_seq_len: int) -> TokenDelta:
-        """The sampled token, the text it adds after any earlier outputs, and whether it
-        already ends the request (judged as the decode side would)."""
+        """The sampled token and whether it already ends the request (judged as the decode
+        side would: eos, a stop token id, length)."""
         token = int(token)  # type: ignore[arg-type]  # the chunk always ends its sequence
-        detok = Detokenizer(self.tokenizer, seq.prompt_token_ids, seq.sampling_params.stop)
-        for earlier in seq.output_token_ids:
-            detok.push(earlier)
-        offset, text_offset = seq.num_output_tokens, len(detok.text)
-        text = detok.push(token)
+        offset = seq.num_output_tokens
         seq.append_token(token)
-        seq.detokenizer = detok
         reason = finish_reason(seq, token, self.eos_token_ids, max_seq_len)
-        if reason is not None:
-            text += detok.flush()
         return TokenDelta(
             seq.seq_id,
             offset,
             [token],
-            text_offset,
-            text,
             finished=reason is not None,
             finish_reason=None if reason is None else reason.value,
         )

@@ -6,7 +6,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Integral
 from typing import Any
 
@@ -14,10 +14,11 @@ from runtime.block_manager import BlockManager
 from runtime.engine_config import EngineConfig
 from runtime.executor import ExecutionError, Executor
 from runtime.model_runner import ModelRunner, ModelRunnerConfig
+from runtime.output_processor import OutputProcessor
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerOutput
-from runtime.sequence import Sequence
+from runtime.sequence import FinishReason, Sequence
 
 Shape = tuple[int, int, int]
 PadFn = Callable[[list[Sequence], list[int]], "Shape | None"]
@@ -40,8 +41,8 @@ class EngineStats:
 class _Request:
     seq: Sequence
     prompt: str | None
-    sent_tokens: int = 0
-    sent_chars: int = 0
+    token_ids: list[int] = field(default_factory=list)  # output tokens delivered
+    text: str = ""
 
 
 class LLMEngine:
@@ -57,7 +58,9 @@ class LLMEngine:
     One thread steps the engine; others may add, abort and reserve blocks
     (under `lock`) meanwhile: the lock is held around the bookkeeping, not
     while the model runs. `pad_fn(seqs, num_new_tokens)` gives the shape a
-    microbatch is padded to (None: unpadded).
+    microbatch is padded to (None: unpadded). With `detokenize` the outputs carry text
+    and stop strings end requests (runtime.output_processor); without it (a decode
+    worker, whose text is the controller's) token ids only.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class LLMEngine:
         config: EngineConfig | None = None,
         runner: ModelRunner | None = None,
         pad_fn: PadFn | None = None,
+        detokenize: bool = True,
     ):
         self.config = config = config or EngineConfig()
         if runner is not None and config.runner != ModelRunnerConfig():
@@ -80,8 +84,9 @@ class LLMEngine:
             self.block_manager,
             self.runner.max_model_len,
             eos_token_ids=self.runner.eos_token_ids,
-            tokenizer=self.tokenizer,
         )
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.detokenize = detokenize
         self.executor = Executor(self._execute_fn(pad_fn), config.pipeline_depth)
         self.lock = threading.RLock()
         # a share of the running batch per microbatch, so every pipeline stage has work
@@ -140,12 +145,24 @@ class LLMEngine:
         token_ids = self._encode(prompt)
         seq = self._new_seq(token_ids, sampling_params, request_id, arrival_time)
         self.scheduler.check(seq)
+        self._check_stop(seq.sampling_params)
         return _Request(seq, prompt if isinstance(prompt, str) else prompt_text)
 
     def _admit(self, request: _Request) -> str:
-        self.scheduler.add(request.seq)
-        self._requests[request.seq.seq_id] = request
-        return request.seq.seq_id
+        seq = request.seq
+        self.scheduler.add(seq)
+        self._track(seq)
+        self._requests[seq.seq_id] = request
+        return seq.seq_id
+
+    def _check_stop(self, params: SamplingParams) -> None:
+        if params.stop and not self.detokenize:
+            raise ValueError("this engine streams token ids only; stop strings are its caller's")
+
+    def _track(self, seq: Sequence) -> None:
+        """Text and stop strings for `seq` (untracked requests yield token ids only)."""
+        if self.detokenize:
+            self.outputs.add(seq.seq_id, seq.prompt_token_ids, seq.sampling_params)
 
     def add_prefilled_request(
         self,
@@ -172,6 +189,7 @@ class LLMEngine:
             seq.token_ids.extend(int(t) for t in (*output_token_ids, first_token_id))
             seq.num_computed_tokens = len(seq) - 1
             self.scheduler.add_prefilled(seq, block_ids)
+            self._track(seq)
             request = self._requests[seq.seq_id] = _Request(seq, None)
             self._pending.append(self._output(request))
             return seq.seq_id
@@ -240,9 +258,32 @@ class LLMEngine:
         stats.num_preemptions = self.scheduler.num_preemptions
 
     def _output(self, request: _Request) -> RequestOutput:
+        """The request's output after its new tokens went through the output processor; a
+        stop string ends it on the scheduler at once (its blocks freed)."""
         seq = request.seq
-        out = RequestOutput.of(seq, request.prompt, request.sent_tokens, request.sent_chars)
-        request.sent_tokens, request.sent_chars = len(out.token_ids), len(out.text)
+        reason = seq.finish_reason.value if seq.finish_reason is not None else None
+        new = seq.output_token_ids[len(request.token_ids) :]
+        delta = self.outputs.process(seq.seq_id, new, reason)
+        if delta.stopped:
+            if not seq.is_finished:
+                self.scheduler.abort(seq.seq_id)
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, delta.stop_reason
+        request.token_ids += delta.token_ids
+        request.text += delta.text
+        out = RequestOutput(
+            request_id=str(seq.seq_id),
+            prompt=request.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=request.text,
+            token_ids=list(request.token_ids),
+            delta_text=delta.text,
+            delta_token_ids=delta.token_ids,
+            finished=delta.finished,
+            finish_reason=seq.finish_reason if delta.finished else None,
+            stop_reason=seq.stop_reason,
+            num_preemptions=seq.num_preemptions,
+            metrics=seq.metrics,
+        )
         if out.finished:
             del self._requests[seq.seq_id]
             self.stats.num_finished += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.sequence import FinishReason, Sequence, SequenceMetrics
+from runtime.sequence import FinishReason, SequenceMetrics
 
 
 @dataclass
@@ -30,25 +30,3 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     metrics: SequenceMetrics | None = field(default=None, repr=False)
-
-    @classmethod
-    def of(
-        cls, seq: Sequence, prompt: str | None, sent_tokens: int, sent_chars: int
-    ) -> RequestOutput:
-        """`seq`'s output, with the deltas after `sent_tokens` tokens / `sent_chars` chars."""
-        token_ids = seq.output_token_ids
-        text = seq.output_text
-        return cls(
-            request_id=str(seq.seq_id),
-            prompt=prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=text,
-            token_ids=token_ids,
-            delta_text=text[sent_chars:],
-            delta_token_ids=token_ids[sent_tokens:],
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            num_preemptions=seq.num_preemptions,
-            metrics=seq.metrics,
-        )

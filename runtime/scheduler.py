@@ -8,7 +8,6 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from runtime.block_manager import BlockManager
-from runtime.detokenizer import Decoder, Detokenizer
 from runtime.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -73,7 +72,6 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         eos_token_ids: Collection[int] = (),
-        tokenizer: Decoder | None = None,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -89,7 +87,6 @@ class Scheduler:
                 f"({self._length_limits}), got {config.max_num_batched_tokens}"
             )
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.tokenizer = tokenizer
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -102,7 +99,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; raises ValueError (changing nothing) if it can never run."""
         self.check(seq)
-        seq.detokenizer = self._detokenizer(seq)
         self._seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
@@ -125,12 +121,7 @@ class Scheduler:
                 f"{seq.num_computed_tokens} of {len(seq)} tokens computed and "
                 f"{seq.num_output_tokens} output tokens"
             )
-        detokenizer = self._detokenizer(seq)
-        if detokenizer is not None:
-            for token in seq.output_token_ids[:-1]:  # streamed before: the same text state
-                detokenizer.push(token)
         self.block_manager.attach(seq, block_ids)
-        seq.detokenizer = detokenizer
         self._seqs[seq.seq_id] = seq
         now = time.monotonic()
         seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
@@ -150,13 +141,6 @@ class Scheduler:
                 f"within {self.max_seq_len} ({self._length_limits}); shorten the prompt or "
                 "raise the limit"
             )
-        if seq.sampling_params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; pass one to the Scheduler")
-
-    def _detokenizer(self, seq: Sequence) -> Detokenizer | None:
-        if self.tokenizer is None:
-            return None
-        return Detokenizer(self.tokenizer, seq.prompt_token_ids, seq.sampling_params.stop)
 
     def abort(self, seq_id: int | str) -> Sequence:
         """Finish a sequence as cancelled and free its blocks (after its microbatch, if one
@@ -337,8 +321,6 @@ class Scheduler:
             seq.metrics.first_token_time = now
         seq.metrics.last_token_time = now
         token = seq.last_token_id
-        if seq.detokenizer is not None:
-            seq.detokenizer.push(token)
         reason = self._finish_reason(seq, token)
         if reason is None:
             return False
@@ -352,8 +334,6 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.finished_time = now
-        if seq.detokenizer is not None and reason != FinishReason.CANCELLED:
-            seq.detokenizer.flush()
         if seq.block_table and seq.seq_id not in self._in_flight:
             self.block_manager.free(seq)
         del self._seqs[seq.seq_id]
@@ -363,15 +343,13 @@ def finish_reason(
     seq: Sequence, token: int, eos_token_ids: Collection[int], max_seq_len: int
 ) -> FinishReason | None:
     """Why `seq` ends with `token`, its newest token (None: it goes on); records the stop
-    token or string matched. Shared with a prefill worker judging the first token."""
+    token matched. Shared with a prefill worker judging the first token. Stop strings are
+    the output processor's (runtime.output_processor)."""
     params = seq.sampling_params
     if not params.ignore_eos and token in eos_token_ids:
         return FinishReason.STOP
     if token in params.stop_token_ids:
         seq.stop_reason = token
-        return FinishReason.STOP
-    if seq.detokenizer is not None and seq.detokenizer.stopped:
-        seq.stop_reason = seq.detokenizer.stop_reason
         return FinishReason.STOP
     if seq.num_output_tokens >= params.max_tokens or len(seq) >= max_seq_len:
         return FinishReason.LENGTH

@@ -7,12 +7,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import TYPE_CHECKING
 
 from runtime.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from runtime.detokenizer import Detokenizer
 
 _seq_counter = itertools.count()
 
@@ -80,7 +76,6 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.num_preemptions = 0
-        self.detokenizer: Detokenizer | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -115,10 +110,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    @property
-    def output_text(self) -> str:
-        return self.detokenizer.text if self.detokenizer is not None else ""
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -21,6 +22,22 @@ TORCH_FREE = (
     "controller.request_state",
     "controller.pd_scheduler",
 )
+
+
+def test_worker_messages_carry_token_ids_and_no_text() -> None:
+    """Text and stop strings are the controller's output processor's alone."""
+    from kv_worker import messages
+
+    sent_by_workers = (
+        messages.TokenDelta, messages.StepOutput, messages.PrefillResult, messages.Reservation,
+        messages.AdmitResult, messages.WorkerStats,
+    )
+    for cls in sent_by_workers:
+        names = {f.name for f in dataclasses.fields(cls)}
+        assert not any("text" in name for name in names), (cls.__name__, names)
+    assert {f.name for f in dataclasses.fields(messages.TokenDelta)} == {
+        "request_id", "token_offset", "token_ids", "finished", "finish_reason", "error"
+    }
 
 
 def test_bookkeeping_modules_import_without_torch() -> None:

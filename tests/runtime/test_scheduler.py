@@ -16,7 +16,6 @@ def make(
     num_blocks: int = 64,
     block_size: int = 4,
     max_model_len: int = 256,
-    tokenizer=None,
     **config,
 ) -> Scheduler:
     config = {"watermark": 0.0, **config}
@@ -25,7 +24,6 @@ def make(
         BlockManager(num_blocks, block_size),
         max_model_len,
         eos_token_ids=[EOS],
-        tokenizer=tokenizer,
     )
 
 
@@ -219,8 +217,6 @@ def test_prompts_that_can_never_fit_are_rejected_at_add():
     s2.add(seq("ok", 9))
     with pytest.raises(ValueError, match="already scheduled"):
         s2.add(seq("ok", 3))
-    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
-        s2.add(seq("text", 3, stop=["x"]))
     assert [q.seq_id for q in s2.waiting] == ["ok"] and not s.has_unfinished()
 
 

@@ -1,0 +1,62 @@
+"""OutputProcessor: the one place token ids become text, stop strings end requests and
+finish reasons are settled."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.output_processor import OutputProcessor
+from runtime.sampling_params import SamplingParams
+from runtime.tokenizer import Tokenizer
+
+TEXT = "The weather today is sunny, and the drums occur at noon."
+
+
+@pytest.fixture(scope="module")
+def tok(smollm_tokenizer_dir) -> Tokenizer:
+    return Tokenizer.from_dir(smollm_tokenizer_dir)
+
+
+def test_text_follows_the_tokens_and_is_flushed_at_the_finish(tok):
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    outputs = OutputProcessor(tok)
+    outputs.add("r", tok.encode("Say:"), SamplingParams())
+    deltas = [outputs.process("r", [t]) for t in ids[:-1]]
+    last = outputs.process("r", ids[-1:], "length")
+    assert not any(d.finished for d in deltas) and last.finished
+    assert (last.finish_reason, last.stop_reason, last.stopped) == ("length", None, False)
+    assert "".join(d.text for d in [*deltas, last]) == TEXT
+    assert [t for d in [*deltas, last] for t in d.token_ids] == ids
+    assert "r" not in outputs  # dropped with its final delta
+
+
+def test_a_stop_string_ends_the_request_and_drops_the_tokens_after_it(tok):
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    outputs = OutputProcessor(tok)
+    outputs.add("r", [], SamplingParams(stop=["drums", "never appears"]))
+    delta = outputs.process("r", ids)  # one batch holding the stop and tokens past it
+    assert delta.finished and delta.stopped
+    assert (delta.finish_reason, delta.stop_reason) == ("stop", "drums")
+    assert delta.text == TEXT[: TEXT.index("drums")]
+    end = next(i for i in range(len(ids)) if "drums" in tok.decode(ids[: i + 1]))
+    assert delta.token_ids == ids[: end + 1]  # up to the token completing the stop string
+    assert "r" not in outputs
+
+
+def test_a_cancelled_request_releases_no_held_text(tok):
+    outputs = OutputProcessor(tok)
+    outputs.add("r", [], SamplingParams(stop=["sunny day"]))
+    ids = tok.encode("It is sunny", add_special_tokens=False)
+    held = outputs.process("r", ids)
+    assert held.text == "It is "  # "sunny" could begin the stop string: held back
+    final = outputs.process("r", [], "cancelled")
+    assert final.finished and final.text == "" and final.finish_reason == "cancelled"
+
+
+def test_without_a_tokenizer_only_token_ids_pass_and_stop_strings_are_refused():
+    outputs = OutputProcessor(None)
+    outputs.add("r", [1, 2], SamplingParams())
+    delta = outputs.process("r", [5, 6], "stop")
+    assert (delta.token_ids, delta.text, delta.finished) == ([5, 6], "", True)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        outputs.add("s", [1], SamplingParams(stop=["x"]))
