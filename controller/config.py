@@ -21,6 +21,7 @@ from runtime.model_runner import ModelRunnerConfig
 from runtime.scheduler import SchedulerConfig
 
 MODES = ("ray", "local")
+SHAPES = ("disaggregated", "colocated")
 TRANSPORT_CHOICES = ("auto", "inprocess", "ray", "collective")
 ACCELERATORS = ("auto", "hpu", "gpu", "none")
 
@@ -73,6 +74,10 @@ class ControllerConfig:
     `transport="auto"`: in-process locally; on Ray the device collective
     when every worker sits on CUDA or HPU, else the Ray object store.
     `buckets=None` derives request and shape buckets from the model.
+    `shape="disaggregated"` hands each prefill batch's KV from a prefill worker to a
+    decode worker; `"colocated"` runs no prefill workers: each decode worker's engine
+    prefills its batches itself, chunked into its decode steps under the scheduler's
+    token budget, so no KV moves and decode never waits behind a whole long prompt.
     """
 
     runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
@@ -81,6 +86,7 @@ class ControllerConfig:
     prefill_kv_blocks: int | None = None
     num_prefill: int = 1
     num_decode: int = 1
+    shape: str = "disaggregated"
     mode: str = "ray"
     transport: str = "auto"
     ray_address: str | None = None
@@ -101,6 +107,7 @@ class ControllerConfig:
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES)
+        _choice("shape", self.shape, SHAPES)
         _choice("transport", self.transport, TRANSPORT_CHOICES)
         if self.mode == "local" and self.transport not in ("auto", "inprocess"):
             raise ValueError(
@@ -126,6 +133,15 @@ class ControllerConfig:
             )
         _positive_int("admit_delay_count", self.admit_delay_count, 0)
         check_worker_options("ControllerConfig", self.pad_to_shape_buckets, self.warmup, None)
+
+    @property
+    def colocated(self) -> bool:
+        return self.shape == "colocated"
+
+    @property
+    def num_prefill_workers(self) -> int:
+        """Prefill workers to start: none when colocated."""
+        return 0 if self.colocated else self.num_prefill
 
     @property
     def resolved_transport(self) -> str:

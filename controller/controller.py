@@ -144,7 +144,7 @@ class Controller:
                 f"{self.config.max_queued_requests}; retry later",
                 retry_after_s=1.0,
             )
-        if not self.pool.role("prefill", alive=True) or not self.pool.role("decode", alive=True):
+        if not self.pool.serving():
             raise NoWorkersError("no live prefill or decode worker; retry once they restart")
         state = RequestState(request, RequestStream(request.request_id, self.abort))
         self.buckets.add(state.bucket_request(self._max_tokens_hint(state)))
@@ -221,6 +221,9 @@ class Controller:
     def _dispatch(self) -> None:
         """Form and send batches while a prefill worker has a free slot and a decode worker
         has room for the next batch; the PDScheduler makes each choice."""
+        if self.config.colocated:
+            self._dispatch_colocated()
+            return
         pd = self.pd
         while len(self.buckets):
             prefills = self.pool.role("prefill", alive=True)
@@ -249,6 +252,51 @@ class Controller:
                 state.request_bucket, state.shape_bucket = batch.bucket, batch.shape
             handoff = Handoff(prefill, decode, pd.need(batch), self.config.lease_ttl_s)
             self._spawn(self._handoff(handoff, batch, states))
+
+    def _dispatch_colocated(self) -> None:
+        """Colocated shape: each batch goes straight to the engine of the decode worker with
+        the most room, which prefills it within its decode steps."""
+        while len(self.buckets):
+            decode = self.pick_decode()
+            if decode is None:
+                return
+            batch = self.buckets.next_batch(decode.free_blocks, self.block_size, time.monotonic())
+            if batch is None:
+                return
+            states = [self._requests[r.request_id] for r in batch.requests]
+            now = time.monotonic()
+            for state in states:
+                state.phase, state.decode_worker = "decode", decode.name
+                state.dispatched_at = state.dispatched_at or now
+                state.request_bucket, state.shape_bucket = batch.bucket, batch.shape
+            blocks = sum(n for _, n in self.pd.need(batch))
+            self._spawn(self._colocate(decode, states, blocks))
+
+    async def _colocate(
+        self, decode: WorkerHandle, states: list[RequestState], blocks: int
+    ) -> None:
+        """Add a batch to `decode`'s engine; its blocks count as taken until the worker's
+        answer (whose stats count them among its waiting requests' needs)."""
+        epoch = decode.epoch
+        decode.pending_blocks += blocks
+        try:
+            result = await decode.call("add_requests", [s.handoff() for s in states])
+        except Exception as exc:
+            for state in states:
+                self._requeue(state, f"{decode.name} failed: {exc}")
+            self._on_failure(decode, exc, epoch)
+            return
+        finally:
+            if decode.epoch == epoch:
+                decode.pending_blocks -= blocks
+            self._wake_dispatcher()
+        if result.stats is not None:
+            decode.stats = result.stats
+        for state in states:
+            if state.request_id in result.rejected:
+                self._finish(state, "error", result.rejected[state.request_id])
+            elif state.done:  # cancelled while it was being added
+                await self._abort_on(decode, state.request_id)
 
     def pick_decode(self) -> WorkerHandle | None:
         """The decode worker the next batch reserves blocks on: the PDScheduler's choice over
@@ -450,12 +498,15 @@ class Controller:
     def _bound_by_pools(self) -> None:
         """Bounds from the pools the workers got; prefill workers that run every batch at its
         own shape (no padding: the CPU) take batches past the warmed batch sizes, up to
-        `max_num_seqs` and `max_batched_tokens`."""
+        `max_num_seqs` and `max_batched_tokens`. Colocated, the decode workers prefill,
+        unpadded, in chunks."""
+        prefills = self.pool.role("decode" if self.config.colocated else "prefill")
         decode = min(h.stats.num_total_blocks for h in self.pool.role("decode") if h.stats)
-        prefill = min(h.stats.num_total_blocks for h in self.pool.role("prefill") if h.stats)
+        prefill = min(h.stats.num_total_blocks for h in prefills if h.stats)
         self.limits.bound_by_pools(decode, prefill, self.buckets.controller.safe_blocks(decode))
         infos = self.pool.infos
-        if not any(infos[h.name].get("padding", True) for h in self.pool.role("prefill")):
+        padded = any(infos[h.name].get("padding", True) for h in self.pool.role("prefill"))
+        if self.config.colocated or not padded:
             self.buckets = BucketManager(self.buckets.config, self.buckets.shapes, padded=False)
 
     def _max_tokens_hint(self, state: RequestState) -> int:

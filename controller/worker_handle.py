@@ -96,7 +96,8 @@ class WorkerHandle(ABC):
             return 0
         if self.role == "prefill":
             return max(0, self.stats.num_total_blocks - self.pending_blocks)
-        return max(0, self.stats.num_free_blocks - self.pending_blocks)
+        taken = self.stats.blocks_to_come + self.pending_blocks
+        return max(0, self.stats.num_free_blocks - taken)
 
 
 class LocalWorkerHandle(WorkerHandle):

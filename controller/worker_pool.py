@@ -54,7 +54,7 @@ class WorkerPool:
             await self._form_collective()
         logger.info(
             "started %d prefill + %d decode workers (%s mode, %s transport)",
-            self.config.num_prefill,
+            self.config.num_prefill_workers,
             self.config.num_decode,
             self.config.mode,
             self.transport,
@@ -71,6 +71,12 @@ class WorkerPool:
     def role(self, role: str, alive: bool = False) -> list[WorkerHandle]:
         """The handles of `role` in start order (only the live ones with `alive`)."""
         return [h for h in self.handles if h.role == role and (h.alive or not alive)]
+
+    def serving(self) -> bool:
+        """A live worker for every phase: decode, and prefill unless the shape is colocated."""
+        if not self.role("decode", alive=True):
+            return False
+        return self.config.colocated or bool(self.role("prefill", alive=True))
 
     def by_name(self, name: str | None) -> WorkerHandle:
         for handle in self.handles:
@@ -167,7 +173,7 @@ class WorkerPool:
 
         handles: list[WorkerHandle] = [
             LocalWorkerHandle(f"prefill-{i}", "prefill", prefill(i), threads=4)
-            for i in range(self.config.num_prefill)
+            for i in range(self.config.num_prefill_workers)
         ]
         handles += [
             LocalWorkerHandle(f"decode-{i}", "decode", decode(i), threads=ACTOR_CONCURRENCY)
@@ -191,13 +197,13 @@ class WorkerPool:
         prefill_options = self.actor_options("prefill", c.prefill_placement)
         decode_options = self.actor_options("decode", c.decode_placement)
         _check_feasible(
-            [prefill_options] * c.num_prefill + [decode_options] * c.num_decode,
+            [prefill_options] * c.num_prefill_workers + [decode_options] * c.num_decode,
             ray.cluster_resources(),
         )
         prefill_cls = ray.remote(PrefillWorker).options(**prefill_options)
         decode_cls = ray.remote(DecodeWorker).options(**decode_options)
         handles: list[WorkerHandle] = []
-        for i in range(c.num_prefill):
+        for i in range(c.num_prefill_workers):
             actor = prefill_cls.remote(self.prefill_config(i))
             handles.append(RayWorkerHandle(f"prefill-{i}", "prefill", actor))
         for i in range(c.num_decode):

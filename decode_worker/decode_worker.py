@@ -161,6 +161,27 @@ class DecodeWorker(KVWorker):
         result.stats = self.stats()
         return result
 
+    def add_requests(self, requests: list[HandoffRequest]) -> AdmitResult:
+        """Colocated shape: queue `requests` on this worker's engine, which prefills them
+        (prompt and any tokens streamed before a re-queue) within its decode steps."""
+        self._check_alive()
+        result = AdmitResult(admitted=[])
+        for request in requests:
+            try:
+                self.engine.add_request(
+                    list(request.prompt_token_ids),
+                    request.sampling_params,
+                    request.request_id,
+                    output_token_ids=request.output_token_ids,
+                )
+            except ValueError as exc:
+                result.rejected[request.request_id] = str(exc)
+            else:
+                result.admitted.append(request.request_id)
+        self._wake.set()
+        result.stats = self.stats()
+        return result
+
     def release(self, lease_id: str) -> bool:
         """Give a lease's blocks back (its prefill failed). False if it already ended."""
         with self.engine.lock:
@@ -210,6 +231,7 @@ class DecodeWorker(KVWorker):
                 leases_open=len(self.leases),
                 leases_expired=self.leases.counts.expired,
                 reserved_blocks=bm.num_reserved_blocks,
+                blocks_to_come=self._blocks_to_come(),
                 batches=self._steps,
             )
 
@@ -246,6 +268,18 @@ class DecodeWorker(KVWorker):
         self._steps += 1
         deltas = [_delta(out) for out in outputs]
         self._outbox.put(StepOutput(self.name, self.boot_id, self._steps, deltas, self.stats()))
+
+    def _blocks_to_come(self) -> int:
+        """Blocks the engine will still allocate for prompts it has not fully prefilled:
+        all of a waiting one's, the rest of a running one's (colocated, chunked prefill)."""
+        bm, sched = self.block_manager, self.engine.scheduler
+        waiting = sum(bm.blocks_needed(len(s)) - len(s.block_table) for s in sched.waiting)
+        running = sum(
+            bm.blocks_needed(len(s)) - len(s.block_table)
+            for s in sched.running
+            if s.num_computed_tokens < len(s) - 1
+        )
+        return waiting + running
 
     def _pad_to(self, seqs: list[Seq], counts: list[int]) -> Shape | None:
         """The decode bucket of a pure decode microbatch (looked up, and misses counted,

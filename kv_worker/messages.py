@@ -190,6 +190,7 @@ class WorkerStats:
     leases_open: int = 0
     leases_expired: int = 0
     reserved_blocks: int = 0
+    blocks_to_come: int = 0  # free blocks that queued prompts (and their rest) will take
     batches: int = 0  # prefill batches run, or decode steps taken
     kv_bytes_sent: int = 0
     transport: str = ""  # the KV transport in use

@@ -110,11 +110,19 @@ class LLMEngine:
         *,
         prompt_text: str | None = None,
         arrival_time: float | None = None,
+        output_token_ids: list[int] | tuple[int, ...] = (),
     ) -> str:
         """Queue a prompt (text, or token ids shown as `prompt_text`); returns its request id.
-        Raises ValueError, admitting nothing, if the request is malformed or can never fit."""
+        Raises ValueError, admitting nothing, if the request is malformed or can never fit.
+
+        `output_token_ids`: tokens it generated before (a request resumed elsewhere); they
+        are prefilled with the prompt, count towards max_tokens, and its first output holds
+        them all, as after `add_prefilled_request`."""
         with self.lock:
             request = self._prepare(prompt, sampling_params, request_id, prompt_text, arrival_time)
+            if output_token_ids:
+                self._check_ids(list(output_token_ids))
+                request.seq.token_ids.extend(int(t) for t in output_token_ids)
             return self._admit(request)
 
     def add_requests(

@@ -97,7 +97,8 @@ class Scheduler:
     # -- admission ---------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence; raises ValueError (changing nothing) if it can never run."""
+        """Queue a new sequence, or one resuming with outputs it streamed elsewhere (they are
+        prefilled with the prompt); raises ValueError (changing nothing) if it can never run."""
         self.check(seq)
         self._seqs[seq.seq_id] = seq
         self.waiting.append(seq)
@@ -105,8 +106,8 @@ class Scheduler:
     def check(self, seq: Sequence) -> None:
         """Raise ValueError if `add(seq)` would: `seq` is not new or can never run."""
         self._check_new(seq, len(seq))
-        if seq.num_computed_tokens or seq.block_table or seq.num_output_tokens:
-            raise ValueError(f"seq {seq.seq_id} must be new: no output, KV or blocks yet")
+        if seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"seq {seq.seq_id} must be new: no KV or blocks yet")
 
     def add_prefilled(self, seq: Sequence, block_ids: list[int]) -> bool:
         """Take a sequence whose K/V already sits in reserved `block_ids` for every token but

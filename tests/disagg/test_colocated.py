@@ -1,0 +1,114 @@
+"""The colocated shape: no prefill workers; each decode worker's engine prefills its batches
+within its decode steps (chunked under the token budget), no KV moves."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.controller import Controller
+from runtime.scheduler import SchedulerConfig
+from tests.disagg.helpers import (
+    assert_drained,
+    controller_config,
+    generate_signalling,
+    serve_and_drain,
+    small_batches,
+    tokens,
+)
+
+
+async def started(model_dir: Path, **options: Any) -> Controller:
+    config = controller_config(model_dir, mode="local", shape="colocated", **options)
+    controller = Controller(config)
+    await controller.start()
+    return controller
+
+
+@pytest.mark.parametrize("num_decode", [1, 2])
+def test_colocated_matches_the_in_process_engine(
+    tiny_model_dir: Path, work: list, reference: list, num_decode: int
+) -> None:
+    async def main() -> None:
+        controller = await started(tiny_model_dir, num_decode=num_decode, num_prefill=3)
+        assert [h.role for h in controller.pool.handles] == ["decode"] * num_decode
+        outputs, stats = await serve_and_drain(controller, work, "colocated")
+        assert outputs == reference
+        assert stats.transfers == 0 and stats.kv_bytes_moved == 0
+        assert stats.requests_requeued == 0
+        assert sum(stats.finish_reasons.values()) == len(work)
+
+    asyncio.run(main())
+
+
+def test_colocated_chunked_prefill_matches_unchunked(
+    tiny_model_dir: Path, long_work: list, long_reference: list
+) -> None:
+    """A 16-token step budget splits every long prompt into chunks, beside decode steps."""
+    chunked = SchedulerConfig(max_num_batched_tokens=16, enable_chunked_prefill=True)
+
+    async def main() -> None:
+        controller = await started(tiny_model_dir, scheduler=chunked)
+        assert max(len(p) for p, _ in long_work) > 16
+        outputs, _ = await serve_and_drain(controller, long_work, "chunked")
+        assert outputs == long_reference
+
+    asyncio.run(main())
+
+
+def test_a_colocated_worker_killed_mid_request_loses_nothing(
+    tiny_model_dir: Path, long_work: list, long_reference: list
+) -> None:
+    async def main() -> None:
+        controller = await started(tiny_model_dir, buckets=small_batches())
+        try:
+            first = asyncio.Event()
+            run = asyncio.ensure_future(generate_signalling(controller, long_work, first))
+            await first.wait()
+            await controller.kill_worker("decode-0")
+            assert tokens(await run) == long_reference
+            stats = await controller.drain(30)
+        finally:
+            await controller.shutdown()
+        assert_drained(stats)
+        assert stats.worker("decode-0").restarts == 1 and stats.requests_requeued >= 1
+
+    asyncio.run(main())
+
+
+def test_a_burst_that_fits_the_pool_waits_in_no_queue(tiny_model_dir: Path, work: list) -> None:
+    """Every request of a burst that fits the decode pool leaves the controller's queue in
+    the first dispatch round: queue depth 0 while free blocks remain."""
+
+    async def main() -> None:
+        config = controller_config(tiny_model_dir, mode="local", shape="colocated")
+        controller = Controller(dataclasses.replace(config, buckets=small_batches(64)))
+        await controller.start()
+        try:
+            streams = [
+                controller.submit(_request(f"burst-{i}", p, s)) for i, (p, s) in enumerate(work)
+            ]
+            await asyncio.sleep(0)  # one dispatcher round
+            for _ in range(200):
+                if not len(controller.buckets):
+                    break
+                await asyncio.sleep(0.005)
+            assert len(controller.buckets) == 0
+            assert controller.pool.role("decode")[0].free_blocks > 0
+            await asyncio.gather(*(s.collect() for s in streams))
+            stats = await controller.drain(30)
+        finally:
+            await controller.shutdown()
+        assert_drained(stats)
+
+    asyncio.run(main())
+
+
+def _request(request_id: str, prompt: list[int], params: Any) -> Any:
+    from kv_worker.messages import ServeRequest
+
+    return ServeRequest(request_id, list(prompt), params)
