@@ -98,6 +98,7 @@ class ControllerConfig:
     pad_to_shape_buckets: str | bool = "auto"
     warmup: str = "auto"
     lease_ttl_s: float = 60.0
+    worker_timeout_s: float = 120.0  # a worker call or decode step this long: it hangs
     max_queued_requests: int = 4096
     max_batches_per_prefill: int = 2  # in flight at one prefill worker, so it never idles
     max_requeues: int = 3  # re-prefills of one request before it ends with an error
@@ -123,7 +124,7 @@ class ControllerConfig:
         _positive_int("max_restarts", self.max_restarts, -1)
         if self.prefill_kv_blocks is not None:
             _positive_int("prefill_kv_blocks", self.prefill_kv_blocks, 1)
-        for name in ("lease_ttl_s", "stats_interval_s"):
+        for name in ("lease_ttl_s", "stats_interval_s", "worker_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"ControllerConfig.{name} must be > 0 seconds, got {value!r}")

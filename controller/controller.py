@@ -28,7 +28,7 @@ from controller.pd_scheduler import PDScheduler, subset
 from controller.request_state import RequestState
 from controller.request_stream import RequestStream
 from controller.service_limits import ServiceLimits
-from controller.worker_handle import Failure, WorkerDiedError, WorkerHandle
+from controller.worker_handle import Failure, WorkerDiedError, WorkerHandle, WorkerHungError
 from controller.worker_pool import WorkerPool
 from decode_worker.decode_worker import WorkerFailedError
 from kv_transfer.lease import LeaseError
@@ -201,6 +201,10 @@ class Controller:
                 break
             await asyncio.sleep(0.05)
         return self.stats()
+
+    def serving(self) -> bool:
+        """Running, with a live worker for every phase (health checks say so)."""
+        return self._state == "running" and self.pool.serving()
 
     async def refresh_stats(self) -> None:
         self._judge(await self.pool.refresh())
@@ -466,7 +470,8 @@ class Controller:
             for state in list(self._requests.values()):
                 if state.decode_worker == handle.name and state.phase == "decode":
                     self._requeue(state, f"{handle.name} died")
-        self._spawn(self._revive(handle, isinstance(exc, WorkerFailedError)))
+        hung_or_failed = isinstance(exc, (WorkerFailedError, WorkerHungError))
+        self._spawn(self._revive(handle, kill_first=hung_or_failed))
 
     async def _revive(self, handle: WorkerHandle, kill_first: bool) -> None:
         try:

@@ -20,6 +20,13 @@ class WorkerDiedError(RuntimeError):
     """The worker process (or its in-process stand-in after `kill`) is gone mid-call."""
 
 
+class WorkerHungError(WorkerDiedError):
+    """The worker did not answer a call in time: it is declared dead and restarted."""
+
+
+_UNTIMED = frozenset({"warmup"})  # warm-up compiles every shape bucket: minutes, legitimately
+
+
 @dataclass
 class Failure:
     """A call that raised: the Controller's fault policy judges whether `handle` died."""
@@ -49,9 +56,21 @@ class WorkerHandle(ABC):
         # dispatched and not yet released
         self.pending_blocks = 0
         self.reviving: asyncio.Task | None = None
+        self.timeout_s: float | None = None  # a call unanswered this long: the worker hangs
+
+    async def call(self, method: str, *args: Any) -> Any:
+        if self.timeout_s is None or method in _UNTIMED:
+            return await self._call(method, *args)
+        try:
+            return await asyncio.wait_for(self._call(method, *args), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise WorkerHungError(
+                f"{self.name} did not answer {method} within {self.timeout_s:g} s "
+                "(controller.worker_timeout_s); declared hung"
+            ) from None
 
     @abstractmethod
-    async def call(self, method: str, *args: Any) -> Any: ...
+    async def _call(self, method: str, *args: Any) -> Any: ...
 
     @abstractmethod
     async def start(self) -> None:
@@ -115,7 +134,7 @@ class LocalWorkerHandle(WorkerHandle):
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
         self._life = 0
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def _call(self, method: str, *args: Any) -> Any:
         worker, life = self.worker, self._life
         if worker is None:
             raise WorkerDiedError(f"{self.name} is not running")
@@ -150,7 +169,7 @@ class RayWorkerHandle(WorkerHandle):
         super().__init__(name, role)
         self.actor = actor
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def _call(self, method: str, *args: Any) -> Any:
         import ray
 
         try:

@@ -43,6 +43,8 @@ class WorkerPool:
             self.handles = self._local_handles()
         else:
             self.handles = self._ray_handles()
+        for handle in self.handles:
+            handle.timeout_s = self.config.worker_timeout_s
         if self.config.mode == "local":  # one process: one model load / graph capture at a time
             reports = [await self._start_one(h) for h in self.handles]
         else:
@@ -145,6 +147,7 @@ class WorkerPool:
             torch_threads=c.torch_threads("decode"),
             admit_delay_s=c.admit_delay_s,
             admit_delay_count=c.admit_delay_count,
+            stall_timeout_s=c.worker_timeout_s,
         )
 
     def _worker_transport(self) -> str:

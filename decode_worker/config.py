@@ -16,13 +16,15 @@ class DecodeWorkerConfig(WorkerConfig):
     Reserved blocks whose KV is not admitted within `lease_ttl_s` are freed.
     `admit_delay_s` holds admissions back that long first: a fault drill for
     acknowledgements that come too late (the first `admit_delay_count` of
-    them; 0 means every one).
+    them; 0 means every one). A step running longer than `stall_timeout_s`
+    makes every later call fail: the worker is hung and gets restarted.
     """
 
     name: str = "decode-0"
     engine: EngineConfig = field(default_factory=EngineConfig)
     admit_delay_s: float = 0.0
     admit_delay_count: int = 0
+    stall_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -74,6 +74,7 @@ class DecodeWorker(KVWorker):
         self._unbucketed_steps = 0
         self._failure: str | None = None
         self._admissions = 0
+        self._step_started: float | None = None  # the running step's start
         self._thread = threading.Thread(target=self._loop, name=f"{self.name}-loop", daemon=True)
         self._thread.start()
 
@@ -255,7 +256,9 @@ class DecodeWorker(KVWorker):
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                self._step_started = time.monotonic()
                 outputs = self.engine.step()
+                self._step_started = None
                 if outputs:
                     self._publish(outputs)
                 elif not self.engine.executor.num_in_flight:
@@ -334,6 +337,12 @@ class DecodeWorker(KVWorker):
     def _check_alive(self) -> None:
         if self._failure is not None:
             raise WorkerFailedError(self._failure)
+        started, limit = self._step_started, self.config.stall_timeout_s
+        if started is not None and limit is not None and time.monotonic() - started > limit:
+            raise WorkerFailedError(
+                f"{self.name}: one step has run {time.monotonic() - started:.0f} s, past "
+                f"stall_timeout_s {limit:g}; declared hung"
+            )
 
     def _log_expired(self, expired: list[Lease]) -> None:
         for lease in expired:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -30,6 +32,7 @@ class GrpcServer:
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), self.server)
         self.port: int | None = None
+        self._draining = False
 
     async def start(self) -> int:
         """Binds and serves; returns the bound port."""
@@ -44,13 +47,29 @@ class GrpcServer:
         if not self.port:
             raise OSError(f"cannot bind gRPC to {address}; is the port in use?")
         await self.server.start()
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(True)
         return self.port
+
+    async def track_health(self, serving: Callable[[], bool], interval_s: float = 0.25) -> None:
+        """Keep grpc.health.v1 in step with `serving()` (a live worker for every phase)
+        until the server drains; runs until cancelled."""
+        last = True
+        while not self._draining:
+            now = serving()
+            if now != last:
+                await self._set_health(now)
+                last = now
+            await asyncio.sleep(interval_s)
 
     async def not_serving(self) -> None:
         """Health says NOT_SERVING (load balancers stop sending); calls still complete."""
+        self._draining = True
         await self.health.enter_graceful_shutdown()
+
+    async def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status.SERVING if serving else status.NOT_SERVING)
 
     async def stop(self, grace_s: float | None = None) -> None:
         await self.server.stop(grace_s)

@@ -65,7 +65,8 @@ class HttpServer:
         )
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=503 if self.admission.draining else 200)
+        serving = not self.admission.draining and self.admission.backend.serving()
+        return web.Response(status=200 if serving else 503)
 
     def _ssl(self) -> ssl.SSLContext | None:
         if not self.config.tls:

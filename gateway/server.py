@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 from gateway.admission import Admission
@@ -39,6 +41,7 @@ class GatewayServer:
             if config.http_port is not None
             else None
         )
+        self._health: asyncio.Task | None = None
 
     @property
     def grpc_target(self) -> str:
@@ -53,6 +56,9 @@ class GatewayServer:
 
     async def start(self) -> None:
         await self.grpc.start()
+        self._health = asyncio.get_running_loop().create_task(
+            self.grpc.track_health(self.backend.serving)
+        )
         if self.http is not None:
             try:
                 await self.http.start()
@@ -68,6 +74,10 @@ class GatewayServer:
         Returns how many requests were cancelled."""
         grace = self.config.drain_timeout_s if grace_s is None else grace_s
         await self.grpc.not_serving()
+        if self._health is not None:
+            self._health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health
         cancelled = await self.admission.drain(grace)
         await self.grpc.stop(1.0)
         if self.http is not None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -159,5 +161,33 @@ def test_an_unpadded_prefill_takes_a_whole_burst_past_the_warmed_batch_sizes(
         assert not padded and outputs == reference * 2
         assert [w.batches for w in stats.workers if w.role == "prefill"] == [1]
         assert stats.transfers == 1 and stats.buckets.graph_misses == 0
+
+    asyncio.run(main())
+
+
+def test_a_hung_decode_step_is_detected_and_its_requests_complete_elsewhere(
+    tiny_model_dir: Path, long_work: list, long_reference: list
+) -> None:
+    """A decode step that never ends (here: one that sleeps past worker_timeout_s) makes the
+    worker hung: its requests are re-prefilled on its new life and finish; nothing leaks."""
+
+    async def main() -> None:
+        controller = await started(tiny_model_dir, buckets=small_batches(), worker_timeout_s=1.0)
+        try:
+            engine = controller.pool.by_name("decode-0").worker.engine
+            real_step, steps = engine.step, itertools.count()
+
+            def hanging_step() -> list:
+                if next(steps) == 5:
+                    time.sleep(3.0)
+                return real_step()
+
+            engine.step = hanging_step
+            assert tokens(await generate(controller, long_work, "hang")) == long_reference
+            stats = await controller.drain(30)
+        finally:
+            await controller.shutdown()
+        assert_drained(stats)
+        assert stats.worker("decode-0").restarts == 1 and stats.requests_requeued >= 1
 
     asyncio.run(main())
