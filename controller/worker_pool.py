@@ -67,8 +67,8 @@ class WorkerPool:
         """Wait for (Ray) or build (local) a fresh life of `handle`'s worker and warm it up."""
         await self._start_one(handle)
         handle.restarts += 1
-        if self.transport == "collective" and all(h.alive for h in self.handles):
-            await self._form_collective()
+        if self.transport == "collective":
+            await self._form_collective(handle)
 
     def role(self, role: str, alive: bool = False) -> list[WorkerHandle]:
         """The handles of `role` in start order (only the live ones with `alive`)."""
@@ -252,25 +252,35 @@ class WorkerPool:
         kinds = {info["device"].split(":")[0] for info in self.infos.values()}
         return len(kinds) == 1 and kinds <= set(_COLLECTIVE_DEVICES)
 
-    async def _form_collective(self) -> None:
-        """(Re)form the KV group: prefill ranks first, then decode; a fresh store prefix per
-        generation, so a restarted worker and the survivors meet in a new group."""
+    async def _form_collective(self, revived: WorkerHandle | None = None) -> None:
+        """Form one KV group per prefill/decode pair, or after a restart only the pairs of the
+        `revived` worker with its live peers: survivors keep every other group. A fresh store
+        prefix per generation, so a new life never meets its predecessor's rendezvous."""
         import ray
         import torch.distributed as dist
 
+        from kv_transfer.collective import PairSpec
+        from kv_transfer.collective_group import RECEIVER_RANK, SENDER_RANK
+
         host = ray.util.get_node_ip_address()
-        timeout_s = self.config.lease_ttl_s
         if self._store is None:
             self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self._generation += 1
-        prefix = f"kv-group-{self._generation}/"
-        world = len(self.handles)
-        await asyncio.gather(
-            *(
-                h.call("init_collective", host, self._store.port, rank, world, prefix, timeout_s)
-                for rank, h in enumerate(self.handles)
-            )
-        )
+        pairs: dict[str, list[PairSpec]] = {}
+        by_name = {h.name: h for h in self.handles}
+        for p in (h for h in self.handles if h.role == "prefill"):
+            for d in (h for h in self.handles if h.role == "decode"):
+                if revived is not None and (revived not in (p, d) or not (p.alive and d.alive)):
+                    continue
+                prefix = f"kv-{self._generation}/{p.name}-{d.name}/"
+                pairs.setdefault(p.name, []).append(PairSpec(d.name, prefix, SENDER_RANK))
+                pairs.setdefault(d.name, []).append(PairSpec(p.name, prefix, RECEIVER_RANK))
+        timeout_s = self.config.lease_ttl_s
+        port = self._store.port
+        await asyncio.gather(*(
+            by_name[name].call("init_collective", host, port, specs, timeout_s)
+            for name, specs in pairs.items()
+        ))
 
 
 def _check_feasible(options: list[dict[str, Any]], cluster: dict[str, float]) -> None:

@@ -108,7 +108,7 @@ class DecodeWorker(KVWorker):
                 at += n
             lease = self.leases.open(ids, split, ttl)
             handle = KVBlockHandle(
-                self.name, lease.lease_id, tuple(ids), lease.block_ids, self.kv_format, self.rank
+                self.name, lease.lease_id, tuple(ids), lease.block_ids, self.kv_format
             )
             self._handles[lease.lease_id] = handle
         return Reservation(handle, ttl, self.stats())

@@ -1,111 +1,222 @@
-"""Device-collective transport: point-to-point send/recv over a torch.distributed group.
+"""Device-collective transport: point-to-point send/recv over one group per worker pair.
 
-NCCL on CUDA, HCCL on Gaudi, gloo on CPU, so the same code runs in CPU CI.
-The prefill side posts one async send per layer as soon as the layer is
-written; the decode side receives them into its leased blocks on admission.
+NCCL ignores tags and matches a pair's sends to its receives in posting order
+(HCCL too), so nothing here relies on tags: every prefill -> decode pair is one
+ordered stream of batches, each `header, layer 0..L-1, trailer`. The decode side
+claims batches by their place in that stream; a batch it reaches before its
+admission (two batches in flight, admitted out of order) is read off the wire
+and stashed, and one whose lease expired is dropped from the stash after the
+lease's lifetime. A prefill that fails mid-batch still completes its batch on
+the wire (marked aborted in the trailer), so the stream never falls out of step.
 """
 
 from __future__ import annotations
 
-import datetime
-import itertools
-from dataclasses import dataclass
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from kv_transfer.collective_group import RECEIVER_RANK, SENDER_RANK, pair_group
 from kv_transfer.kv_format import KVBlockHandle, KVFormat
 from kv_transfer.transport import KVSender, KVTransport, LayerSink, TransferError
 
-BACKENDS = {"cuda": "nccl", "hpu": "hccl", "cpu": "gloo"}
-_MAX_LAYERS = 1024  # tags: a batch's layers are tag_base + layer
-
-
-def backend_for(device_type: str) -> str:
-    if device_type not in BACKENDS:
-        raise ValueError(f"no collective backend for device {device_type!r}; known: {BACKENDS}")
-    return BACKENDS[device_type]
-
-
-def create_group(
-    backend: str, host: str, port: int, rank: int, world_size: int, prefix: str, timeout_s: float
-) -> Any:
-    """This rank's process group, rendezvousing on the controller's TCPStore at host:port.
-
-    Built from its own store prefix, so a group can be formed again (after a
-    worker restarts) without touching torch.distributed's global state.
-    """
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    store = dist.PrefixStore(prefix, store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, world_size)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    return dist.group.WORLD  # HCCL registers itself only as a default-group backend
+_OK, _ABORTED = 1, 0
 
 
 @dataclass(frozen=True)
 class CollectivePayload:
-    src_rank: int
-    tag_base: int
+    sender: str  # the prefill worker: names the pair group on the decode side
+    seq: int  # the batch's place in that pair's stream
     dtype: str
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """One pair this worker belongs to: the peer's name, the pair's store prefix, our rank."""
+
+    peer: str
+    prefix: str
+    rank: int
+
+
+@dataclass
+class _Outbound:
+    group: Any
+    next_seq: int = 0
+    open: bool = False  # a batch's layers are on the wire and its trailer is not
+    # Works not yet received, with the tensors they read: a send whose work is dropped
+    # early is cancelled, which would leave the stream out of step.
+    inflight: deque[tuple[Any, torch.Tensor]] = field(default_factory=deque)
+
+    def post(self, tensor: torch.Tensor) -> None:
+        while self.inflight and self.inflight[0][0].is_completed():
+            self.inflight.popleft()
+        self.inflight.append((self.group.send([tensor], RECEIVER_RANK, 0), tensor))
+
+
+@dataclass
+class _Stashed:
+    layers: list[torch.Tensor]
+    ok: bool
+    arrived: float
+
+
+@dataclass
+class _Inbound:
+    group: Any
+    next_seq: int = 0  # the next batch on the wire
+    stash: dict[int, _Stashed] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class CollectiveTransport(KVTransport):
     name = "collective"
 
-    def __init__(self, group: Any, rank: int, device: torch.device | str = "cpu") -> None:
-        self.group = group
-        self.rank = rank
+    def __init__(
+        self, worker: str, device: torch.device | str = "cpu", stash_ttl_s: float = 30.0
+    ) -> None:
+        self.worker = worker  # this worker's name, as its peers know it
         self.device = torch.device(device)
-        self._batches = itertools.count()
+        self.stash_ttl_s = stash_ttl_s  # a batch nobody claims this long had its lease expire
+        self._out: dict[str, _Outbound] = {}
+        self._in: dict[str, _Inbound] = {}
+
+    # -- groups ------------------------------------------------------------------------------
+
+    def connect(
+        self, backend: str, host: str, port: int, pairs: list[PairSpec], timeout_s: float
+    ) -> None:
+        """Form (or re-form) the groups of `pairs` at once, each peer doing the same; a peer
+        that is not named keeps its group and its stream."""
+        with ThreadPoolExecutor(max(1, len(pairs))) as pool:
+            groups = list(pool.map(
+                lambda p: pair_group(backend, host, port, p.prefix, p.rank, timeout_s), pairs
+            ))
+        for pair, group in zip(pairs, groups, strict=True):
+            if pair.rank == SENDER_RANK:
+                self._out[pair.peer] = _Outbound(group)
+            else:
+                self._in[pair.peer] = _Inbound(group)
+
+    def peers(self) -> list[str]:
+        return sorted({*self._out, *self._in})
+
+    # -- prefill side ------------------------------------------------------------------------
 
     def sender(self, handle: KVBlockHandle, src_format: KVFormat) -> KVSender:
-        if handle.rank is None:
-            raise TransferError(f"decode worker {handle.decode_worker!r} has no collective rank")
-        tag_base = (next(self._batches) % (1 << 20)) * _MAX_LAYERS
-        return _CollectiveSender(handle, src_format, self, tag_base)
+        out = self._out.get(handle.decode_worker)
+        if out is None:
+            raise TransferError(f"no KV group with decode worker {handle.decode_worker!r}")
+        if out.open:
+            raise RuntimeError(f"a batch to {handle.decode_worker} is still on the wire")
+        return _CollectiveSender(handle, src_format, self, out)
+
+    # -- decode side -------------------------------------------------------------------------
 
     def receive(self, handle: KVBlockHandle, payload: CollectivePayload, sink: LayerSink) -> None:
-        fmt = handle.format
+        inbound = self._in.get(payload.sender)
+        if inbound is None:
+            raise TransferError(f"no KV group with prefill worker {payload.sender!r}")
         dtype = getattr(torch, payload.dtype)
-        for layer in range(fmt.num_layers):
-            buf = torch.empty(fmt.chunk_shape(handle.num_blocks), dtype=dtype, device=self.device)
-            self.group.recv([buf], payload.src_rank, payload.tag_base + layer).wait()
-            sink(layer, buf)
+        with inbound.lock:
+            self._evict(inbound)
+            stashed = inbound.stash.pop(payload.seq, None)
+            if stashed is None and payload.seq < inbound.next_seq:
+                raise TransferError(
+                    f"batch {payload.seq} from {payload.sender} was dropped unclaimed after "
+                    f"{self.stash_ttl_s:g} s"
+                )
+            while stashed is None:
+                seq, layers, ok = self._read(inbound, handle.format, dtype, payload, sink)
+                if seq == payload.seq:
+                    stashed = _Stashed([], ok, time.monotonic())  # already fed to `sink`
+                else:
+                    inbound.stash[seq] = _Stashed(layers, ok, time.monotonic())
+        if not stashed.ok:
+            raise TransferError(f"prefill {payload.sender} aborted batch {payload.seq}")
+        for layer, chunk in enumerate(stashed.layers):
+            sink(layer, chunk)
+
+    def stashed(self, sender: str) -> list[int]:
+        """Batches from `sender` read off the wire but not claimed yet."""
+        return sorted(self._in[sender].stash)
+
+    def _read(
+        self, inbound: _Inbound, fmt: KVFormat, dtype: torch.dtype, want: CollectivePayload,
+        sink: LayerSink,
+    ) -> tuple[int, list[torch.Tensor], bool]:
+        """The next batch on the wire: fed to `sink` if it is `want`, else kept."""
+        seq, num_blocks, num_layers = self._ints(inbound.group, 3)
+        if seq != inbound.next_seq:
+            raise TransferError(f"KV stream from {want.sender} out of step: got batch {seq}, "
+                                f"expected {inbound.next_seq}")
+        inbound.next_seq += 1
+        layers = []
+        for layer in range(num_layers):
+            buf = torch.empty(fmt.chunk_shape(num_blocks), dtype=dtype, device=self.device)
+            inbound.group.recv([buf], SENDER_RANK, 0).wait()
+            if seq == want.seq:
+                sink(layer, buf)
+            else:
+                layers.append(buf)
+        trailer_seq, ok = self._ints(inbound.group, 2)
+        assert trailer_seq == seq, (trailer_seq, seq)
+        return seq, layers, ok == _OK
+
+    def _ints(self, group: Any, n: int) -> list[int]:
+        buf = torch.empty(n, dtype=torch.int32, device=self.device)
+        group.recv([buf], SENDER_RANK, 0).wait()
+        return [int(v) for v in buf.tolist()]
+
+    def _evict(self, inbound: _Inbound) -> None:
+        limit = time.monotonic() - self.stash_ttl_s
+        for seq in [s for s, b in inbound.stash.items() if b.arrived < limit]:
+            del inbound.stash[seq]
 
 
 class _CollectiveSender(KVSender):
     def __init__(
         self, handle: KVBlockHandle, src_format: KVFormat, transport: CollectiveTransport,
-        tag_base: int,
+        out: _Outbound,
     ) -> None:
         super().__init__(handle, src_format)
         self.transport = transport
-        self.tag_base = tag_base
-        self.pending: list[tuple[Any, torch.Tensor]] = []  # works and the tensors they read
+        self.out = out
+        self.seq = out.next_seq
+        self.layers_sent = 0
+        out.next_seq += 1
+        out.open = True
+        self._post_ints([self.seq, handle.num_blocks, src_format.num_layers])
 
     def _send(self, layer: int, chunk: torch.Tensor) -> None:
-        chunk = chunk.contiguous()
-        work = self.transport.group.send([chunk], self.handle.rank, self.tag_base + layer)
-        self.pending.append((work, chunk))
+        assert layer == self.layers_sent, "layers go out in order"
+        self.out.post(chunk.contiguous())
+        self.layers_sent += 1
 
     def finish(self) -> CollectivePayload:
-        return CollectivePayload(self.transport.rank, self.tag_base, self.format.dtype)
+        self._end(_OK)
+        return CollectivePayload(self.transport.worker, self.seq, self.format.dtype)
 
-    def close(self) -> None:
-        """The receiver acknowledged, so every send has completed; drop the buffers."""
-        self.pending = []
+    def abort(self) -> None:
+        """The prefill failed: fill the missing layers so the pair's stream stays in step."""
+        if not self.out.open:
+            return
+        shape = self.format.chunk_shape(self.handle.num_blocks)
+        while self.layers_sent < self.format.num_layers:
+            self._send(self.layers_sent, torch.zeros(
+                shape, dtype=getattr(torch, self.format.dtype), device=self.transport.device
+            ))
+        self._end(_ABORTED)
 
+    def _end(self, status: int) -> None:
+        self._post_ints([self.seq, status])
+        self.out.open = False
 
-def collective_transport(
-    device: torch.device, host: str, port: int, rank: int, world_size: int, prefix: str,
-    timeout_s: float,
-) -> CollectiveTransport:
-    """Join the group (the backend follows the device) and wrap it as this worker's transport."""
-    backend = backend_for(device.type)
-    group = create_group(backend, host, port, rank, world_size, prefix, timeout_s)
-    return CollectiveTransport(group, rank, device)
+    def _post_ints(self, values: list[int]) -> None:
+        self.out.post(torch.tensor(values, dtype=torch.int32, device=self.transport.device))
+

@@ -83,7 +83,6 @@ class KVBlockHandle:
     request_ids: tuple[str, ...]
     block_ids: tuple[tuple[int, ...], ...]
     format: KVFormat
-    rank: int | None = None  # the decode worker's rank in a collective group
 
     def __post_init__(self) -> None:
         if len(self.request_ids) != len(self.block_ids) or not self.request_ids:

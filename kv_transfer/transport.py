@@ -30,7 +30,8 @@ class KVSender(ABC):
     """Ships one prefill batch's KV to `handle`'s decode worker.
 
     `send_layer` is called once per layer, in order, while the prefill's
-    later layers still compute; `finish` returns the picklable payload the
+    later layers still compute; `abort` instead of `finish` when the prefill
+    fails; `finish` returns the picklable payload the
     decode worker's `KVTransport.receive` needs; `close` runs when the decode
     side acknowledged (or the lease ended) and drops what was kept for it.
     """
@@ -50,6 +51,9 @@ class KVSender(ABC):
 
     @abstractmethod
     def finish(self) -> Any: ...
+
+    def abort(self) -> None:  # noqa: B027 - only an ordered stream must be completed
+        """The prefill failed before `finish`; the batch will never be claimed."""
 
     def close(self) -> None:  # noqa: B027 - most transports keep nothing
         pass

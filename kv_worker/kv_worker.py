@@ -10,6 +10,8 @@ from tqdm import tqdm
 
 from bucket_manager.config import ShapeBucketConfig
 from bucket_manager.shape_buckets import ShapeBuckets
+from kv_transfer.collective import CollectiveTransport, PairSpec
+from kv_transfer.collective_group import backend_for
 from kv_transfer.kv_format import KVFormat
 from kv_transfer.transport import KVTransport, check_transport
 from kv_worker.worker_env import (
@@ -51,21 +53,19 @@ class KVWorker:
         self.kv_format = KVFormat.of(self.runner.kv_cache)
         self.transport = transport or default_transport(transport_name)
         self.node_id = node_id()
-        self.rank: int | None = None
         self.warmed: list[Shape] = []
         self.warmup_s = 0.0
 
     def init_collective(
-        self, host: str, port: int, rank: int, world_size: int, prefix: str, timeout_s: float
-    ) -> int:
-        """Join the KV collective group as `rank`; the transport becomes the collective one."""
-        from kv_transfer.collective import collective_transport
-
-        self.transport = collective_transport(
-            self.runner.device.torch_device, host, port, rank, world_size, prefix, timeout_s
-        )
-        self.rank = rank
-        return rank
+        self, host: str, port: int, pairs: list[PairSpec], timeout_s: float
+    ) -> list[str]:
+        """Form (or re-form) this worker's KV groups, one per peer in `pairs`; the transport
+        becomes the collective one. Returns every peer this worker has a group with."""
+        device = self.runner.device.torch_device
+        if not isinstance(self.transport, CollectiveTransport):
+            self.transport = CollectiveTransport(self.name, device, stash_ttl_s=timeout_s)
+        self.transport.connect(backend_for(device.type), host, port, pairs, timeout_s)
+        return self.transport.peers()
 
     @property
     def transport_name(self) -> str:

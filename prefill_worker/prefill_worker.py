@@ -171,7 +171,13 @@ class PrefillWorker(KVWorker):
 
         pad_to = self._pad_to(task, seqs)
         start = time.perf_counter()
-        tokens = self.runner.execute(seqs, [len(s) for s in seqs], pad_to=pad_to, on_layer=ship)
+        try:
+            tokens = self.runner.execute(
+                seqs, [len(s) for s in seqs], pad_to=pad_to, on_layer=ship
+            )
+        except BaseException:
+            sender.abort()
+            raise
         compute_s = time.perf_counter() - start - send_s[0]
         payload = sender.finish()
         with self._lock:

@@ -118,18 +118,31 @@ def test_a_third_hpu_prefill_actor_is_refused_with_a_clear_error(
         asyncio.run(controller.start())
 
 
-def test_collective_transport_over_gloo_matches_the_engine(
-    ray_session: None, tiny_model_dir: Path, work: list, reference: list
+def test_collective_transport_over_gloo_matches_the_engine_and_survives_a_prefill_kill(
+    ray_session: None, tiny_model_dir: Path, work: list, reference: list,
+    long_work: list, long_reference: list,
 ) -> None:
-    """torch.distributed point-to-point between two actor processes (gloo on CPU)."""
+    """torch.distributed point-to-point between actor processes (gloo on CPU), one group per
+    prefill/decode pair: a killed prefill re-forms only its own pair."""
 
     async def main() -> None:
-        controller = Controller(ray_config(tiny_model_dir, transport="collective",
+        controller = Controller(ray_config(tiny_model_dir, transport="collective", num_prefill=2,
                                            buckets=small_batches()))
         await controller.start()
-        outputs, stats = await serve_and_drain(controller, work, "gloo")
-        assert outputs == reference
+        try:
+            assert tokens(await generate(controller, work, "gloo")) == reference
+            first = asyncio.Event()
+            run = asyncio.ensure_future(generate_signalling(controller, long_work, first))
+            await first.wait()
+            await controller.kill_worker("prefill-0")
+            assert tokens(await run) == long_reference
+            assert tokens(await generate(controller, work, "again")) == reference
+            stats = await controller.drain(60)
+        finally:
+            await controller.shutdown()
+        assert_drained(stats)
         assert {w.transport for w in stats.workers} == {"collective"}
-        assert stats.transfers >= 4
+        assert stats.worker("prefill-0").restarts == 1
+        assert stats.transfers >= 8
 
     asyncio.run(main())
