@@ -75,7 +75,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             raise DeadlineExceededError("the deadline passed before the request was admitted")
-        return self.admission.admit(request_to_input(request), _api_key(context))
+        return await self.admission.admit(request_to_input(request), _api_key(context))
 
     async def _stream(self, gen: Generation, stream: bool, context: Any) -> None:
         whole = pb.GenerateResponse(request_id=gen.request_id)

@@ -1,4 +1,5 @@
-"""The HTTP port: OpenAI-compatible API, `/metrics` (Prometheus) and `/health`."""
+"""The HTTP port: OpenAI-compatible API, vLLM's `/tokenize` `/detokenize` `/version`,
+`/openapi.json`, `/metrics` (Prometheus) and `/health`."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from gateway.gateway_config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import OpenAIApi
 from gateway.openai_format import error_body
+from gateway.openapi_schema import openapi_document
+from gateway.tokenize_api import TokenizeApi, package_version
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -41,8 +44,15 @@ class HttpServer:
         self.app = web.Application(
             middlewares=[_openai_errors], client_max_size=config.max_message_bytes
         )
-        self.app.add_routes(OpenAIApi(admission, model_name).routes())
-        self.app.add_routes([web.get("/metrics", self.scrape), web.get("/health", self.health)])
+        openai_api = OpenAIApi(admission, model_name, config)
+        self.app.add_routes(openai_api.routes())
+        self.app.add_routes(TokenizeApi(openai_api).routes())
+        self.app.add_routes([
+            web.get("/metrics", self.scrape),
+            web.get("/health", self.health),
+            web.get("/openapi.json", self.openapi),
+        ])
+        self.schema = openapi_document(f"bucketserve ({model_name})", package_version())
         # a client that disconnects cancels its handler, which aborts its request
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         self.port: int | None = None
@@ -63,6 +73,9 @@ class HttpServer:
         return web.Response(
             body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(self.schema)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.admission.draining else 200)

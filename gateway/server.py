@@ -32,7 +32,7 @@ class GatewayServer:
         self.tenants = tenants or TenantRegistry()
         self.model_name = config.served_model_name or backend.model_info.name
         self.metrics = GatewayMetrics(self.model_name, backend.stats)
-        self.admission = Admission(backend, self.tenants, self.metrics)
+        self.admission = Admission(backend, self.tenants, self.metrics, config)
         self.grpc = GrpcServer(config, self.admission, self.model_name)
         self.http = (
             HttpServer(config, self.admission, self.metrics, self.model_name)
@@ -72,6 +72,7 @@ class GatewayServer:
         await self.grpc.stop(1.0)
         if self.http is not None:
             await self.http.stop()
+        self.admission.close()
         return cancelled
 
 
