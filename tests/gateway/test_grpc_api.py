@@ -222,6 +222,9 @@ BAD_REQUESTS = [
      "INVALID_ARGUMENT", "stop_token_ids"),
     (pb.GenerateRequest(text="Hi", sampling_params=sp(seed=-4)), "alice",
      "INVALID_ARGUMENT", "seed"),
+    (pb.GenerateRequest(text="Hi", sampling_params=sp(stop=["s"] * 65)), "alice",
+     "INVALID_ARGUMENT",
+     "stop has 65 strings; this server takes at most 64 (gateway.max_stop_strings)"),
     (
         pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot")])),
         "alice", "INVALID_ARGUMENT", "role must be one of",
