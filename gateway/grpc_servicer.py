@@ -13,12 +13,12 @@ from gateway.errors import (
     DeadlineExceededError,
     InternalError,
     InvalidArgumentError,
-    ResourceExhaustedError,
 )
 from gateway.generation import Generation
 from gateway.proto.bucketserve.v1 import serving_pb2 as pb
 from gateway.proto.bucketserve.v1 import serving_pb2_grpc as pb_grpc
 from gateway.proto_codec import delta_to_response, request_to_input, unknown_fields
+from gateway.rich_status import status_trailers
 from gateway.tenant_registry import parse_bearer
 
 logger = logging.getLogger(__name__)
@@ -97,12 +97,11 @@ def _api_key(context: Any) -> str | None:
 
 
 def _check_known(request: Any) -> None:
-    unknown = unknown_fields(request)
-    if unknown:
-        raise InvalidArgumentError(
-            f"unknown fields {unknown}: this server speaks bucketserve.v1 and does not know "
-            "them; remove them or upgrade the server"
-        )
+    """Fields from a newer .proto are ignored, as proto3 does (logged for the operator)."""
+    if logger.isEnabledFor(logging.DEBUG):
+        unknown = unknown_fields(request)
+        if unknown:
+            logger.debug("ignoring unknown fields %s of a newer client", unknown)
 
 
 async def _guard(context: Any, call: Callable[[], Awaitable[T]]) -> T:
@@ -118,7 +117,4 @@ async def _guard(context: Any, call: Callable[[], Awaitable[T]]) -> T:
 
 
 async def _fail(context: Any, error: BucketServeError) -> NoReturn:
-    trailing: tuple[tuple[str, str], ...] = ()
-    if isinstance(error, ResourceExhaustedError):
-        trailing = (("retry-after", f"{error.retry_after_s:g}"),)
-    await context.abort(error.code, error.message, trailing_metadata=trailing)
+    await context.abort(error.code, error.message, trailing_metadata=status_trailers(error))
