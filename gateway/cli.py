@@ -10,6 +10,7 @@ from typing import Any, TextIO
 
 from gateway.client_base import API_KEY_ENV, DEFAULT_TARGET
 from gateway.gateway_config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+from gateway.log_setup import LEVELS, configure_logging
 
 TARGET_ENV = "BUCKETSERVE_TARGET"
 
@@ -30,6 +31,10 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--ray-address", help="join this Ray cluster ('auto' finds it)")
     serve.add_argument(
         "--local", action="store_true", help="all workers in this process, without Ray"
+    )
+    serve.add_argument("--log-level", choices=LEVELS, default="info", help="(info)")
+    serve.add_argument(
+        "--log-json", action="store_true", help="log one JSON object per line (log shippers)"
     )
     serve.set_defaults(func=run_serve)
 
@@ -71,6 +76,7 @@ def _client_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from gateway.service_runner import ServiceRunner
 
+    configure_logging(args.log_level, args.log_json)
     try:
         runner = ServiceRunner.from_args(args)
     except ValueError as exc:

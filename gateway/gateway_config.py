@@ -27,6 +27,7 @@ class GatewayConfig:
     None: no bound); gRPC callers set their own deadline. `max_stop_strings` and
     `max_stop_chars` bound a request's stop strings, whose matching costs work on every
     token. `tokenizer_threads` tokenize and render chat templates off the event loop.
+    `log_prompts` puts prompt text in the access log (off: it may be private).
     """
 
     host: str = "127.0.0.1"
@@ -43,6 +44,7 @@ class GatewayConfig:
     max_stop_strings: int = 64
     max_stop_chars: int = 4096
     tokenizer_threads: int = 2
+    log_prompts: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -63,6 +65,8 @@ class GatewayConfig:
         check_int("gateway.max_stop_strings", self.max_stop_strings, 0)
         check_int("gateway.max_stop_chars", self.max_stop_chars, 0)
         check_int("gateway.tokenizer_threads", self.tokenizer_threads, 1)
+        if not isinstance(self.log_prompts, bool):
+            raise ValueError(f"gateway.log_prompts must be true or false, got {self.log_prompts!r}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("gateway.tls_cert_file and gateway.tls_key_file go together")
         for name in ("tls_cert_file", "tls_key_file"):

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
+import grpc
+
+from gateway.access_log import AccessLog
 from gateway.admission import Admission
 from gateway.errors import (
     BucketServeError,
@@ -26,16 +30,24 @@ T = TypeVar("T")
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, admission: Admission, model_name: str) -> None:
+    def __init__(self, admission: Admission, model_name: str, access_log: AccessLog) -> None:
         self.admission = admission
         self.model_name = model_name
+        self.access_log = access_log
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> None:
-        gen = await _guard(context, lambda: self._admit(request, context))
+        started, gen = time.monotonic(), None
         try:
-            await _guard(context, lambda: self._run(gen, request.stream, context))
+            gen = await _guard(context, lambda: self._admit(request, context))
+            try:
+                await _guard(context, lambda: self._run(gen, request.stream, context))
+            finally:
+                await gen.close()
         finally:
-            await gen.close()
+            code = grpc.StatusCode.CANCELLED if context.cancelled() else context.code()
+            status = (code or grpc.StatusCode.OK).name
+            tenant = gen.tenant.name if gen is not None else None
+            self.access_log.record("grpc Generate", status, started, tenant, gen)
 
     async def _run(self, gen: Generation, stream: bool, context: Any) -> None:
         try:

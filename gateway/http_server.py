@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.access_log import GENERATION, TENANT, AccessLog
 from gateway.admission import Admission
 from gateway.errors import (
     BucketServeError,
@@ -41,8 +44,10 @@ class HttpServer:
         self.config = config
         self.admission = admission
         self.metrics = metrics
+        self.access_log = AccessLog(config.log_prompts)
         self.app = web.Application(
-            middlewares=[_openai_errors], client_max_size=config.max_message_bytes
+            middlewares=[self._access, _openai_errors],
+            client_max_size=config.max_message_bytes,
         )
         openai_api = OpenAIApi(admission, model_name, config)
         self.app.add_routes(openai_api.routes())
@@ -79,6 +84,22 @@ class HttpServer:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.admission.draining else 200)
+
+    @web.middleware
+    async def _access(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """One access-log line per request, however it ended."""
+        started, status = time.monotonic(), 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        finally:
+            route = f"{request.method} {request.path}"
+            tenant, gen = request.get(TENANT), request.get(GENERATION)
+            self.access_log.record(route, status, started, tenant, gen)
 
     def _ssl(self) -> ssl.SSLContext | None:
         if not self.config.tls:

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from gateway.access_log import GENERATION, TENANT
 from gateway.admission import Admission
 from gateway.errors import (
     DeadlineExceededError,
@@ -59,7 +60,7 @@ class OpenAIApi:
     def tenant(self, request: web.Request) -> str | None:
         """The request's API key, once it authenticates a tenant."""
         api_key = parse_bearer(request.headers.get("Authorization"))
-        self.admission.tenant(api_key)
+        request[TENANT] = self.admission.tenant(api_key).name
         return api_key
 
     def check_model(self, model: str | None) -> None:
@@ -75,6 +76,7 @@ class OpenAIApi:
         oai = OpenAIRequest.parse(text, chat)
         self.check_model(oai.model)
         gen = await deadline.run(self.admission.admit(oai.input, api_key), None)
+        request[GENERATION] = gen
         prompt_tokens = len(gen.request.prompt_token_ids)
         fmt = OpenAIFormat(oai, gen.request_id, self.model_name, prompt_tokens)
         try:
