@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gateway.gateway_config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+from gateway.log_setup import LEVELS, configure_logging
 
 
 def register(subparsers: Any) -> None:
@@ -28,6 +29,10 @@ def register(subparsers: Any) -> None:
     serve.add_argument(
         "--local", action="store_true", help="all workers in this process, without Ray"
     )
+    serve.add_argument("--log-level", choices=LEVELS, default="info", help="(info)")
+    serve.add_argument(
+        "--log-json", action="store_true", help="log one JSON object per line (log shippers)"
+    )
     serve.set_defaults(func=run_serve)
 
     config = subparsers.add_parser("config", help="service config tools (check)")
@@ -46,6 +51,7 @@ def register(subparsers: Any) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from deploy.service_runner import ServiceRunner
 
+    configure_logging(args.log_level, args.log_json)
     try:
         runner = ServiceRunner.from_args(args)
     except ValueError as exc:

@@ -7,8 +7,10 @@ import dataclasses
 import math
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from numbers import Integral, Real
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway.backend import Backend
 from gateway.errors import (
@@ -18,6 +20,7 @@ from gateway.errors import (
     UnavailableError,
     from_backend,
 )
+from gateway.gateway_config import GatewayConfig
 from gateway.generate_input import GenerateInput
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
@@ -26,6 +29,8 @@ from gateway.tenant_spec import TenantSpec
 from kv_worker.messages import ServeRequest
 from runtime.sampling_params import SamplingParams
 
+T = TypeVar("T")
+Prompt = tuple[list[int], str | None]  # token ids, and the text they came from
 MAX_REQUEST_ID_LEN = 128
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -34,14 +39,22 @@ SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 class Admission:
     """Authenticates, validates, tokenizes, checks limits and the tenant's quota, then
     submits to the backend. Every refusal raises a BucketServeError and leaves no state:
-    no quota taken, nothing queued. `running` maps request ids to their Generation."""
+    no quota taken, nothing queued. `running` maps request ids to their Generation.
+    Tokenization and chat templates run in a thread pool, so a huge prompt never stalls
+    the event loop every stream shares."""
 
     def __init__(
-        self, backend: Backend, registry: TenantRegistry, metrics: GatewayMetrics
+        self,
+        backend: Backend,
+        registry: TenantRegistry,
+        metrics: GatewayMetrics,
+        config: GatewayConfig | None = None,
     ) -> None:
         self.backend = backend
         self.registry = registry
         self.metrics = metrics
+        self.config = config or GatewayConfig()
+        self.pool = ThreadPoolExecutor(self.config.tokenizer_threads, "bucketserve-tokenize")
         self.running: dict[str, Generation] = {}
         self.draining = False
         self._drain_deadline = 0.0
@@ -50,13 +63,27 @@ class Admission:
         self.max_model_len: int = self.model.max_model_len
         self.vocab_size: int = self.model.vocab_size
 
-    def admit(self, inp: GenerateInput, api_key: str | None) -> Generation:
-        """Synchronous, so no other request interleaves between the checks and the submit."""
+    async def admit(self, inp: GenerateInput, api_key: str | None) -> Generation:
+        """Tokenizes text and chat in the pool, then checks and submits synchronously, so no
+        other request interleaves between the checks and the submit. A token-id prompt
+        needs no tokenizer: it is admitted without leaving the event loop."""
         try:
-            return self._admit(inp, api_key)
+            self._open(api_key)
+            if inp.prompt_token_ids is not None and inp.prompt is None and inp.messages is None:
+                prompt = self._prompt(inp)
+            else:
+                prompt = await self.off_loop(self._prompt, inp)
+            return self._admit(inp, prompt, api_key)
         except BucketServeError as exc:
             self.metrics.record_rejection(exc.code.name)
             raise
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the tokenizer pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     def tenant(self, api_key: str | None) -> TenantSpec:
         try:
@@ -99,11 +126,15 @@ class Admission:
 
     # -- admission -------------------------------------------------------------------------
 
-    def _admit(self, inp: GenerateInput, api_key: str | None) -> Generation:
+    def _open(self, api_key: str | None) -> TenantSpec:
         tenant = self.registry.authenticate(api_key)
         if self.draining:
             raise UnavailableError("the server is shutting down; retry on another replica")
-        request = self._build(inp, tenant)
+        return tenant
+
+    def _admit(self, inp: GenerateInput, prompt: Prompt, api_key: str | None) -> Generation:
+        tenant = self._open(api_key)
+        request = self._build(inp, prompt, tenant)
         cost = len(request.prompt_token_ids) + request.sampling_params.max_tokens
         quota = self.registry.quotas[tenant.name]
         quota.acquire(cost)
@@ -122,8 +153,8 @@ class Admission:
         self.registry.quotas[gen.tenant.name].release(params.max_tokens - gen.num_output_tokens)
         self.metrics.record(gen, time.monotonic())
 
-    def _build(self, inp: GenerateInput, tenant: TenantSpec) -> ServeRequest:
-        token_ids, text = self._prompt(inp)
+    def _build(self, inp: GenerateInput, prompt: Prompt, tenant: TenantSpec) -> ServeRequest:
+        token_ids, text = prompt
         n, longest = len(token_ids), self.model.max_prompt_len
         if n > longest:
             raise InvalidArgumentError(
@@ -148,16 +179,16 @@ class Admission:
             slo_tpot_s=_positive("tpot_slo_s", inp.slo_tpot_s),
         )
 
-    def _prompt(self, inp: GenerateInput) -> tuple[list[int], str | None]:
+    def _prompt(self, inp: GenerateInput) -> Prompt:
         given = [x is not None for x in (inp.prompt, inp.prompt_token_ids, inp.messages)]
         if sum(given) != 1:
             raise InvalidArgumentError(
                 "give exactly one of a prompt text, prompt token ids or chat messages"
             )
         if inp.prompt_token_ids is not None:
-            return self._token_ids("prompt token ids", inp.prompt_token_ids), None
+            return self.token_ids("prompt token ids", inp.prompt_token_ids), None
         if inp.messages is not None:
-            text = self._chat(inp.messages)
+            text = self.chat_prompt(inp.messages)
             return self.tokenizer.encode(text, add_special_tokens=False), text
         if not isinstance(inp.prompt, str) or not inp.prompt:
             raise InvalidArgumentError("the prompt is empty; send some text")
@@ -166,7 +197,7 @@ class Admission:
             raise InvalidArgumentError("the prompt encodes to no tokens; send some text")
         return token_ids, inp.prompt
 
-    def _chat(self, messages: Any) -> str:
+    def chat_prompt(self, messages: Any) -> str:
         if not isinstance(messages, list) or not messages:
             raise InvalidArgumentError("messages is empty; send at least one message")
         for i, m in enumerate(messages):
@@ -179,7 +210,7 @@ class Admission:
         except ValueError as exc:
             raise InvalidArgumentError(f"messages: {exc}") from exc
 
-    def _token_ids(self, what: str, ids: Any) -> list[int]:
+    def token_ids(self, what: str, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not ids:
             raise InvalidArgumentError(f"{what} are empty; send at least one token id")
         bad = [t for t in ids if not _is_int(t) or not 0 <= t < self.vocab_size]
@@ -205,8 +236,23 @@ class Admission:
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from exc
         if params.stop_token_ids:
-            self._token_ids("stop_token_ids", params.stop_token_ids)
+            self.token_ids("stop_token_ids", params.stop_token_ids)
+        self._check_stop(params.stop)
         return params
+
+    def _check_stop(self, stop: list[str]) -> None:
+        """Matching costs work per output token in proportion to the stop strings."""
+        most, chars = self.config.max_stop_strings, sum(len(s) for s in stop)
+        if len(stop) > most:
+            raise InvalidArgumentError(
+                f"stop has {len(stop)} strings; this server takes at most {most} "
+                "(gateway.max_stop_strings)"
+            )
+        if chars > self.config.max_stop_chars:
+            raise InvalidArgumentError(
+                f"stop strings are {chars} characters in all; this server takes at most "
+                f"{self.config.max_stop_chars} (gateway.max_stop_chars)"
+            )
 
     def _request_id(self, request_id: str | None) -> str:
         if not request_id:

@@ -92,22 +92,25 @@ class Client(ClientBase):
         self.close()
 
     def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
-        attempt = 0
+        deadline, attempt = self._deadline(timeout), 0
         while True:
             try:
-                return method(request, timeout=self._timeout(timeout), metadata=self.metadata)
+                return method(
+                    request, timeout=self._remaining(deadline), metadata=self.metadata
+                )
             except grpc.RpcError as err:
                 error = rpc_error(err)
-                if not self.retry.should_retry(error, attempt):
+                wait = self._retry_wait(error, attempt, deadline)
+                if wait is None:
                     raise error from None
-            time.sleep(self.retry.backoff(attempt))
+            time.sleep(wait)
             attempt += 1
 
     def _call(self, inp: GenerateInput, kw: dict[str, Any], stream: bool) -> Iterator[Chunk]:
         request = input_to_request(inp, stream)
-        timeout = self._timeout(kw.get("timeout"))
-        attempt = 0
+        deadline, attempt = self._deadline(kw.get("timeout")), 0
         while True:
+            timeout = self._remaining(deadline)
             call = self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
             received = False
             try:
@@ -117,9 +120,10 @@ class Client(ClientBase):
                 return
             except grpc.RpcError as err:
                 error = rpc_error(err)
-                if received or not self.retry.should_retry(error, attempt):
+                wait = None if received else self._retry_wait(error, attempt, deadline)
+                if wait is None:
                     raise error from None
             finally:
                 call.cancel()
-            time.sleep(self.retry.backoff(attempt))
+            time.sleep(wait)
             attempt += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from gateway.gateway_config import DEFAULT_GRPC_PORT
 from gateway.generate_input import GenerateInput
 from gateway.proto.bucketserve.v1 import serving_pb2 as pb
 from gateway.retry_policy import RetryPolicy
+from gateway.rich_status import retry_delay
 from gateway.sdk_types import Chunk, Completion, ModelInfo
 from runtime.sampling_params import SamplingParams
 
@@ -29,7 +31,8 @@ CHANNEL_OPTIONS = [
 
 class ClientBase:
     """`api_key` defaults to $BUCKETSERVE_API_KEY; `timeout` (seconds) is the default
-    deadline of each call; `root_certificates` (PEM) or `secure=True` switch on TLS."""
+    deadline of each call, retries included; `root_certificates` (PEM) or `secure=True`
+    switch on TLS."""
 
     def __init__(
         self,
@@ -54,8 +57,26 @@ class ClientBase:
         )
         self.options = [*CHANNEL_OPTIONS, *options]
 
-    def _timeout(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
+    def _deadline(self, timeout: float | None) -> float | None:
+        """When the whole call, every retry included, must be done (monotonic clock)."""
+        timeout = self.timeout if timeout is None else timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    @staticmethod
+    def _remaining(deadline: float | None) -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _retry_wait(
+        self, error: BucketServeError, attempt: int, deadline: float | None
+    ) -> float | None:
+        """Seconds to wait before trying again; None: give up, because the policy says so or
+        the call's deadline would pass before the next attempt could start."""
+        if not self.retry.should_retry(error, attempt):
+            return None
+        wait = self.retry.backoff(attempt)
+        if deadline is not None and time.monotonic() + wait >= deadline:
+            return None
+        return wait
 
 
 def build_input(
@@ -96,12 +117,8 @@ def rpc_error(err: grpc.RpcError) -> BucketServeError:
     """The SDK's exception for a failed call (sync or asyncio)."""
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     details = err.details() if callable(getattr(err, "details", None)) else str(err)
-    retry_after = None
     trailing = err.trailing_metadata() if callable(getattr(err, "trailing_metadata", None)) else ()
-    for key, value in trailing or ():
-        if key == "retry-after":
-            retry_after = float(value)
-    return error_for_status(code, details or code.name, retry_after)
+    return error_for_status(code, details or code.name, retry_delay(trailing))
 
 
 def whole(chunks: Iterable[Chunk]) -> Completion:

@@ -140,3 +140,9 @@ def from_backend(exc: Exception) -> BucketServeError:
         return UnavailableError(str(exc))
     logger.error("the backend failed to admit a request", exc_info=exc)
     return InternalError("the server failed to queue the request; see its log")
+
+
+class PayloadTooLargeError(InvalidArgumentError):
+    """An HTTP body over gateway.max_message_bytes (gRPC refuses such a message itself)."""
+
+    http_status = 413

@@ -22,6 +22,12 @@ class GatewayConfig:
     `tls_key_file` are given (PEM). Keepalive pings let idle-looking long
     generations live through proxies; `drain_timeout_s` is how long shutdown
     lets running requests finish before cancelling them.
+
+    `http_request_timeout_s` bounds one HTTP request, streaming included (504 after it;
+    None: no bound); gRPC callers set their own deadline. `max_stop_strings` and
+    `max_stop_chars` bound a request's stop strings, whose matching costs work on every
+    token. `tokenizer_threads` tokenize and render chat templates off the event loop.
+    `log_prompts` puts prompt text in the access log (off: it may be private).
     """
 
     host: str = "127.0.0.1"
@@ -34,6 +40,11 @@ class GatewayConfig:
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
     drain_timeout_s: float = 30.0
+    http_request_timeout_s: float | None = 600.0
+    max_stop_strings: int = 64
+    max_stop_chars: int = 4096
+    tokenizer_threads: int = 2
+    log_prompts: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -49,6 +60,13 @@ class GatewayConfig:
         check_number("gateway.keepalive_time_s", self.keepalive_time_s, 1.0)
         check_number("gateway.keepalive_timeout_s", self.keepalive_timeout_s, 0.1)
         check_number("gateway.drain_timeout_s", self.drain_timeout_s, 0.0)
+        if self.http_request_timeout_s is not None:
+            check_number("gateway.http_request_timeout_s", self.http_request_timeout_s, 0.001)
+        check_int("gateway.max_stop_strings", self.max_stop_strings, 0)
+        check_int("gateway.max_stop_chars", self.max_stop_chars, 0)
+        check_int("gateway.tokenizer_threads", self.tokenizer_threads, 1)
+        if not isinstance(self.log_prompts, bool):
+            raise ValueError(f"gateway.log_prompts must be true or false, got {self.log_prompts!r}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("gateway.tls_cert_file and gateway.tls_key_file go together")
         for name in ("tls_cert_file", "tls_key_file"):

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from gateway.access_log import AccessLog
 from gateway.admission import Admission
 from gateway.gateway_config import GatewayConfig
 from gateway.grpc_servicer import GenerationServicer
@@ -26,7 +27,7 @@ class GrpcServer:
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server(options=_options(config))
         pb_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(admission, model_name), self.server
+            GenerationServicer(admission, model_name, AccessLog(config.log_prompts)), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)

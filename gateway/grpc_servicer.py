@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
+import grpc
+
+from gateway.access_log import AccessLog
 from gateway.admission import Admission
 from gateway.errors import (
     BucketServeError,
     DeadlineExceededError,
     InternalError,
     InvalidArgumentError,
-    ResourceExhaustedError,
 )
 from gateway.generation import Generation
 from gateway.proto.bucketserve.v1 import serving_pb2 as pb
 from gateway.proto.bucketserve.v1 import serving_pb2_grpc as pb_grpc
 from gateway.proto_codec import delta_to_response, request_to_input, unknown_fields
+from gateway.rich_status import status_trailers
 from gateway.tenant_registry import parse_bearer
 
 logger = logging.getLogger(__name__)
@@ -26,16 +30,24 @@ T = TypeVar("T")
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, admission: Admission, model_name: str) -> None:
+    def __init__(self, admission: Admission, model_name: str, access_log: AccessLog) -> None:
         self.admission = admission
         self.model_name = model_name
+        self.access_log = access_log
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> None:
-        gen = await _guard(context, lambda: self._admit(request, context))
+        started, gen = time.monotonic(), None
         try:
-            await _guard(context, lambda: self._run(gen, request.stream, context))
+            gen = await _guard(context, lambda: self._admit(request, context))
+            try:
+                await _guard(context, lambda: self._run(gen, request.stream, context))
+            finally:
+                await gen.close()
         finally:
-            await gen.close()
+            code = grpc.StatusCode.CANCELLED if context.cancelled() else context.code()
+            status = (code or grpc.StatusCode.OK).name
+            tenant = gen.tenant.name if gen is not None else None
+            self.access_log.record("grpc Generate", status, started, tenant, gen)
 
     async def _run(self, gen: Generation, stream: bool, context: Any) -> None:
         try:
@@ -75,7 +87,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             raise DeadlineExceededError("the deadline passed before the request was admitted")
-        return self.admission.admit(request_to_input(request), _api_key(context))
+        return await self.admission.admit(request_to_input(request), _api_key(context))
 
     async def _stream(self, gen: Generation, stream: bool, context: Any) -> None:
         whole = pb.GenerateResponse(request_id=gen.request_id)
@@ -97,12 +109,11 @@ def _api_key(context: Any) -> str | None:
 
 
 def _check_known(request: Any) -> None:
-    unknown = unknown_fields(request)
-    if unknown:
-        raise InvalidArgumentError(
-            f"unknown fields {unknown}: this server speaks bucketserve.v1 and does not know "
-            "them; remove them or upgrade the server"
-        )
+    """Fields from a newer .proto are ignored, as proto3 does (logged for the operator)."""
+    if logger.isEnabledFor(logging.DEBUG):
+        unknown = unknown_fields(request)
+        if unknown:
+            logger.debug("ignoring unknown fields %s of a newer client", unknown)
 
 
 async def _guard(context: Any, call: Callable[[], Awaitable[T]]) -> T:
@@ -118,7 +129,4 @@ async def _guard(context: Any, call: Callable[[], Awaitable[T]]) -> T:
 
 
 async def _fail(context: Any, error: BucketServeError) -> NoReturn:
-    trailing: tuple[tuple[str, str], ...] = ()
-    if isinstance(error, ResourceExhaustedError):
-        trailing = (("retry-after", f"{error.retry_after_s:g}"),)
-    await context.abort(error.code, error.message, trailing_metadata=trailing)
+    await context.abort(error.code, error.message, trailing_metadata=status_trailers(error))

@@ -1,15 +1,19 @@
-"""The HTTP port: OpenAI-compatible API, `/metrics` (Prometheus) and `/health`."""
+"""The HTTP port: OpenAI-compatible API, vLLM's `/tokenize` `/detokenize` `/version`,
+`/openapi.json`, `/metrics` (Prometheus) and `/health`."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.access_log import GENERATION, TENANT, AccessLog
 from gateway.admission import Admission
 from gateway.errors import (
     BucketServeError,
@@ -22,6 +26,8 @@ from gateway.gateway_config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import OpenAIApi
 from gateway.openai_format import error_body
+from gateway.openapi_schema import openapi_document
+from gateway.tokenize_api import TokenizeApi, package_version
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -38,11 +44,20 @@ class HttpServer:
         self.config = config
         self.admission = admission
         self.metrics = metrics
+        self.access_log = AccessLog(config.log_prompts)
         self.app = web.Application(
-            middlewares=[_openai_errors], client_max_size=config.max_message_bytes
+            middlewares=[self._access, _openai_errors],
+            client_max_size=config.max_message_bytes,
         )
-        self.app.add_routes(OpenAIApi(admission, model_name).routes())
-        self.app.add_routes([web.get("/metrics", self.scrape), web.get("/health", self.health)])
+        openai_api = OpenAIApi(admission, model_name, config)
+        self.app.add_routes(openai_api.routes())
+        self.app.add_routes(TokenizeApi(openai_api).routes())
+        self.app.add_routes([
+            web.get("/metrics", self.scrape),
+            web.get("/health", self.health),
+            web.get("/openapi.json", self.openapi),
+        ])
+        self.schema = openapi_document(f"bucketserve ({model_name})", package_version())
         # a client that disconnects cancels its handler, which aborts its request
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         self.port: int | None = None
@@ -64,9 +79,28 @@ class HttpServer:
             body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(self.schema)
+
     async def health(self, request: web.Request) -> web.Response:
         serving = not self.admission.draining and self.admission.backend.serving()
         return web.Response(status=200 if serving else 503)
+
+    @web.middleware
+    async def _access(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """One access-log line per request, however it ended."""
+        started, status = time.monotonic(), 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        finally:
+            route = f"{request.method} {request.path}"
+            tenant, gen = request.get(TENANT), request.get(GENERATION)
+            self.access_log.record(route, status, started, tenant, gen)
 
     def _ssl(self) -> ssl.SSLContext | None:
         if not self.config.tls:

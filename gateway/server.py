@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 
 from gateway.admission import Admission
@@ -34,7 +35,7 @@ class GatewayServer:
         self.tenants = tenants or TenantRegistry()
         self.model_name = config.served_model_name or backend.model_info.name
         self.metrics = GatewayMetrics(self.model_name, backend.stats)
-        self.admission = Admission(backend, self.tenants, self.metrics)
+        self.admission = Admission(backend, self.tenants, self.metrics, config)
         self.grpc = GrpcServer(config, self.admission, self.model_name)
         self.http = (
             HttpServer(config, self.admission, self.metrics, self.model_name)
@@ -67,6 +68,8 @@ class GatewayServer:
                 raise
         logger.info("serving %s: gRPC %s, HTTP %s", self.model_name, self.grpc_target,
                     self.http_url)
+        for warning in exposure_warnings(self.config, self.tenants):
+            logger.warning("%s", warning)
 
     async def stop(self, grace_s: float | None = None) -> int:
         """Refuse new requests, let running ones finish for `grace_s` (default the config's
@@ -82,7 +85,35 @@ class GatewayServer:
         await self.grpc.stop(1.0)
         if self.http is not None:
             await self.http.stop()
+        self.admission.close()
         return cancelled
+
+
+def exposure_warnings(config: GatewayConfig, tenants: TenantRegistry) -> list[str]:
+    """What is open to the network: nothing when bound to loopback."""
+    if _is_loopback(config.host):
+        return []
+    out = []
+    if not tenants.auth_required:
+        out.append(
+            f"serving {config.host} without tenants: anyone who reaches this address can "
+            "generate, with no API key; configure tenants (their api_key_sha256) to require one"
+        )
+    if not config.tls:
+        out.append(
+            f"serving {config.host} without TLS: prompts, outputs and API keys cross the "
+            "network in clear text; set gateway.tls_cert_file and gateway.tls_key_file"
+        )
+    return out
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 def _connect_host(host: str) -> str:

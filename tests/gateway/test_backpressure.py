@@ -37,18 +37,19 @@ def small_service(loop_thread: Any, tiny_model_dir: Path) -> Any:
 
 
 def test_full_queue_is_resource_exhausted(loop_thread: Any, small_service: Any) -> None:
-    """Two admissions in one loop tick, so the first is still queued when the second comes:
-    the controller's queue bound (1) refuses it, and the gateway maps that to
-    RESOURCE_EXHAUSTED with the controller's retry-after, leaving nothing behind."""
+    """Two admissions in one loop tick (token-id prompts are admitted without leaving the
+    loop), so the first is still queued when the second comes: the controller's queue
+    bound (1) refuses it, and the gateway maps that to RESOURCE_EXHAUSTED with the
+    controller's retry-after, leaving nothing behind."""
     controller, server = small_service
     admission = server.admission
-    hi = GenerateInput(prompt="Hi", sampling={"max_tokens": 2, "temperature": 0.0})
+    hi = GenerateInput(prompt_token_ids=[1, 504], sampling={"max_tokens": 2, "temperature": 0.0})
 
     async def two_at_once() -> tuple[list[Any], ResourceExhaustedError]:
-        first = admission.admit(hi, None)
+        first = await admission.admit(hi, None)
         try:
             with pytest.raises(ResourceExhaustedError, match="queued") as info:
-                admission.admit(dataclasses.replace(hi), None)
+                await admission.admit(dataclasses.replace(hi), None)
             assert list(admission.running) == [first.request_id]
             assert admission.registry.quotas["default"].running == 1
             return [delta async for delta in first], info.value

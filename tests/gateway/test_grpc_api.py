@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from bucketserve import (
     AsyncClient,
@@ -222,6 +225,9 @@ BAD_REQUESTS = [
      "INVALID_ARGUMENT", "stop_token_ids"),
     (pb.GenerateRequest(text="Hi", sampling_params=sp(seed=-4)), "alice",
      "INVALID_ARGUMENT", "seed"),
+    (pb.GenerateRequest(text="Hi", sampling_params=sp(stop=["s"] * 65)), "alice",
+     "INVALID_ARGUMENT",
+     "stop has 65 strings; this server takes at most 64 (gateway.max_stop_strings)"),
     (
         pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot")])),
         "alice", "INVALID_ARGUMENT", "role must be one of",
@@ -266,7 +272,11 @@ def test_bad_input_gets_its_status_and_leaves_no_state(
     assert ok[-1].final.usage.completion_tokens == 4
 
 
-def test_unknown_fields_in_binary_requests_are_invalid_argument(tenant_server: Any) -> None:
+def test_unknown_fields_in_binary_requests_are_ignored(
+    tenant_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client built from a newer .proto still gets served (proto3's norm)."""
+    caplog.set_level(logging.DEBUG, logger="gateway.grpc_servicer")
     request = pb.GenerateRequest(text="Hi", sampling_params=sp())
     with grpc.insecure_channel(tenant_server.grpc_target) as channel:
         generate = channel.unary_stream(
@@ -274,10 +284,29 @@ def test_unknown_fields_in_binary_requests_are_invalid_argument(tenant_server: A
             request_serializer=with_unknown_field,
             response_deserializer=pb.GenerateResponse.FromString,
         )
+        responses = list(generate(request, metadata=key("alice")))
+    assert responses[-1].final.usage.completion_tokens == 4
+    assert "ignoring unknown fields ['GenerateRequest #99'] of a newer client" in caplog.messages
+
+
+def test_resource_exhausted_carries_retry_info_and_the_old_trailer(tenant_server: Any) -> None:
+    with Client(tenant_server.grpc_target, api_key="solo-key") as solo:
+        first = solo.stream("Tell me a long story", LONG)
+        request_id = next(first).request_id
         with pytest.raises(grpc.RpcError) as info:
-            list(generate(request, metadata=key("alice")))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "unknown fields ['GenerateRequest #99']" in info.value.details()
+            raw_generate(tenant_server.grpc_target, pb.GenerateRequest(text="Hi"), key("solo"))
+        assert solo.abort(request_id)
+        list(first)
+    err = info.value
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = rpc_status.from_call(err)
+    assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert status.message == err.details()
+    (detail,) = status.details
+    retry = error_details_pb2.RetryInfo()
+    assert detail.Unpack(retry)
+    assert retry.retry_delay.ToNanoseconds() == 1_000_000_000
+    assert ("retry-after", "1") in tuple(err.trailing_metadata())
 
 
 def test_stream_false_sends_one_message(tenant_server: Any) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from gateway.errors import InvalidArgumentError
@@ -66,35 +68,111 @@ def test_prompt_forms() -> None:
     assert OpenAIRequest.parse({"prompt": [[7]]}, False).input.prompt_token_ids == [7]
 
 
-@pytest.mark.parametrize(
-    ("body", "chat", "message"),
-    [
-        ({"prompt": "x", "temprature": 0}, False, r"unknown fields \['temprature'\]"),
-        ({"prompt": "x", "messages": []}, False, r"unknown fields \['messages'\]"),
-        ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, True, "unknown"),
-        ({"prompt": "x", "n": 2}, False, "n=2 is not supported"),
-        ({"prompt": "x", "logprobs": 3}, False, "logprobs=3 is not supported"),
-        ({"prompt": "x", "echo": True}, False, "echo=True is not supported"),
-        ({"prompt": "x", "frequency_penalty": 0.5}, False, "frequency_penalty"),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, True, "tools"),
-        ({"prompt": "x", "stream": "yes"}, False, "stream must be true or false"),
-        ({"prompt": "x", "stream_options": {"include_usage": True}}, False, "only allowed"),
-        ({"prompt": "x", "stream": True, "stream_options": {"x": 1}}, False, "stream_options"),
-        ({"prompt": ["a", "b"]}, False, "one prompt per request"),
-        ({}, False, "prompt is required"),
-        ({"messages": []}, True, "non-empty list"),
-        ({"messages": ["hi"]}, True, r"messages\[0\] must be an object"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, True, "text parts"),
-        ({"prompt": "x", "model": 3}, False, "model must be a string"),
-        ([1, 2], False, "JSON object"),
-    ],
-)
+BAD_BODIES = [
+    # (body, chat, the whole message)
+    ({"prompt": "x", "n": 2}, False,
+     "n=2 is not supported yet by this server; leave it out or send 1"),
+    ({"prompt": "x", "logprobs": 3}, False,
+     "logprobs=3 is not supported yet by this server; leave it out or send None"),
+    ({"prompt": "x", "echo": True}, False,
+     "echo=True is not supported yet by this server; leave it out or send False"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, False,
+     "frequency_penalty=0.5 is not supported yet by this server; leave it out or send 0.0"),
+    ({"prompt": "x", "repetition_penalty": 1.2}, False,
+     "repetition_penalty=1.2 is not supported yet by this server; leave it out or send 1.0"),
+    ({"prompt": "x", "min_tokens": 3}, False,
+     "min_tokens=3 is not supported yet by this server; leave it out or send 0"),
+    ({"prompt": "x", "min_p": 0.1}, False,
+     "min_p=0.1 is not supported yet by this server; leave it out or send 0.0"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, True,
+     "tools=[{}] is not supported yet by this server; leave it out or send []"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, True,
+     "logprobs=True is not supported yet by this server; leave it out or send False"),
+    # out of range, or of the wrong type, before "not supported"
+    ({"prompt": "x", "n": 0}, False, "n must be >= 1, got 0"),
+    ({"prompt": "x", "presence_penalty": 3}, False, "presence_penalty must be <= 2.0, got 3"),
+    ({"prompt": "x", "repetition_penalty": 0}, False, "repetition_penalty must be > 0.0, got 0"),
+    ({"prompt": "x", "min_p": -0.5}, False, "min_p must be >= 0.0, got -0.5"),
+    ({"prompt": "x", "min_tokens": -1}, False, "min_tokens must be >= 0, got -1"),
+    ({"prompt": "x", "logprobs": 21}, False, "logprobs must be <= 20, got 21"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 99}, True,
+     "top_logprobs must be <= 20, got 99"),
+    ({"prompt": "x", "n": "2"}, False, "n must be an integer, got '2'"),
+    ({"prompt": "x", "temperature": "hot"}, False, "temperature must be a number, got 'hot'"),
+    ({"prompt": "x", "max_tokens": 2.5}, False, "max_tokens must be an integer, got 2.5"),
+    ({"prompt": "x", "max_tokens": 0}, False, "max_tokens must be >= 1, got 0"),
+    ({"prompt": "x", "stream": "yes"}, False, "stream must be true or false, got 'yes'"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, False,
+     "stream_options is only allowed with stream=true"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, False,
+     "stream_options.include_usage must be true or false, got 1"),
+    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": "y"}}, False,
+     "stream_options.continuous_usage_stats must be true or false, got 'y'"),
+    ({"prompt": "x", "stop": 5}, False, "stop must be a string or a list of strings"),
+    ({"prompt": ["a", "b"]}, False,
+     "prompt must be a string or a list of token ids; send one prompt per request"),
+    ({}, False, "prompt is required"),
+    ({"messages": []}, True, "messages must have at least 1 item(s)"),
+    ({"messages": ["hi"]}, True, "messages[0] must be an object, got 'hi'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, True,
+     'messages[0].content may only hold text parts ({"type": "text", "text": "..."})'),
+    ({"messages": [{"content": "x"}]}, True, "messages[0].role is required"),
+    ({"prompt": "x", "model": 3}, False, "model must be a string, got 3"),
+    ([1, 2], False, "the request body must be a JSON object"),
+    ('{"prompt": "x",', False,
+     "the request body is not valid JSON: EOF while parsing a value at line 1 column 15"),
+]
+
+
+@pytest.mark.parametrize(("body", "chat", "message"), BAD_BODIES)
 def test_bad_bodies(body: object, chat: bool, message: str) -> None:
-    with pytest.raises(InvalidArgumentError, match=message):
+    with pytest.raises(InvalidArgumentError) as info:
         OpenAIRequest.parse(body, chat)
+    assert info.value.message == message
 
 
 def test_neutral_values_are_accepted() -> None:
     neutral = {"n": 1, "frequency_penalty": 0.0, "presence_penalty": 0, "logit_bias": {}}
     body = {"prompt": "x", "echo": False, "best_of": 1, "suffix": None, **neutral}
     assert OpenAIRequest.parse(body, chat=False).input.prompt == "x"
+
+
+def test_vllm_bench_bodies_are_accepted() -> None:
+    """What `vllm bench serve` sends with --backend vllm / openai, and openai-chat."""
+    completion = OpenAIRequest.parse(
+        {
+            "model": "m", "prompt": "Hi", "repetition_penalty": 1.0, "max_tokens": 8,
+            "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True, "temperature": 0.0,
+        },
+        chat=False,
+    )
+    assert completion.input.sampling == {
+        "max_tokens": 8, "temperature": 0.0, "ignore_eos": True
+    }
+    assert (completion.include_usage, completion.continuous_usage) == (True, False)
+    chat = OpenAIRequest.parse(
+        {
+            "model": "m", "messages": [{"role": "user", "content": [{"type": "text",
+                                                                    "text": "Hi"}]}],
+            "temperature": 0.0, "max_completion_tokens": 8, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "min_tokens": 0, "min_p": 0.0, "n": 1,
+        },
+        chat=True,
+    )
+    assert chat.input.messages == [{"role": "user", "content": "Hi"}]
+    assert (chat.include_usage, chat.continuous_usage) == (True, True)
+
+
+def test_unknown_fields_are_ignored_with_a_debug_log(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="gateway.request_body")
+    body = {
+        "prompt": "x", "temprature": 0, "stream": True,
+        "stream_options": {"include_usage": True, "chunk_size": 3},
+    }
+    req = OpenAIRequest.parse(body, chat=False)
+    assert req.input.sampling == {"max_tokens": 16}
+    assert caplog.messages == [
+        "CompletionRequest: ignoring unknown fields ['temprature', 'stream_options.chunk_size']"
+    ]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import grpc
 import pytest
 
 import bucketserve
-from bucketserve import Chunk, Completion, RetryPolicy, SamplingParams
+from bucketserve import Chunk, Client, Completion, RetryPolicy, SamplingParams
 from gateway.client_base import build_input
 from gateway.errors import (
     AuthenticationError,
@@ -19,6 +22,7 @@ from gateway.errors import (
     UnavailableError,
     error_for_status,
 )
+from gateway.rich_status import retry_delay, status_trailers
 
 
 def test_public_exports() -> None:
@@ -63,6 +67,34 @@ def test_retry_policy_retries_only_unavailable_with_capped_backoff() -> None:
     assert all(0.5 <= jittered.backoff(0) <= 1.5 for _ in range(50))
     with pytest.raises(ValueError, match="max_attempts"):
         RetryPolicy(max_attempts=0)
+
+
+def test_retry_delay_reads_retry_info_before_the_old_trailer() -> None:
+    error = ResourceExhaustedError("slow down", 2.5)
+    trailers = status_trailers(error)
+    assert ("retry-after", "2.5") in trailers
+    assert retry_delay(trailers) == 2.5
+    assert retry_delay([("retry-after", "3")]) == 3.0  # an old server
+    rich_only = [t for t in trailers if t[0] != "retry-after"]
+    assert retry_delay(rich_only) == 2.5
+    assert retry_delay(status_trailers(UnavailableError("down"))) is None
+
+
+def test_retries_stop_at_the_calls_one_deadline() -> None:
+    """Nothing listens on the port: every attempt is UNAVAILABLE at once. A policy that
+    would retry for seconds gives up when the 0.5 s deadline would pass."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again before the client connects
+    policy = RetryPolicy(max_attempts=100, initial_backoff_s=0.05, max_backoff_s=0.05, jitter=0)
+    with Client(f"127.0.0.1:{port}", retry=policy, timeout=0.5) as client:
+        start = time.monotonic()
+        with pytest.raises(UnavailableError):
+            client.model_info()
+        with pytest.raises(UnavailableError):
+            client.generate("Hi")
+        took = time.monotonic() - start
+    assert 0.6 < took < 2.0  # retried, for one deadline each, not 100 x 0.05 s each
 
 
 def test_build_input_checks_types_before_sending() -> None:
