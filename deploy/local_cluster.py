@@ -4,8 +4,8 @@ autoscaler), plus the head and the command runner that `ray up`, `ray exec` and
 `ray down` need, which Ray's provider leaves out (it expects `ray start --head
 --autoscaling-config` by hand, and `ray up` crashes replacing its head).
 
-The cluster lives in `provider.cluster_dir`: the head's Ray temp dir and `home/`, the
-head's `~`. Every command the runner starts carries the dir in its environment, and so
+The cluster lives in `provider.cluster_dir`: `ray/`, the Ray temp dir of every node, and
+`home/`, the head's `~`. Every command the runner starts carries the dir in its environment, and so
 does every process those start (Ray's daemons, the worker nodes, the actors, a service
 started with `ray exec`). Stopping the cluster ends exactly those processes: `ray stop`
 on this machine would end every Ray instance of the user, so the runner never runs it.
@@ -29,7 +29,7 @@ from ray.autoscaler.tags import NODE_KIND_HEAD, TAG_RAY_NODE_KIND
 
 RAY_STOP = "ray stop"
 MARK = "BUCKETSERVE_LOCAL_CLUSTER"  # in the environment of every process of the cluster
-ADDRESS_FILE = "ray_current_cluster"  # written by `ray start --head` into its temp dir
+ADDRESS_FILE = "ray/ray_current_cluster"  # `ray start --head` writes it into its temp dir
 
 
 class LocalClusterProvider(FakeMultiNodeProvider):
@@ -94,10 +94,10 @@ class LocalCommandRunner(CommandRunnerInterface):
         if cmd.strip() == RAY_STOP:
             stop_cluster(self.cluster_dir)
             return ""
-        env = {**os.environ, "HOME": str(self.home), MARK: str(self.cluster_dir)}
-        address = self.cluster_dir / ADDRESS_FILE
-        if address.exists():  # what `--ray-address auto` finds on a real head
-            env["RAY_ADDRESS"] = address.read_text().strip()
+        # RAY_TMPDIR: Ray's temp dir is the cluster's, where `--ray-address auto` finds it
+        env = {**os.environ, "HOME": str(self.home), "RAY_TMPDIR": str(self.cluster_dir),
+               MARK: str(self.cluster_dir)}
+        env.pop("RAY_ADDRESS", None)  # this machine's shell may point elsewhere
         for name, value in (environment_variables or {}).items():
             env[name] = value if isinstance(value, str) else json.dumps(value)
         done = subprocess.run(["bash", "-c", cmd], env=env, text=True,
