@@ -27,6 +27,8 @@ from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeP
 from ray.autoscaler.command_runner import CommandRunnerInterface
 from ray.autoscaler.tags import NODE_KIND_HEAD, TAG_RAY_NODE_KIND
 
+from runtime.default_model import CACHE_ENV, cache_root
+
 RAY_STOP = "ray stop"
 MARK = "BUCKETSERVE_LOCAL_CLUSTER"  # in the environment of every process of the cluster
 ADDRESS_FILE = "ray/ray_current_cluster"  # `ray start --head` writes it into its temp dir
@@ -98,6 +100,8 @@ class LocalCommandRunner(CommandRunnerInterface):
         env = {**os.environ, "HOME": str(self.home), "RAY_TMPDIR": str(self.cluster_dir),
                MARK: str(self.cluster_dir)}
         env.pop("RAY_ADDRESS", None)  # this machine's shell may point elsewhere
+        # models converted once for this machine, not once per cluster home
+        env.setdefault(CACHE_ENV, str(cache_root().parent))
         for name, value in (environment_variables or {}).items():
             env[name] = value if isinstance(value, str) else json.dumps(value)
         done = subprocess.run(["bash", "-c", cmd], env=env, text=True,

@@ -20,7 +20,8 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 AWS, ONPREM = DEPLOY / "cluster.yaml", DEPLOY / "cluster-onprem.yaml"
 LOCAL = DEPLOY / "cluster-local.yaml"
 CLUSTERS = sorted(DEPLOY.glob("cluster*.yaml"))
-RAY_DEFAULT_PORTS = {"6379", "8265", "10001"}  # GCS, dashboard, Ray client server
+RAY_DEFAULT_PORTS = {6379, 8265, 10001, 52365}  # GCS, dashboard, client server, agent
+RAY_WORKER_PORTS = range(10002, 20000)  # Ray's default range for worker processes
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -106,8 +107,10 @@ def test_the_onprem_gaudi_2_and_3_hosts_install_a_release_past_first_gen() -> No
 def test_the_local_cluster_keeps_off_ray_default_ports_and_joins_its_own_head() -> None:
     config = load(LOCAL)
     (head,) = ray_starts(config)
-    ports = set(re.findall(r"--[a-z-]*port=(\d+)", head))
+    ports = {int(p) for p in re.findall(r"--[a-z-]*port=(\d+)", head)} - {0}  # 0: any free
     assert len(ports) == 3 and not ports & RAY_DEFAULT_PORTS
+    assert not any(p in RAY_WORKER_PORTS for p in ports)
+    assert "--dashboard-agent-listen-port=0" in head
     gcs_port = re.search(r"--port=(\d+)", head).group(1)
     assert config["provider"]["gcs_address"] == f"127.0.0.1:{gcs_port}"
     assert config["provider"]["module"] == "deploy.local_cluster.LocalClusterProvider"

@@ -32,7 +32,7 @@ from tests.deploy.ray_cluster import (
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SHIPPED_DIR = "/tmp/bucketserve-local"
-SHIPPED_PORTS = ("6380", "10011", "8275")  # GCS, Ray client server, dashboard
+SHIPPED_PORTS = ("6380", "6381", "8275")  # GCS, Ray client server, dashboard
 HEAD_ID = "f" * 51 + "00000"  # Ray's fake head node id
 
 
