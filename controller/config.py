@@ -103,6 +103,7 @@ class ControllerConfig:
     max_batches_per_prefill: int = 2  # in flight at one prefill worker, so it never idles
     max_requeues: int = 3  # re-prefills of one request before it ends with an error
     stats_interval_s: float = 1.0
+    placement_timeout_s: float = 300.0  # for Ray to place a worker (an autoscaler adds nodes)
     admit_delay_s: float = 0.0  # fault drill: decode admissions wait this long
     admit_delay_count: int = 0  # ... the first this many on each decode worker; 0: all
 
@@ -124,7 +125,7 @@ class ControllerConfig:
         _positive_int("max_restarts", self.max_restarts, -1)
         if self.prefill_kv_blocks is not None:
             _positive_int("prefill_kv_blocks", self.prefill_kv_blocks, 1)
-        for name in ("lease_ttl_s", "stats_interval_s", "worker_timeout_s"):
+        for name in ("lease_ttl_s", "stats_interval_s", "worker_timeout_s", "placement_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"ControllerConfig.{name} must be > 0 seconds, got {value!r}")

@@ -42,7 +42,7 @@ class WorkerPool:
         if self.config.mode == "local":
             self.handles = self._local_handles()
         else:
-            self.handles = self._ray_handles()
+            self.handles = await self._placed(self._ray_handles())
         for handle in self.handles:
             handle.timeout_s = self.config.worker_timeout_s
         if self.config.mode == "local":  # one process: one model load / graph capture at a time
@@ -56,8 +56,8 @@ class WorkerPool:
             await self._form_collective()
         logger.info(
             "started %d prefill + %d decode workers (%s mode, %s transport)",
-            self.config.num_prefill_workers,
-            self.config.num_decode,
+            sum(h.role == "prefill" for h in self.handles),
+            sum(h.role == "decode" for h in self.handles),
             self.config.mode,
             self.transport,
         )
@@ -118,6 +118,36 @@ class WorkerPool:
 
             ray.shutdown()
             self._started_ray = False
+
+    async def _placed(self, handles: list[WorkerHandle]) -> list[WorkerHandle]:
+        """The workers Ray placed within `placement_timeout_s` (time for an autoscaler to add
+        nodes for the rest); the others are killed and named. Each role needs one."""
+        timeout = self.config.placement_timeout_s
+        results = await asyncio.gather(
+            *(asyncio.wait_for(h.start(), timeout) for h in handles), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, TimeoutError):
+                raise result
+        placed = [h for h, r in zip(handles, results, strict=True) if r is None]
+        missing = [h for h in handles if h not in placed]
+        if not missing:
+            return placed
+        await asyncio.gather(*(h.stop() for h in missing), return_exceptions=True)
+        names = ", ".join(h.name for h in missing)
+        lacking = {h.role for h in handles} - {h.role for h in placed}
+        if lacking:
+            raise RuntimeError(
+                f"no room in the cluster for {names} after {timeout:g}s, and every "
+                f"{' and '.join(sorted(lacking))} worker is among them; "
+                "add nodes (or max_workers) or lower num_workers"
+            )
+        logger.warning(
+            "starting with %d of %d workers: %s not placed within %gs (the cluster has no "
+            "room for them and no autoscaler added any); add nodes or lower num_workers",
+            len(placed), len(handles), names, timeout,
+        )
+        return placed
 
     # -- worker configs ----------------------------------------------------------------------
 
@@ -199,10 +229,11 @@ class WorkerPool:
         c = self.config
         prefill_options = self.actor_options("prefill", c.prefill_placement)
         decode_options = self.actor_options("decode", c.decode_placement)
-        _check_feasible(
-            [prefill_options] * c.num_prefill_workers + [decode_options] * c.num_decode,
-            ray.cluster_resources(),
-        )
+        if c.ray_address is None:  # a Ray started here: no autoscaler adds nodes to it
+            _check_feasible(
+                [prefill_options] * c.num_prefill_workers + [decode_options] * c.num_decode,
+                ray.cluster_resources(),
+            )
         prefill_cls = ray.remote(PrefillWorker).options(**prefill_options)
         decode_cls = ray.remote(DecodeWorker).options(**decode_options)
         handles: list[WorkerHandle] = []

@@ -34,8 +34,8 @@ TARGETS: dict[str, type] = {
 _PLACEMENT = ("accelerator", "num_cpus", "resources", "torch_threads")
 _CONTROLLER = (
     "shape", "mode", "ray_address", "transport", "max_restarts", "lease_ttl_s",
-    "worker_timeout_s", "max_queued_requests",
-    "max_requeues", "stats_interval_s", "pad_to_shape_buckets", "warmup",
+    "worker_timeout_s", "max_queued_requests", "max_requeues", "stats_interval_s",
+    "pad_to_shape_buckets", "warmup", "placement_timeout_s",
 )
 
 

@@ -29,7 +29,7 @@ def write(tmp_path: Path, data: Any, name: str = "serve.yaml") -> Path:
 
 
 def test_every_shipped_example_passes_config_check(capsys: pytest.CaptureFixture[str]) -> None:
-    assert [p.name for p in EXAMPLES] == ["serve-gaudi.yaml", "serve.yaml"]
+    assert [p.name for p in EXAMPLES] == ["serve-gaudi.yaml", "serve-local.yaml", "serve.yaml"]
     for path in EXAMPLES:
         assert run_check(argparse.Namespace(file=path)) == 0, capsys.readouterr().err
         assert f"{path}: valid" in capsys.readouterr().out

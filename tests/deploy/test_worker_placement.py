@@ -1,0 +1,76 @@
+"""On a joined cluster the launcher waits `placement_timeout_s` for Ray to place the workers
+(an autoscaler adding nodes meanwhile), then serves with those placed and names the rest."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+
+from bucket_manager.config import BucketManagerConfig
+from deploy.controller_config import ControllerConfig
+from deploy.launcher import Launcher
+from deploy.worker_handle import WorkerHandle
+
+
+class PendingOrPlaced(WorkerHandle):
+    """A Ray actor stand-in: `start` answers at once when placed, never when pending."""
+
+    def __init__(self, name: str, placed: bool) -> None:
+        super().__init__(name, name.split("-")[0])
+        self.placed = placed
+        self.stopped = False
+
+    async def start(self) -> None:
+        if not self.placed:
+            await asyncio.Event().wait()
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+    async def call(self, method: str, *args: Any) -> Any:
+        raise AssertionError("not called while placing")
+
+    async def kill(self) -> None:
+        raise AssertionError("not called while placing")
+
+
+def place(*workers: tuple[str, bool]) -> tuple[list[str], list[PendingOrPlaced]]:
+    launcher = Launcher(ControllerConfig(placement_timeout_s=0.2), BucketManagerConfig())
+    handles = [PendingOrPlaced(name, placed) for name, placed in workers]
+    placed = asyncio.run(launcher._placed(list(handles)))
+    return [h.name for h in placed], handles
+
+
+def test_all_placed_are_all_kept() -> None:
+    names, handles = place(("prefill-0", True), ("decode-0", True), ("decode-1", True))
+    assert names == ["prefill-0", "decode-0", "decode-1"]
+    assert not any(h.stopped for h in handles)
+
+
+def test_the_service_starts_with_the_workers_placed_and_names_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="deploy.launcher"):
+        names, handles = place(("prefill-0", True), ("decode-0", True), ("decode-1", False))
+    assert names == ["prefill-0", "decode-0"]
+    assert [h.name for h in handles if h.stopped] == ["decode-1"]  # its pending actor goes
+    assert "starting with 2 of 3 workers: decode-1 not placed within 0.2s" in caplog.text
+
+
+def test_no_worker_of_a_role_placed_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match=r"decode-0, decode-1 after 0\.2s.*every decode"):
+        place(("prefill-0", True), ("decode-0", False), ("decode-1", False))
+
+
+def test_a_worker_that_fails_to_start_fails_the_start() -> None:
+    class Broken(PendingOrPlaced):
+        async def start(self) -> None:
+            raise ValueError("model not found")
+
+    launcher = Launcher(ControllerConfig(placement_timeout_s=0.2), BucketManagerConfig())
+    with pytest.raises(ValueError, match="model not found"):
+        asyncio.run(launcher._placed([PendingOrPlaced("prefill-0", True),
+                                      Broken("decode-0", True)]))
