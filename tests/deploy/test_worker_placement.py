@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from bucket_manager.config import BucketManagerConfig
-from deploy.controller_config import ControllerConfig
-from deploy.launcher import Launcher
-from deploy.worker_handle import WorkerHandle
+from controller.config import ControllerConfig
+from controller.worker_handle import WorkerHandle
+from controller.worker_pool import WorkerPool
 
 
 class PendingOrPlaced(WorkerHandle):
@@ -30,7 +30,7 @@ class PendingOrPlaced(WorkerHandle):
     async def stop(self) -> None:
         self.stopped = True
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def _call(self, method: str, *args: Any) -> Any:
         raise AssertionError("not called while placing")
 
     async def kill(self) -> None:
@@ -38,9 +38,9 @@ class PendingOrPlaced(WorkerHandle):
 
 
 def place(*workers: tuple[str, bool]) -> tuple[list[str], list[PendingOrPlaced]]:
-    launcher = Launcher(ControllerConfig(placement_timeout_s=0.2), BucketManagerConfig())
+    pool = WorkerPool(ControllerConfig(placement_timeout_s=0.2), BucketManagerConfig())
     handles = [PendingOrPlaced(name, placed) for name, placed in workers]
-    placed = asyncio.run(launcher._placed(list(handles)))
+    placed = asyncio.run(pool._placed(list(handles)))
     return [h.name for h in placed], handles
 
 
@@ -53,7 +53,7 @@ def test_all_placed_are_all_kept() -> None:
 def test_the_service_starts_with_the_workers_placed_and_names_the_rest(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="deploy.launcher"):
+    with caplog.at_level(logging.WARNING, logger="controller.worker_pool"):
         names, handles = place(("prefill-0", True), ("decode-0", True), ("decode-1", False))
     assert names == ["prefill-0", "decode-0"]
     assert [h.name for h in handles if h.stopped] == ["decode-1"]  # its pending actor goes
@@ -70,7 +70,7 @@ def test_a_worker_that_fails_to_start_fails_the_start() -> None:
         async def start(self) -> None:
             raise ValueError("model not found")
 
-    launcher = Launcher(ControllerConfig(placement_timeout_s=0.2), BucketManagerConfig())
+    pool = WorkerPool(ControllerConfig(placement_timeout_s=0.2), BucketManagerConfig())
     with pytest.raises(ValueError, match="model not found"):
-        asyncio.run(launcher._placed([PendingOrPlaced("prefill-0", True),
+        asyncio.run(pool._placed([PendingOrPlaced("prefill-0", True),
                                       Broken("decode-0", True)]))
