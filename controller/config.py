@@ -16,7 +16,7 @@ from bucket_manager.config import (
     PromptShapeConfig,
     ShapeBucketConfig,
 )
-from kv_worker.worker_env import check_worker_options
+from kv_worker.worker_env import check_cpus, check_worker_options
 from runtime.model_runner import ModelRunnerConfig
 from runtime.scheduler import SchedulerConfig
 
@@ -37,13 +37,16 @@ class PlacementConfig:
     sizes the actor's intra-op pool (None: all the node's cores, for either
     role: a co-located pair takes turns more than it overlaps, since a burst's
     prefill batch runs while the decode pool waits for it, and the worker pool
-    makes idle OpenMP threads sleep rather than spin).
+    makes idle OpenMP threads sleep rather than spin). `cpus` pins each actor
+    to those core ids (and sizes its pool to them unless `torch_threads` says
+    otherwise): disjoint lists partition one machine between the roles.
     """
 
     accelerator: str = "auto"
     num_cpus: float = 1.0
     resources: dict[str, float] = field(default_factory=dict)
     torch_threads: int | None = None
+    cpus: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.accelerator not in ACCELERATORS:
@@ -60,6 +63,7 @@ class PlacementConfig:
                 f"placement.resources must map names to positive amounts, got {self.resources!r}"
             )
         check_worker_options("placement", "auto", "auto", self.torch_threads)
+        check_cpus("placement.cpus", self.cpus)
 
 
 @dataclass
@@ -162,10 +166,17 @@ class ControllerConfig:
         """Per-actor intra-op threads; None in local mode (one process shares one pool)."""
         if self.mode == "local":
             return None
-        placement = self.prefill_placement if role == "prefill" else self.decode_placement
+        placement = self.placement(role)
         if placement.torch_threads is not None:
             return placement.torch_threads
-        return os.cpu_count() or 1
+        return len(placement.cpus) if placement.cpus else os.cpu_count() or 1
+
+    def cpus(self, role: str) -> list[int] | None:
+        """The cores `role`'s actors are pinned to; None in local mode (one process)."""
+        return None if self.mode == "local" else self.placement(role).cpus
+
+    def placement(self, role: str) -> PlacementConfig:
+        return self.prefill_placement if role == "prefill" else self.decode_placement
 
 
 def default_buckets(max_model_len: int, block_size: int, max_num_seqs: int) -> BucketManagerConfig:

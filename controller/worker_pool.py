@@ -162,6 +162,7 @@ class WorkerPool:
             transport=self._worker_transport(),
             lease_ttl_s=c.lease_ttl_s,
             torch_threads=c.torch_threads("prefill"),
+            cpus=c.cpus("prefill"),
         )
 
     def decode_config(self, index: int) -> DecodeWorkerConfig:
@@ -175,6 +176,7 @@ class WorkerPool:
             transport=self._worker_transport(),
             lease_ttl_s=c.lease_ttl_s,
             torch_threads=c.torch_threads("decode"),
+            cpus=c.cpus("decode"),
             admit_delay_s=c.admit_delay_s,
             admit_delay_count=c.admit_delay_count,
             stall_timeout_s=c.worker_timeout_s,

@@ -61,6 +61,7 @@ class DecodeWorker(KVWorker):
             config.transport,
             transport,
             config.torch_threads,
+            config.cpus,
         )
         engine_config = dataclasses.replace(config.engine, runner=ModelRunnerConfig())
         self.engine = LLMEngine(engine_config, self.runner, pad_fn=self._pad_to, detokenize=False)

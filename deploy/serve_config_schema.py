@@ -31,7 +31,7 @@ TARGETS: dict[str, type] = {
     "request_buckets": RequestBucketConfig,
     "batching": BatchingConfig,
 }
-_PLACEMENT = ("accelerator", "num_cpus", "resources", "torch_threads")
+_PLACEMENT = ("accelerator", "num_cpus", "resources", "torch_threads", "cpus")
 _CONTROLLER = (
     "shape", "mode", "ray_address", "transport", "max_restarts", "lease_ttl_s",
     "worker_timeout_s", "max_queued_requests", "max_requeues", "stats_interval_s",
@@ -160,6 +160,9 @@ def _matches(value: Any, hint: Any) -> bool:
         return isinstance(value, dict) and all(
             _matches(k, key_type) and _matches(v, value_type) for k, v in value.items()
         )
+    if origin is list:
+        (item_type,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_matches(v, item_type) for v in value)
     return isinstance(value, hint)
 
 
@@ -169,6 +172,8 @@ def describe(hint: Any) -> str:
         return " or ".join(describe(h) for h in typing.get_args(hint))
     if origin is dict:
         return f"a mapping of names to {describe(typing.get_args(hint)[1]).split(' ', 1)[-1]}s"
+    if origin is list:
+        return f"a list of {describe(typing.get_args(hint)[0]).split(' ', 1)[-1]}s"
     names = {type(None): "null", bool: "true or false", int: "an integer", float: "a number",
              str: "a string", Any: "anything"}
     return names.get(hint, getattr(hint, "__name__", str(hint)))

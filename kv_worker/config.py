@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from bucket_manager.config import ShapeBucketConfig
 from kv_transfer.transport import check_transport
-from kv_worker.worker_env import check_worker_options
+from kv_worker.worker_env import check_cpus, check_worker_options
 
 
 @dataclass
@@ -23,9 +23,11 @@ class WorkerConfig:
     transport: str = "ray"
     lease_ttl_s: float = 60.0
     torch_threads: int | None = None
+    cpus: list[int] | None = None
 
     def __post_init__(self) -> None:
         where = type(self).__name__
+        check_cpus(f"{where}.cpus", self.cpus)
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"{where}.name must be a non-empty str, got {self.name!r}")
         check_worker_options(where, self.pad_to_shape_buckets, self.warmup, self.torch_threads)

@@ -19,6 +19,7 @@ from kv_worker.worker_env import (
     apply_torch_threads,
     new_boot_id,
     node_id,
+    pin_cpus,
     resolve_padding,
     warmup_selection,
 )
@@ -42,9 +43,11 @@ class KVWorker:
         transport_name: str,
         transport: KVTransport | None,
         torch_threads: int | None,
+        cpus: list[int] | None = None,
     ) -> None:
         self.name = name
         self.boot_id = new_boot_id()
+        pin_cpus(cpus)
         apply_torch_threads(torch_threads)
         self.runner = ModelRunner(runner_config)
         self.tokenizer = self.runner.tokenizer

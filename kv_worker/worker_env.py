@@ -39,6 +39,22 @@ def warmup_selection(mode: str, padding: bool, shapes: Sequence[T]) -> list[T]:
     return [shapes[0]]
 
 
+def check_cpus(where: str, cpus: Any) -> None:
+    if cpus is None:
+        return
+    ok = isinstance(cpus, list) and cpus and all(
+        isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus
+    )
+    if not ok or len(set(cpus)) != len(cpus):
+        raise ValueError(f"{where} must be null or a list of distinct core ids >= 0; got {cpus!r}")
+
+
+def pin_cpus(cpus: list[int] | None) -> None:
+    """Keep this process (and the threads it starts from now on) on `cpus`."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 def apply_torch_threads(threads: int | None) -> None:
     if threads:
         import torch

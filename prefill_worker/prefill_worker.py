@@ -46,6 +46,7 @@ class PrefillWorker(KVWorker):
             config.transport,
             transport,
             config.torch_threads,
+            config.cpus,
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size)
         self.eos_token_ids = self.runner.eos_token_ids

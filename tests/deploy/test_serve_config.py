@@ -161,7 +161,33 @@ BROKEN = [
     ({"tenants": [{"name": "a"}, {"name": "b", "api_keys": ["k"]}]},
      "tenants", "tenant 'a' has no api_keys"),
     ({"cluster": {"resources": {"HPU": -1}}}, "cluster.resources.HPU", ">= 0"),
+    ({"controller": {"shape": "collocated"}}, "controller.shape", "'colocated'"),
+    ({"controller": {"worker_timeout_s": 0}}, "controller.worker_timeout_s", "> 0 seconds"),
+    ({"controller": {"decode": {"cpus": [1, 1]}}}, "controller.decode.cpus", "distinct core ids"),
+    ({"controller": {"prefill": {"cpus": "0-1"}}}, "controller.prefill.cpus",
+     "must be a list of integers or null"),
 ]
+
+
+def test_cores_partitioned_between_the_roles_pin_each_actor_and_size_its_pool(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path, {"controller": {"shape": "disaggregated",
+                                           "prefill": {"cpus": [0]}, "decode": {"cpus": [1]}}})
+    controller = ServeConfig.load(path).controller
+    assert (controller.cpus("prefill"), controller.cpus("decode")) == ([0], [1])
+    assert (controller.torch_threads("prefill"), controller.torch_threads("decode")) == (1, 1)
+    local = dataclasses.replace(controller, mode="local")
+    assert local.cpus("prefill") is None  # one process: nothing to partition
+
+
+def test_pin_cpus_keeps_the_process_on_those_cores() -> None:
+    code = (
+        "import os; from kv_worker.worker_env import pin_cpus; pin_cpus([0]); "
+        "print(sorted(os.sched_getaffinity(0)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[0]"
 
 
 @pytest.mark.parametrize(("data", "key", "allowed"), BROKEN,
