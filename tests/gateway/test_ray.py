@@ -10,7 +10,8 @@ import pytest
 from bucket_manager.config import TenantConfig
 from bucketserve import Client, SamplingParams
 from runtime.llm import LLM
-from tests.gateway.conftest import BLOCK_SIZE, local_controller_config, start_server
+from tests.gateway.conftest import BLOCK_SIZE, local_controller_config, start_server, wait_for
+from tests.gateway.test_health import NOT_SERVING, SERVING, grpc_health, http_health
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -47,6 +48,16 @@ def test_sdk_through_ray_actors_matches_the_engine_and_cancel_frees_blocks(
         assert drained.finish_reasons == {"length": 1, "cancelled": 1}
         decode = [w for w in drained.workers if w.role == "decode"]
         assert [(w.num_free_blocks == w.num_total_blocks) for w in decode] == [True]
+
+        # the decode actor's process killed: health says so until Ray has it back
+        loop_thread.run(controller.kill_worker("decode-0"))
+        wait_for(lambda: http_health(server.http_url) == 503)
+        wait_for(lambda: grpc_health(server.grpc_target) == NOT_SERVING)
+        wait_for(lambda: http_health(server.http_url) == 200, timeout=120)
+        wait_for(lambda: grpc_health(server.grpc_target) == SERVING)
+        with Client(server.grpc_target) as client:
+            again = list(client.stream("Hello, my name is", GREEDY))
+        assert [t for c in again for t in c.token_ids] == want.token_ids
     finally:
         loop_thread.run(server.stop(0))
         loop_thread.run(controller.shutdown(), timeout=120)
