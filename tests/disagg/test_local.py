@@ -165,29 +165,36 @@ def test_an_unpadded_prefill_takes_a_whole_burst_past_the_warmed_batch_sizes(
     asyncio.run(main())
 
 
-def test_a_hung_decode_step_is_detected_and_its_requests_complete_elsewhere(
-    tiny_model_dir: Path, long_work: list, long_reference: list
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_hung_worker_is_detected_and_its_requests_complete(
+    tiny_model_dir: Path, long_work: list, long_reference: list, role: str
 ) -> None:
-    """A decode step that never ends (here: one that sleeps past worker_timeout_s) makes the
-    worker hung: its requests are re-prefilled on its new life and finish; nothing leaks."""
+    """A prefill batch or a decode step that does not end in worker_timeout_s (here: one that
+    sleeps 3 s) makes the worker hung: it is restarted, its work is done again on its new
+    life, every request finishes with the engine's tokens and nothing leaks."""
 
     async def main() -> None:
         controller = await started(tiny_model_dir, buckets=small_batches(), worker_timeout_s=1.0)
         try:
-            engine = controller.pool.by_name("decode-0").worker.engine
-            real_step, steps = engine.step, itertools.count()
+            worker = controller.pool.by_name(f"{role}-0").worker
+            owner, name = (worker.runner, "execute") if role == "prefill" else (
+                worker.engine, "step"
+            )
+            real, calls = getattr(owner, name), itertools.count()
 
-            def hanging_step() -> list:
-                if next(steps) == 5:
+            def hanging(*args: Any, **kwargs: Any) -> Any:
+                if next(calls) == (0 if role == "prefill" else 5):
                     time.sleep(3.0)
-                return real_step()
+                return real(*args, **kwargs)
 
-            engine.step = hanging_step
+            setattr(owner, name, hanging)
             assert tokens(await generate(controller, long_work, "hang")) == long_reference
             stats = await controller.drain(30)
         finally:
             await controller.shutdown()
         assert_drained(stats)
-        assert stats.worker("decode-0").restarts == 1 and stats.requests_requeued >= 1
+        assert stats.worker(f"{role}-0").restarts == 1
+        if role == "decode":
+            assert stats.requests_requeued >= 1
 
     asyncio.run(main())
