@@ -1,4 +1,4 @@
-"""python -m benchmarks.simulator {roofline,calibrate,offline,online,overhead,scale,all} --out DIR
+"""python -m benchmarks.simulator {roofline,calibrate,offline,online,overhead,scale,pipeline,all}
 
 Each command prints its tables and writes DIR/<command>.json and PNG plots. The paper's
 experiments run on 4 simulated A100-40GB (Llama-2-13B, tensor parallel 2: one prefill and
@@ -18,6 +18,7 @@ from benchmarks.simulator.cluster_config import ClusterConfig
 from benchmarks.simulator.offline import offline_table, run_offline
 from benchmarks.simulator.online import online_table, run_online
 from benchmarks.simulator.overhead import overhead_table, run_overhead
+from benchmarks.simulator.pipeline import pipeline_table, run_pipeline
 from benchmarks.simulator.report import write_json
 from benchmarks.simulator.roofline_table import roofline_table, run_roofline_table
 from benchmarks.simulator.scale import run_scale, scale_table
@@ -25,7 +26,7 @@ from benchmarks.simulator.scale import run_scale, scale_table
 PAPER_CLUSTER = ClusterConfig(
     model="llama-2-13b", hardware="a100-40gb", link="nvlink3", num_prefill=1, num_decode=1, tp=2
 )
-COMMANDS = ("roofline", "calibrate", "offline", "online", "overhead", "scale")
+COMMANDS = ("roofline", "calibrate", "offline", "online", "overhead", "scale", "pipeline")
 
 
 def experiments(args: argparse.Namespace) -> dict[str, tuple[Callable, Callable, Callable]]:
@@ -55,6 +56,11 @@ def experiments(args: argparse.Namespace) -> dict[str, tuple[Callable, Callable,
         "scale": (
             lambda: run_scale(rate=args.scale_rate, duration_s=args.scale_duration),
             scale_table,
+            lambda result, out: [],
+        ),
+        "pipeline": (
+            lambda: run_pipeline(duration_s=args.duration),
+            pipeline_table,
             lambda result, out: [],
         ),
     }

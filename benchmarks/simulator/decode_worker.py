@@ -9,6 +9,7 @@ from collections.abc import Sequence as Sequence_
 
 from benchmarks.simulator.cost_model import CostModel
 from benchmarks.simulator.event_loop import EventLoop
+from benchmarks.simulator.stage_clock import StageClock
 from kv_transfer.lease import Lease, LeaseTable
 from runtime.block_manager import BlockManager
 from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -32,6 +33,11 @@ class DecodeWorker:
     prefilled arrivals queued behind it hold theirs and nothing runs. The
     worker then recomputes the newest prefilled arrival (abort + add again
     with its tokens as the prompt) until the head fits, and counts it.
+
+    With pipeline stages (`cost.pp` > 1) the worker is a stage group: it keeps
+    up to pp disjoint microbatches of the running batch in flight, the next
+    one scheduled as soon as the first stage hands the previous one on (the
+    engine loop of the pipeline-parallel RFC).
     """
 
     def __init__(
@@ -58,13 +64,21 @@ class DecodeWorker:
         self.commits_output = commits_output
         self.on_finish = on_finish
         self.committed = 0
-        self.busy = False
-        self.busy_s = 0.0
+        self.stages = StageClock(cost.pp, loop)
+        self._microbatch_seqs = -(-scheduler_config.max_num_seqs // cost.pp)
         self.steps = 0
         self.recoveries = 0
         self.on_room_change: Callable[[DecodeWorker], None] = lambda worker: None
         self._targets: dict[int | str, tuple[int, int]] = {}  # seq id -> (output len, commit)
         self._carried: dict[int | str, tuple[int, int]] = {}  # re-added: (tokens, preemptions)
+
+    @property
+    def busy(self) -> bool:
+        return self.stages.in_flight > 0
+
+    @property
+    def busy_s(self) -> float:
+        return self.stages.stage_busy_s / self.cost.pp
 
     @property
     def room(self) -> int:
@@ -108,7 +122,7 @@ class DecodeWorker:
         self._targets[seq.seq_id] = (output_len, commit)
         if self.scheduler.add_prefilled(seq, list(block_ids)):
             self._finished(seq)
-        elif not self.busy:
+        else:
             self._step()
 
     def output_tokens(self, seq: Sequence) -> int:
@@ -122,18 +136,21 @@ class DecodeWorker:
         return EOS if self.output_tokens(seq) + 1 >= self._targets[seq.seq_id][0] else TOKEN
 
     def _step(self) -> None:
-        out = self.scheduler.schedule()
+        if self.stages.full:
+            return
+        out = self.scheduler.schedule(self._microbatch_seqs)
         while not out.seqs and self._stalled():
             self._recover()
-            out = self.scheduler.schedule()
+            out = self.scheduler.schedule(self._microbatch_seqs)
         if not out.seqs:
-            self.busy = False
             return
-        self.busy = True
-        seconds = self.cost.time(self._work(out))
-        self.busy_s += seconds
+        work = self._work(out)
+        stage = self.cost.time(work)
+        self.stages.start(stage)
         self.steps += 1
-        self.loop.after(seconds, self._done, out)
+        self.loop.after(self.cost.pipeline_latency(work), self._done, out)
+        if self.cost.pp > 1:  # the first stage takes the next microbatch
+            self.loop.after(stage, self._step)
 
     def _stalled(self) -> bool:
         s = self.scheduler
@@ -169,6 +186,7 @@ class DecodeWorker:
         return self.cost.work(out.num_new_tokens, [s.num_computed_tokens for s in out.seqs])
 
     def _done(self, out: SchedulerOutput) -> None:
+        self.stages.finish()
         tokens = [
             self.next_token(s) if s.num_computed_tokens + n == len(s) else None
             for s, n in zip(out.seqs, out.num_new_tokens, strict=True)

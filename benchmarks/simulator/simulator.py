@@ -218,15 +218,18 @@ class Simulator:
         prefill.run(
             lens,
             pad_to,
-            lambda: self._prefilled(prefill, batch),
+            lambda: self._free(prefill),
+            lambda: self._prefilled(batch),
             lambda: self._landed(batch, decode, lease_id),
         )
 
-    def _prefilled(self, prefill: PrefillWorker, batch: PrefillBatch) -> None:
-        for request in batch.requests:
-            self.records[request.request_id].first_token = self.loop.now
+    def _free(self, prefill: PrefillWorker) -> None:
         self._idle.append(prefill)
         self._dispatch()
+
+    def _prefilled(self, batch: PrefillBatch) -> None:
+        for request in batch.requests:
+            self.records[request.request_id].first_token = self.loop.now
 
     def _landed(self, batch: PrefillBatch, decode: DecodeWorker, lease_id: str) -> None:
         blocks = decode.land(lease_id)
@@ -275,7 +278,14 @@ class Simulator:
             "stall_recoveries": sum(w.recoveries for w in self.decode),
             "leases_closed": sum(w.leases.counts.closed for w in self.decode),
             "decode_steps": sum(w.steps for w in self.decode),
+            "decode_bubble_fraction": _mean(w.stages.bubble_fraction for w in self.decode),
+            "prefill_bubble_fraction": _mean(w.stages.bubble_fraction for w in self.prefill),
             "events": self.loop.events_run,
             "bucket_splits": getattr(getattr(self.batcher, "buckets", None), "splits", 0),
             "bucket_merges": getattr(getattr(self.batcher, "buckets", None), "merges", 0),
         }
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
