@@ -5,10 +5,11 @@ autoscaler), plus the head and the command runner that `ray up`, `ray exec` and
 --autoscaling-config` by hand, and `ray up` crashes replacing its head).
 
 The cluster lives in `provider.cluster_dir`: `ray/`, the Ray temp dir of every node, and
-`home/`, the head's `~`. Every command the runner starts carries the dir in its environment, and so
-does every process those start (Ray's daemons, the worker nodes, the actors, a service
-started with `ray exec`). Stopping the cluster ends exactly those processes: `ray stop`
-on this machine would end every Ray instance of the user, so the runner never runs it.
+`home/`, the head's `~`. Every command the runner starts carries the dir in its
+environment, and so does every process those start (Ray's daemons, the worker nodes, the
+actors, a service started with `ray exec`). Stopping the cluster ends exactly those
+processes: `ray stop` on this machine would end every Ray instance of the user, so the
+runner never runs it.
 """
 
 from __future__ import annotations
