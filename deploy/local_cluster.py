@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -29,6 +30,8 @@ from ray.autoscaler.command_runner import CommandRunnerInterface
 from ray.autoscaler.tags import NODE_KIND_HEAD, TAG_RAY_NODE_KIND
 
 from runtime.default_model import CACHE_ENV, cache_root
+
+logger = logging.getLogger(__name__)
 
 RAY_STOP = "ray stop"
 MARK = "BUCKETSERVE_LOCAL_CLUSTER"  # in the environment of every process of the cluster
@@ -66,6 +69,9 @@ class LocalClusterProvider(FakeMultiNodeProvider):
     def terminate_node(self, node_id: str) -> None:
         if node_id != self._head_node_id:
             super().terminate_node(node_id)
+            return
+        if os.environ.get(MARK) == str(self.cluster_dir):  # the autoscaler, on the head
+            logger.warning("not terminating the head from inside the cluster: `ray down` does")
             return
         with self.lock:
             stop_cluster(self.cluster_dir)
