@@ -143,8 +143,8 @@ class WorkerPool:
                 "add nodes (or max_workers) or lower num_workers"
             )
         logger.warning(
-            "starting with %d of %d workers: %s not placed within %gs (the cluster has no "
-            "room for them and no autoscaler added any); add nodes or lower num_workers",
+            "starting with %d of %d workers: %s not placed within %gs (no room in the cluster, "
+            "and no node added for them in time); add nodes or lower num_workers",
             len(placed), len(handles), names, timeout,
         )
         return placed

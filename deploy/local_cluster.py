@@ -5,16 +5,18 @@ autoscaler), plus the head and the command runner that `ray up`, `ray exec` and
 --autoscaling-config` by hand, and `ray up` crashes replacing its head).
 
 The cluster lives in `provider.cluster_dir`: `ray/`, the Ray temp dir of every node, and
-`home/`, the head's `~`. Every command the runner starts carries the dir in its environment, and so
-does every process those start (Ray's daemons, the worker nodes, the actors, a service
-started with `ray exec`). Stopping the cluster ends exactly those processes: `ray stop`
-on this machine would end every Ray instance of the user, so the runner never runs it.
+`home/`, the head's `~`. Every command the runner starts carries the dir in its
+environment, and so does every process those start (Ray's daemons, the worker nodes, the
+actors, a service started with `ray exec`). Stopping the cluster ends exactly those
+processes: `ray stop` on this machine would end every Ray instance of the user, so the
+runner never runs it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -28,6 +30,8 @@ from ray.autoscaler.command_runner import CommandRunnerInterface
 from ray.autoscaler.tags import NODE_KIND_HEAD, TAG_RAY_NODE_KIND
 
 from runtime.default_model import CACHE_ENV, cache_root
+
+logger = logging.getLogger(__name__)
 
 RAY_STOP = "ray stop"
 MARK = "BUCKETSERVE_LOCAL_CLUSTER"  # in the environment of every process of the cluster
@@ -65,6 +69,9 @@ class LocalClusterProvider(FakeMultiNodeProvider):
     def terminate_node(self, node_id: str) -> None:
         if node_id != self._head_node_id:
             super().terminate_node(node_id)
+            return
+        if os.environ.get(MARK) == str(self.cluster_dir):  # the autoscaler, on the head
+            logger.warning("not terminating the head from inside the cluster: `ray down` does")
             return
         with self.lock:
             stop_cluster(self.cluster_dir)

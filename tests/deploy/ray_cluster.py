@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from bucketserve import Client, SamplingParams
 from runtime.llm import LLM
@@ -56,6 +59,19 @@ def assert_greedy_matches_in_process(target: str, model_dir: Path) -> None:
         got = [client.generate(p, GREEDY) for p in PROMPTS]
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert [g.text for g in got] == [w.text for w in want]
+
+
+def ctrl_c(proc: subprocess.Popen[str], service: list[psutil.Process] | None = None) -> None:
+    """SIGINT to `service` (default: `proc` itself), which drains; `proc` must exit 0. Killed
+    if it does not."""
+    try:
+        for target in service if service is not None else [proc]:
+            target.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def free_port() -> int:

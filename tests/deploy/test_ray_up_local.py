@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -22,13 +21,7 @@ import pytest
 import yaml
 
 from deploy.local_cluster import cluster_processes, stop_cluster
-from tests.deploy.ray_cluster import (
-    RAY,
-    assert_greedy_matches_in_process,
-    free_port,
-    grpc_target,
-    placement,
-)
+from tests.deploy import ray_cluster as rc
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SHIPPED_DIR = "/tmp/bucketserve-local"
@@ -44,7 +37,7 @@ class LocalCluster:
     driver_env: dict[str, str]  # for a driver of the test's own (the placement probe)
 
     def ray(self, *args: str, timeout: float = 300) -> str:
-        done = subprocess.run([RAY, *args], env=self.env, capture_output=True, text=True,
+        done = subprocess.run([rc.RAY, *args], env=self.env, capture_output=True, text=True,
                               timeout=timeout)
         assert done.returncode == 0, f"ray {args[0]} failed: {done.stderr[-3000:]}"
         return done.stdout
@@ -58,13 +51,13 @@ def local_cluster() -> Iterator[LocalCluster]:
     cluster_dir, home = work / "c", work / "home"
     text = (DEPLOY / "cluster-local.yaml").read_text().replace(SHIPPED_DIR, str(cluster_dir))
     for port in SHIPPED_PORTS:
-        text = text.replace(port, str(free_port()))
+        text = text.replace(port, str(rc.free_port()))
     recipe = work / "cluster-local.yaml"
     recipe.write_text(text)
     token = secrets.token_hex(32)
     (home / ".ray").mkdir(parents=True)
     (home / ".ray" / "auth_token").write_text(token)
-    venv_bin = Path(RAY).parent
+    venv_bin = Path(rc.RAY).parent
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env |= {"HOME": str(home), "PATH": f"{venv_bin}:{env['PATH']}", "RAY_FAKE_CLUSTER": "1",
             "RAY_USAGE_STATS_ENABLED": "0"}
@@ -77,7 +70,7 @@ def local_cluster() -> Iterator[LocalCluster]:
         yield cluster
     finally:
         if cluster_processes(cluster_dir):
-            subprocess.run([RAY, "down", str(recipe), "-y"], env=env, capture_output=True,
+            subprocess.run([rc.RAY, "down", str(recipe), "-y"], env=env, capture_output=True,
                            timeout=300)
             stop_cluster(cluster_dir)
         shutil.rmtree(work, ignore_errors=True)
@@ -98,25 +91,20 @@ def serve_on(cluster: LocalCluster, tmp_path: Path, model_dir: Path,
     path.write_text(yaml.safe_dump(config))
     command = f"bucketserve serve --config {path} --ray-address auto"
     with log.open("w") as err:
-        proc = subprocess.Popen([RAY, "exec", str(cluster.recipe), command],
+        proc = subprocess.Popen([rc.RAY, "exec", str(cluster.recipe), command],
                                 env=cluster.env, stdout=subprocess.PIPE, stderr=err, text=True)
-    return proc, grpc_target(proc, log)
+    return proc, rc.grpc_target(proc, log)
 
 
 def stop_service(proc: subprocess.Popen[str]) -> None:
     """Ctrl-C to `bucketserve serve` (a child of `ray exec`): it drains and exits 0."""
+    children = psutil.Process(proc.pid).children(recursive=True)
+    service = [c for c in children if "serve" in c.cmdline() and "bucketserve" in
+               " ".join(c.cmdline())]
     try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-        service = [c for c in children if "serve" in c.cmdline() and "bucketserve" in
-                   " ".join(c.cmdline())]
         assert service, [c.cmdline() for c in children]
-        for child in service:
-            child.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        rc.ctrl_c(proc, service or None)
 
 
 @pytest.mark.slow
@@ -125,8 +113,8 @@ def test_ray_up_serves_with_workers_on_the_hpu_nodes(
 ) -> None:
     proc, target = serve_on(local_cluster, tmp_path, tiny_model_dir)
     try:
-        assert_greedy_matches_in_process(target, tiny_model_dir)
-        placed = placement(local_cluster.driver_env)
+        rc.assert_greedy_matches_in_process(target, tiny_model_dir)
+        placed = rc.placement(local_cluster.driver_env)
     finally:
         stop_service(proc)
     hpu_nodes = {node for node, names in placed["nodes"].items() if "HPU" in names}
@@ -141,14 +129,14 @@ def test_ray_up_serves_with_workers_on_the_hpu_nodes(
 def test_one_decode_worker_more_than_the_nodes_hold_brings_a_node_up(
     local_cluster: LocalCluster, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    before = placement(local_cluster.driver_env)["nodes"]
+    before = rc.placement(local_cluster.driver_env)["nodes"]
     cards = sum("HPU" in names for names in before.values()) * 2  # 2 per gaudi node
     decode = cards - 1 + 1  # one prefill worker, then one decode worker more than fits
     proc, target = serve_on(local_cluster, tmp_path, tiny_model_dir,
                             decode={"num_workers": decode})
     try:
-        assert_greedy_matches_in_process(target, tiny_model_dir)
-        placed = placement(local_cluster.driver_env)
+        rc.assert_greedy_matches_in_process(target, tiny_model_dir)
+        placed = rc.placement(local_cluster.driver_env)
     finally:
         stop_service(proc)
     new = set(placed["nodes"]) - set(before)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from deploy.local_cluster import MARK, stop_cluster
 from tests.deploy.ray_cluster import (
     RAY,
     assert_greedy_matches_in_process,
+    ctrl_c,
     free_port,
     grpc_target,
     placement,
@@ -83,12 +83,8 @@ def test_serve_joins_the_cluster_and_places_workers_by_resources(
         assert sorted(where) == ["DecodeWorker", "PrefillWorker"]
         assert "prefill_node" in where["PrefillWorker"]
         assert "decode_node" in where["DecodeWorker"]
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=90) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        ctrl_c(proc)
 
 
 def _ray(env: dict[str, str], *args: str) -> None:
