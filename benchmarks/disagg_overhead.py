@@ -53,7 +53,8 @@ TARGET = 1.15  # disaggregated wall time / engine wall time
 
 
 def controller_config(args: argparse.Namespace, mode: str, max_model_len: int) -> Any:
-    from controller.config import ControllerConfig, PlacementConfig, default_buckets
+    from controller.config import ControllerConfig, PlacementConfig
+    from controller.service_limits import default_buckets
     from runtime.model_runner import ModelRunnerConfig
     from runtime.scheduler import SchedulerConfig
 

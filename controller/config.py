@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from bucket_manager.config import (
-    BatchingConfig,
     BucketManagerConfig,
-    BucketRange,
-    DecodeShapeConfig,
-    PromptShapeConfig,
-    ShapeBucketConfig,
 )
 from kv_worker.worker_env import check_cpus, check_worker_options
 from runtime.model_runner import ModelRunnerConfig
@@ -177,48 +171,6 @@ class ControllerConfig:
 
     def placement(self, role: str) -> PlacementConfig:
         return self.prefill_placement if role == "prefill" else self.decode_placement
-
-
-def default_buckets(max_model_len: int, block_size: int, max_num_seqs: int) -> BucketManagerConfig:
-    """Request buckets over the model's length; prompt shapes of batch 1..16 and query
-    block_size..max_model_len (fresh prompts only: no context blocks); decode shapes of
-    batch 1..max_num_seqs and blocks up to one max_model_len sequence; prefill batches of
-    at most max_num_seqs, the decode batch they join."""
-    return fit_buckets(
-        BucketManagerConfig(
-            batching=BatchingConfig(max_num_seqs=max_num_seqs),
-            shape_buckets=ShapeBucketConfig(
-                prompt=PromptShapeConfig(
-                    bs=BucketRange(1, 1, 16, 5),
-                    query=_doubling(block_size, max_model_len),
-                    ctx=BucketRange(0, 1, 0, 1),
-                ),
-                decode=DecodeShapeConfig(
-                    bs=_doubling(1, max_num_seqs),
-                    blocks=_doubling(1, -(-max_model_len // block_size)),
-                ),
-            ),
-        ),
-        max_model_len,
-        block_size,
-    )
-
-
-def fit_buckets(
-    config: BucketManagerConfig, max_model_len: int, block_size: int
-) -> BucketManagerConfig:
-    """`config` with its shape buckets' block size and length, and its request buckets'
-    length range, set to the model's, so every admitted prompt has a bucket."""
-    shapes = dataclasses.replace(
-        config.shape_buckets, block_size=block_size, max_model_len=max_model_len
-    )
-    requests = dataclasses.replace(config.request_buckets, max_len=max(max_model_len, 2))
-    return dataclasses.replace(config, shape_buckets=shapes, request_buckets=requests)
-
-
-def _doubling(low: int, high: int) -> BucketRange:
-    high = max(low, high)
-    return BucketRange(low, low, high, int(math.log2(high / low)) + 1)
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -7,8 +7,9 @@
 
 Method groups: lifecycle (start, shutdown, drain, stats), the request table (submit,
 abort), dispatch (the PDScheduler's choices, one Handoff per batch, acting on its
-outcomes), the output pump (decode step messages -> RequestStreams), the fault policy
-(requeue, put back, judge failures, revive) and bounds from the pools the workers got.
+outcomes), the output pump (decode step messages through the OutputProcessor to the
+RequestStreams), the fault policy (requeue, put back, judge failures, revive) and bounds
+from the pools the workers got. Counting is the ServiceMonitor's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Coroutine
 from typing import Any
 
@@ -28,6 +28,7 @@ from controller.pd_scheduler import PDScheduler, subset
 from controller.request_state import RequestState
 from controller.request_stream import RequestStream
 from controller.service_limits import ServiceLimits
+from controller.service_monitor import ServiceMonitor
 from controller.worker_handle import Failure, WorkerDiedError, WorkerHandle, WorkerHungError
 from controller.worker_pool import WorkerPool
 from decode_worker.decode_worker import WorkerFailedError
@@ -77,9 +78,7 @@ class Controller:
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self._state = "new"
-        self._counts: Counter[str] = Counter()
-        self._transfer_s = 0.0
-        self._reasons: Counter[str] = Counter()
+        self.monitor = ServiceMonitor()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -150,7 +149,7 @@ class Controller:
         self.buckets.add(state.bucket_request(self._max_tokens_hint(state)))
         self.outputs.add(request.request_id, request.prompt_token_ids, request.sampling_params)
         self._requests[request.request_id] = state
-        self._counts["requests_total"] += 1
+        self.monitor.submitted()
         self._wake_dispatcher()
         return state.stream
 
@@ -172,19 +171,9 @@ class Controller:
 
     def stats(self) -> ServiceStats:
         running = sum(1 for s in self._requests.values() if s.phase in ("prefill", "decode"))
-        return ServiceStats(
-            waiting=len(self.buckets),
-            running=running,
-            workers=self.pool.worker_stats(),
-            buckets=self.buckets.snapshot(),
-            requests_total=self._counts["requests_total"],
-            requests_finished=self._counts["requests_finished"],
-            requests_requeued=self._counts["requests_requeued"],
-            kv_bytes_moved=self._counts["kv_bytes"],
-            transfers=self._counts["transfers"],
-            transfer_s=self._transfer_s,
-            worker_restarts=sum(h.restarts for h in self.pool.handles),
-            finish_reasons=dict(self._reasons),
+        restarts = sum(h.restarts for h in self.pool.handles)
+        return self.monitor.stats(
+            len(self.buckets), running, self.pool.worker_stats(), self.buckets.snapshot(), restarts
         )
 
     async def drain(self, timeout_s: float = 120.0) -> ServiceStats:
@@ -337,9 +326,7 @@ class Controller:
             self._wake_dispatcher()
 
     def _prefilled(self, states: list[RequestState], result: PrefillResult) -> None:
-        self._counts["kv_bytes"] += result.kv_bytes
-        self._counts["transfers"] += 1
-        self._transfer_s += result.send_s
+        self.monitor.sent(result.kv_bytes, result.send_s)
         for state, first in zip(states, result.first, strict=True):
             state.prefill_s += result.compute_s
             state.transfer_s += result.send_s
@@ -356,7 +343,7 @@ class Controller:
         self._judge(admitted.failures)
         if ack is None:
             return
-        self._transfer_s += ack.receive_s
+        self.monitor.received(ack.receive_s)
         for state in live:
             state.transfer_s += ack.receive_s
             if state.request_id in ack.rejected:
@@ -417,8 +404,7 @@ class Controller:
     def _closed(self, state: RequestState, reason: str) -> None:
         self._requests.pop(state.request_id, None)
         self.outputs.remove(state.request_id)
-        self._counts["requests_finished"] += 1
-        self._reasons[reason] += 1
+        self.monitor.finished(reason)
 
     # -- faults ------------------------------------------------------------------------------
 
@@ -427,7 +413,7 @@ class Controller:
         if state.done:
             return
         state.requeues += 1
-        self._counts["requests_requeued"] += 1
+        self.monitor.requeued()
         if state.requeues > self.config.max_requeues:
             self._finish(state, "error", f"gave up after {state.requeues - 1} re-prefills: {why}")
             return

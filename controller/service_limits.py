@@ -1,12 +1,21 @@
-"""The lengths and block counts every part of the service plans with, derived in one place:
-from the config and the model at construction, then from the pools the workers got."""
+"""The lengths, block counts and bucket ranges every part of the service plans with, derived
+in one place: from the config and the model at construction, then from the pools the
+workers got."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from bucket_manager.config import BucketManagerConfig
-from controller.config import ControllerConfig, default_buckets, fit_buckets
+from bucket_manager.config import (
+    BatchingConfig,
+    BucketManagerConfig,
+    BucketRange,
+    DecodeShapeConfig,
+    PromptShapeConfig,
+    ShapeBucketConfig,
+)
+from controller.config import ControllerConfig
 from kv_worker.messages import ModelInfo
 from runtime.model_config import ModelConfig
 from runtime.tokenizer import Tokenizer
@@ -60,7 +69,7 @@ def describe_model(config: ControllerConfig) -> tuple[ModelInfo, BucketManagerCo
     buckets = (
         default_buckets(max_model_len, block_size, config.scheduler.max_num_seqs)
         if config.buckets is None
-        else fit_buckets(config.buckets, max_model_len, block_size)
+        else size_for_model(config.buckets, max_model_len, block_size)
     )
     tokenizer = Tokenizer.from_dir(model_dir)
     eos = {*model_config.eos_token_ids, tokenizer.eos_token_id} - {None}
@@ -75,3 +84,45 @@ def describe_model(config: ControllerConfig) -> tuple[ModelInfo, BucketManagerCo
         tokenizer=tokenizer,
     )
     return info, buckets
+
+
+def default_buckets(max_model_len: int, block_size: int, max_num_seqs: int) -> BucketManagerConfig:
+    """Request buckets over the model's length; prompt shapes of batch 1..16 and query
+    block_size..max_model_len (fresh prompts only: no context blocks); decode shapes of
+    batch 1..max_num_seqs and blocks up to one max_model_len sequence; prefill batches of
+    at most max_num_seqs, the decode batch they join."""
+    return size_for_model(
+        BucketManagerConfig(
+            batching=BatchingConfig(max_num_seqs=max_num_seqs),
+            shape_buckets=ShapeBucketConfig(
+                prompt=PromptShapeConfig(
+                    bs=BucketRange(1, 1, 16, 5),
+                    query=_doubling(block_size, max_model_len),
+                    ctx=BucketRange(0, 1, 0, 1),
+                ),
+                decode=DecodeShapeConfig(
+                    bs=_doubling(1, max_num_seqs),
+                    blocks=_doubling(1, -(-max_model_len // block_size)),
+                ),
+            ),
+        ),
+        max_model_len,
+        block_size,
+    )
+
+
+def size_for_model(
+    config: BucketManagerConfig, max_model_len: int, block_size: int
+) -> BucketManagerConfig:
+    """`config` with its shape buckets' block size and length, and its request buckets'
+    length range, set to the model's, so every admitted prompt has a bucket."""
+    shapes = dataclasses.replace(
+        config.shape_buckets, block_size=block_size, max_model_len=max_model_len
+    )
+    requests = dataclasses.replace(config.request_buckets, max_len=max(max_model_len, 2))
+    return dataclasses.replace(config, shape_buckets=shapes, request_buckets=requests)
+
+
+def _doubling(low: int, high: int) -> BucketRange:
+    high = max(low, high)
+    return BucketRange(low, low, high, int(math.log2(high / low)) + 1)

@@ -26,7 +26,8 @@ from bucket_manager.config import (
     ShapeBucketConfig,
     TenantConfig,
 )
-from controller.config import ControllerConfig, PlacementConfig, default_buckets
+from controller.config import ControllerConfig, PlacementConfig
+from controller.service_limits import default_buckets
 from deploy.serve_config_error import ServeConfigError
 from deploy.serve_config_schema import FIELDS, TARGETS, ServeConfigSchema, check_type
 from gateway.gateway_config import GatewayConfig

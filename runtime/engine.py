@@ -190,9 +190,8 @@ class LLMEngine:
         A request re-prefilled after it had streamed `output_token_ids` has the K/V of
         prompt + those tokens in `block_ids`, and `first_token_id` is its next token; it
         finishes by max_tokens counting all of them, and its first output holds them all."""
-        with self.lock:
-            token_ids = self._encode(list(prompt_token_ids))
-            self._check_ids([*output_token_ids, first_token_id])
+        with self.lock:  # the ids come from the controller, validated at its edge
+            token_ids = [int(t) for t in prompt_token_ids]
             seq = self._new_seq(token_ids, sampling_params, request_id, arrival_time)
             seq.token_ids.extend(int(t) for t in (*output_token_ids, first_token_id))
             seq.num_computed_tokens = len(seq) - 1
