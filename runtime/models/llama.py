@@ -117,7 +117,7 @@ class LlamaAttention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         write_kv(k, v, kv[0], kv[1], metadata)
-        out = paged_attention(q, kv[0], kv[1], metadata, self.scale)
+        out = paged_attention(q, k, v, kv[0], kv[1], metadata, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
