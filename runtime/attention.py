@@ -79,8 +79,8 @@ def write_kv(
 ) -> None:
     """Store the step's K/V `[T, kv_heads, head_dim]` into their pool slots."""
     heads, dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, heads, dim).index_copy_(0, metadata.write_slots, k)
-    v_cache.view(-1, heads, dim).index_copy_(0, metadata.write_slots, v)
+    k_cache.view(heads, -1, dim).index_copy_(1, metadata.write_slots, k.transpose(0, 1))
+    v_cache.view(heads, -1, dim).index_copy_(1, metadata.write_slots, v.transpose(0, 1))
 
 
 def paged_attention(
@@ -115,28 +115,30 @@ def _attend(
     group: AttentionGroup,
     scale: float,
 ) -> torch.Tensor:
-    """One rectangle: gather each row's blocks (one index_select per tensor), then SDPA
-    with the queries of a KV head stacked, so grouped-query attention repeats no K/V."""
+    """One rectangle: gather each row's blocks (one index_select per tensor, each head's
+    keys contiguous), then SDPA with the queries of a KV head stacked, so grouped-query
+    attention repeats no K/V."""
     rows, queries = group.query_positions.shape
     heads, dim = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[2]
+    kv_heads = k_cache.shape[0]
     per_kv = heads // kv_heads
     q = q.view(rows, queries, kv_heads, per_kv, dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(rows, kv_heads, per_kv * queries, dim)
     blocks = group.block_tables.view(-1)
-    k = k_cache.index_select(0, blocks).view(rows, -1, kv_heads, dim).transpose(1, 2)
-    v = v_cache.index_select(0, blocks).view(rows, -1, kv_heads, dim).transpose(1, 2)
+    k = k_cache.index_select(1, blocks).view(kv_heads, rows, -1, dim).transpose(0, 1)
+    v = v_cache.index_select(1, blocks).view(kv_heads, rows, -1, dim).transpose(0, 1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.attn_mask, scale=scale)
     out = out.view(rows, kv_heads, per_kv, queries, dim).permute(0, 3, 1, 2, 4)
     return out.reshape(rows * queries, heads, dim)
 
 
 def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One prompt chunk over itself: SDPA's causal kernel on contiguous `[heads, n, dim]`
-    (its fast layout; K/V repeated per query head, which costs little next to the rest)."""
+    """One prompt chunk over itself: SDPA's flash kernel (4-D inputs only, else the math
+    path) on contiguous `[1, heads, n, dim]`, its fast layout; K/V are repeated per query
+    head, which costs little next to the rest."""
     per_kv = q.shape[1] // k.shape[1]
-    q = q.transpose(0, 1).contiguous()
-    k = k.transpose(0, 1).repeat_interleave(per_kv, dim=0)
-    v = v.transpose(0, 1).repeat_interleave(per_kv, dim=0)
+    q = q.transpose(0, 1).contiguous().unsqueeze(0)
+    k = k.transpose(0, 1).repeat_interleave(per_kv, dim=0).unsqueeze(0)
+    v = v.transpose(0, 1).repeat_interleave(per_kv, dim=0).unsqueeze(0)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
