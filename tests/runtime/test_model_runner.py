@@ -278,7 +278,8 @@ def test_device_choice_on_a_cpu_machine():
     assert auto.torch_device == torch.device("cpu") or torch.cuda.is_available()
     cpu = Device("cpu")
     assert (cpu.type, cpu.default_dtype) == ("cpu", torch.float32)
-    assert cpu.resolve_dtype("auto") is torch.float32
+    assert cpu.resolve_dtype("auto") is torch.float32  # even with native bf16: see default_dtype
+    assert isinstance(cpu.native_bf16, bool)
     assert cpu.resolve_dtype("bf16") is torch.bfloat16
     assert cpu.free_memory() > 0
     fn = lambda x: x + 1  # noqa: E731
