@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint setup
+.PHONY: serve test lint setup bench-peers
 
 setup: $(STAMP)
 
@@ -27,3 +27,11 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+
+# Peer comparison against vLLM's CPU build on this machine (never part of `make test`):
+# builds benchmarks/peers/.venv on first use, then the offline table (float32).
+# More: make bench-peers PEERS_ARGS='--dtype bfloat16'
+PEERS_ARGS ?=
+bench-peers: $(STAMP)
+	PYTHON=$(PYTHON) bash benchmarks/peers/setup.sh
+	$(PY) -m benchmarks.peers.offline $(PEERS_ARGS)

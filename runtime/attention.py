@@ -45,8 +45,11 @@ class AttentionMetadata:
     Flat token t is written to pool slot `slot_mapping[t]` (block *
     block_size + offset; -1 = padding, written nowhere). The per-sequence
     fields (query_start_loc, context_lens, block_tables) describe the step
-    for a fused varlen kernel; `groups` is how the CPU path batches it:
-    rows of similar query length, each one padded rectangle.
+    for a fused varlen kernel; the CPU path splits it in two: `causal_spans`,
+    the flat token ranges `[start, end)` of prompt chunks with no earlier
+    context, which attend causally to their own new K/V (nothing read back
+    from the pool, no mask), and `groups`, the other rows by similar query
+    length, each one padded rectangle read through the block table.
     """
 
     slot_mapping: torch.Tensor  # [T] long
@@ -56,6 +59,7 @@ class AttentionMetadata:
     block_size: int
     null_block: int
     groups: list[AttentionGroup] = field(default_factory=list)
+    causal_spans: list[tuple[int, int]] = field(default_factory=list)
     write_slots: torch.Tensor | None = None  # set by prepare()
 
     def prepare(self, num_queries_per_kv: int, dtype: torch.dtype) -> None:
@@ -75,22 +79,27 @@ def write_kv(
 ) -> None:
     """Store the step's K/V `[T, kv_heads, head_dim]` into their pool slots."""
     heads, dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, heads, dim).index_copy_(0, metadata.write_slots, k)
-    v_cache.view(-1, heads, dim).index_copy_(0, metadata.write_slots, v)
+    k_cache.view(heads, -1, dim).index_copy_(1, metadata.write_slots, k.transpose(0, 1))
+    v_cache.view(heads, -1, dim).index_copy_(1, metadata.write_slots, v.transpose(0, 1))
 
 
 def paged_attention(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of the step's queries `[T, heads, head_dim]` over each row's context."""
+    """Causal attention of the step's queries `[T, heads, head_dim]` over each row's context;
+    `k`, `v` `[T, kv_heads, head_dim]` are the step's own (already written to the pool)."""
     groups = metadata.groups
-    if len(groups) == 1 and groups[0].gather_index is None:
+    if len(groups) == 1 and groups[0].gather_index is None and not metadata.causal_spans:
         return _attend(q, k_cache, v_cache, groups[0], scale)
     out = torch.empty_like(q)
+    for start, end in metadata.causal_spans:
+        out[start:end] = _attend_causal(q[start:end], k[start:end], v[start:end], scale)
     for group in groups:
         o = _attend(q.index_select(0, group.gather_index), k_cache, v_cache, group, scale)
         if group.valid_slots is not None:
@@ -106,17 +115,30 @@ def _attend(
     group: AttentionGroup,
     scale: float,
 ) -> torch.Tensor:
-    """One rectangle: gather each row's blocks (one index_select per tensor), then SDPA
-    with the queries of a KV head stacked, so grouped-query attention repeats no K/V."""
+    """One rectangle: gather each row's blocks (one index_select per tensor, each head's
+    keys contiguous), then SDPA with the queries of a KV head stacked, so grouped-query
+    attention repeats no K/V."""
     rows, queries = group.query_positions.shape
     heads, dim = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[2]
+    kv_heads = k_cache.shape[0]
     per_kv = heads // kv_heads
     q = q.view(rows, queries, kv_heads, per_kv, dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(rows, kv_heads, per_kv * queries, dim)
     blocks = group.block_tables.view(-1)
-    k = k_cache.index_select(0, blocks).view(rows, -1, kv_heads, dim).transpose(1, 2)
-    v = v_cache.index_select(0, blocks).view(rows, -1, kv_heads, dim).transpose(1, 2)
+    k = k_cache.index_select(1, blocks).view(kv_heads, rows, -1, dim).transpose(0, 1)
+    v = v_cache.index_select(1, blocks).view(kv_heads, rows, -1, dim).transpose(0, 1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.attn_mask, scale=scale)
     out = out.view(rows, kv_heads, per_kv, queries, dim).permute(0, 3, 1, 2, 4)
     return out.reshape(rows * queries, heads, dim)
+
+
+def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One prompt chunk over itself: SDPA's flash kernel (4-D inputs only, else the math
+    path) on contiguous `[1, heads, n, dim]`, its fast layout; K/V are repeated per query
+    head, which costs little next to the rest."""
+    per_kv = q.shape[1] // k.shape[1]
+    q = q.transpose(0, 1).contiguous().unsqueeze(0)
+    k = k.transpose(0, 1).repeat_interleave(per_kv, dim=0).unsqueeze(0)
+    v = v.transpose(0, 1).repeat_interleave(per_kv, dim=0).unsqueeze(0)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return out[0].transpose(0, 1)

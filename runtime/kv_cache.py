@@ -9,13 +9,16 @@ import torch
 
 
 class KVCache:
-    """Layout: `kv[layer, 0 or 1 (K or V), block, slot_in_block, kv_head, head_dim]`.
+    """Layout: `kv[layer, 0 or 1 (K or V), kv_head, block, slot_in_block, head_dim]`.
 
-    A layer's K (or V) is then `[num_blocks + 1, block_size, num_kv_heads,
-    head_dim]`, contiguous, so a set of blocks is read or written as one
-    chunk. Block ids 0..num_blocks-1 belong to the block manager; the extra
-    last block (`null_block`) is scratch: padding tokens write there and
-    padded block-table entries point there, so fixed-shape steps need no
+    A layer's K (or V) is then `[num_kv_heads, num_blocks + 1, block_size,
+    head_dim]`: gathering a row's blocks gives each head its keys as one
+    contiguous `[tokens, head_dim]` run, the layout SDPA's CPU kernel reads
+    fastest. Export and import speak the wire layout of `kv_transfer`
+    (`[K/V, block, slot, kv_head, head_dim]`), so pools need not share one.
+    Block ids 0..num_blocks-1 belong to the block manager; the extra last
+    block (`null_block`) is scratch: padding tokens write there and padded
+    block-table entries point there, so fixed-shape steps need no
     data-dependent masking of writes.
     """
 
@@ -38,7 +41,7 @@ class KVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        shape = (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, 2, num_kv_heads, num_blocks + 1, block_size, head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
@@ -78,23 +81,26 @@ class KVCache:
     def export_blocks(self, layer: int, block_ids: Sequence[int]) -> torch.Tensor:
         """A copy of one layer's blocks: `[2, len(block_ids), block_size, heads, head_dim]`."""
         self._check_layer(layer)
-        return self.kv[layer].index_select(1, self._index(block_ids))
+        data = self.kv[layer].index_select(2, self._index(block_ids))
+        return data.permute(0, 2, 3, 1, 4).contiguous()
 
     def import_blocks(self, layer: int, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Write `export_blocks`-shaped data into one layer's blocks (any dtype/device)."""
         self._check_layer(layer)
         index = self._index(block_ids, unique=True)
         self._check_data(data, (2, len(block_ids), *self.block_shape))
-        self.kv[layer].index_copy_(1, index, data.to(self.device, self.dtype))
+        data = data.to(self.device, self.dtype).permute(0, 3, 1, 2, 4)
+        self.kv[layer].index_copy_(2, index, data)
 
     def export_all(self, block_ids: Sequence[int]) -> torch.Tensor:
         """All layers: `[num_layers, 2, len(block_ids), block_size, heads, head_dim]`."""
-        return self.kv.index_select(2, self._index(block_ids))
+        data = self.kv.index_select(3, self._index(block_ids))
+        return data.permute(0, 1, 3, 4, 2, 5).contiguous()
 
     def import_all(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         index = self._index(block_ids, unique=True)
         self._check_data(data, (self.num_layers, 2, len(block_ids), *self.block_shape))
-        self.kv.index_copy_(2, index, data.to(self.device, self.dtype))
+        self.kv.index_copy_(3, index, data.to(self.device, self.dtype).permute(0, 1, 4, 2, 3, 5))
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:

@@ -350,7 +350,9 @@ class ModelRunner:
                     f"query_len {max_q}, num_blocks {max_blocks})"
                 )
             rows, max_q, max_blocks = pad_to
-        rectangular = pad_to is not None or bool((b.qlens == max_q).all())
+        # Prompt chunks with no earlier context attend to themselves alone (not in a graph).
+        fresh = (b.starts == 0) & (b.qlens > 1) & (pad_to is None)
+        rectangular = pad_to is not None or bool((b.qlens == max_q).all() and not fresh.any())
         qlens = np.zeros(rows, dtype=np.int64)
         qlens[: b.n] = b.qlens
         row_start = np.arange(rows) * max_q if rectangular else np.cumsum(qlens) - qlens
@@ -379,9 +381,13 @@ class ModelRunner:
             groups = [AttentionGroup(t(tables), t(qpos))]
         else:
             groups = [
-                self._group(b, rows_in, tables, row_start, flat) for rows_in in _split_rows(b.qlens)
+                self._group(b, rows_in, tables, row_start, flat)
+                for rows_in in _split_rows(b.qlens, ~fresh)
             ]
         metadata = self._metadata(t(slots), t(query_start_loc), t(context_lens), t(tables), groups)
+        metadata.causal_spans = [
+            (int(row_start[i]), int(row_start[i] + b.qlens[i])) for i in np.flatnonzero(fresh)
+        ]
         return StepInputs(t(input_ids), t(positions), t(logits_rows), metadata, b.n)
 
     def _group(
@@ -456,7 +462,9 @@ class _Batch:
         )
 
 
-def _split_rows(qlens: np.ndarray) -> list[np.ndarray]:
-    """Decode rows (one new token) apart from prefill rows, so neither pads to the other."""
+def _split_rows(qlens: np.ndarray, paged: np.ndarray) -> list[np.ndarray]:
+    """The `paged` rows in groups: decode rows (one new token) apart from prefill rows, so
+    neither pads to the other."""
     decode = qlens == 1
-    return [rows for rows in (np.flatnonzero(decode), np.flatnonzero(~decode)) if len(rows)]
+    groups = (np.flatnonzero(paged & decode), np.flatnonzero(paged & ~decode))
+    return [rows for rows in groups if len(rows)]

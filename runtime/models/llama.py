@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention import AttentionMetadata, paged_attention, write_kv
-from runtime.device import linear
+from runtime.device import linear, linear_add, linear_mul, linear_silu
 from runtime.kv_cache import KVCache
 from runtime.model_config import ModelConfig, RopeScaling
 
@@ -36,10 +36,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -71,8 +68,9 @@ class RotaryEmbedding(nn.Module):
         c = self.config
         inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
         freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return torch.cat((emb.cos(), emb.sin()), dim=-1)
+        # sin carries rotate_half's sign: rotate_half(x) * sin == x.roll(half) * signed_sin
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos, -sin, sin), dim=-1)
 
     def reset(self) -> None:
         """Refill the table (after `to_empty`); computed in float32 on the CPU."""
@@ -81,14 +79,14 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin.copy_(table)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`[T, 1, 2 * head_dim]` (cos | sin) for the step's positions."""
+        """`[T, 1, 2 * head_dim]` (cos | signed sin) for the step's positions."""
         return self.cos_sin.index_select(0, positions).to(dtype).unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos_sin.chunk(2, dim=-1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """Llama's (neox-style) rotary embedding of `x [T, heads, head_dim]`."""
+    cos, signed_sin = cos_sin.chunk(2, dim=-1)
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class LlamaAttention(nn.Module):
@@ -107,18 +105,21 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor,
         cos_sin: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        """`residual + attention(x)`."""
         tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = apply_rope(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         write_kv(k, v, kv[0], kv[1], metadata)
-        out = paged_attention(q, kv[0], kv[1], metadata, self.scale)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        out = paged_attention(q, k, v, kv[0], kv[1], metadata, self.scale)
+        o_proj = self.o_proj
+        return linear_add(out.reshape(tokens, self.q_size), o_proj.weight, residual, o_proj.bias)
 
 
 class LlamaMLP(nn.Module):
@@ -127,9 +128,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual + down(silu(gate(x)) * up(x))`: three GEMMs with the rest fused in."""
+        gate, up = self.gate_up_proj.weight.chunk(2, dim=0)
+        h = linear_mul(x, up, linear_silu(x, gate))
+        return linear_add(h, self.down_proj.weight, residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -147,8 +150,8 @@ class LlamaDecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), x, cos_sin, kv, metadata)
+        return self.mlp(self.post_attention_layernorm(x), x)
 
 
 class LlamaModel(nn.Module):

@@ -21,14 +21,14 @@ def fill(cache: KVCache, seed: int = 0) -> None:
 
 def test_layout_and_sizes():
     cache = make()
-    assert cache.kv.shape == (3, 2, 7, 4, 2, 8)
+    assert cache.kv.shape == (3, 2, 2, 7, 4, 8)  # [layer, K/V, kv head, block, slot, dim]
     assert cache.null_block == 6
     assert cache.bytes_per_block == 3 * 2 * 4 * 2 * 8 * 4
     assert make(torch.bfloat16).bytes_per_block == 3 * 2 * 4 * 2 * 8 * 2
     k, v = cache.layer(1)
-    assert k.shape == (7, 4, 2, 8) and k.is_contiguous() and v.data_ptr() != k.data_ptr()
-    k[2, 1, 0, 0] = 5.0
-    assert cache.kv[1, 0, 2, 1, 0, 0] == 5.0  # a view, not a copy
+    assert k.shape == (2, 7, 4, 8) and k.is_contiguous() and v.data_ptr() != k.data_ptr()
+    k[0, 2, 1, 0] = 5.0
+    assert cache.kv[1, 0, 0, 2, 1, 0] == 5.0  # a view, not a copy
 
 
 @pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -42,10 +42,10 @@ def test_layerwise_round_trip_across_dtypes(dst_dtype):
     for layer in range(3):
         back.import_blocks(layer, src_ids, dst.export_blocks(layer, dst_ids))
     tol = {torch.float32: 0.0, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dst_dtype]
-    expected = src.kv[:, :, src_ids]
-    torch.testing.assert_close(back.kv[:, :, src_ids], expected, atol=tol * 4, rtol=tol)
+    expected = src.kv[:, :, :, src_ids]
+    torch.testing.assert_close(back.kv[:, :, :, src_ids], expected, atol=tol * 4, rtol=tol)
     untouched = [b for b in range(9) if b not in dst_ids]
-    assert not dst.kv[:, :, untouched].any()
+    assert not dst.kv[:, :, :, untouched].any()
 
 
 def test_all_layer_round_trip_keeps_block_order():
@@ -53,11 +53,12 @@ def test_all_layer_round_trip_keeps_block_order():
     fill(src, seed=1)
     data = src.export_all([3, 1])
     assert data.shape == (3, 2, 2, 4, 2, 8)
+    assert torch.equal(data[1, 0, 0, 2, 1], src.kv[1, 0, 1, 3, 2])  # the wire layout
     dst.import_all([0, 5], data)
-    assert torch.equal(dst.kv[:, :, 0], src.kv[:, :, 3])
-    assert torch.equal(dst.kv[:, :, 5], src.kv[:, :, 1])
+    assert torch.equal(dst.kv[:, :, :, 0], src.kv[:, :, :, 3])
+    assert torch.equal(dst.kv[:, :, :, 5], src.kv[:, :, :, 1])
     data.zero_()  # exported data is a copy
-    assert src.kv[:, :, 3].any()
+    assert src.kv[:, :, :, 3].any()
 
 
 def test_bad_imports_raise_and_change_nothing():

@@ -1,0 +1,1 @@
+"""Peer comparisons: bucketserve against other engines on the same machine and weights."""

@@ -1,0 +1,31 @@
+"""bucketserve's in-process engine (`runtime.LLM`) as a peer worker; the project's venv."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.peers.harness import Generate, serve_engine
+
+
+def load(spec: dict[str, Any]) -> tuple[Generate, str]:
+    from runtime.llm import LLM
+    from runtime.sampling_params import SamplingParams
+
+    llm = LLM(
+        spec["model"],
+        dtype=spec["dtype"],
+        device="cpu",
+        max_num_seqs=spec["max_num_seqs"],
+        max_num_batched_tokens=spec["max_num_batched_tokens"],
+        max_model_len=spec["max_model_len"],
+    )
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    return generate, "bucketserve"
+
+
+if __name__ == "__main__":
+    serve_engine(load)

