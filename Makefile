@@ -29,9 +29,12 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 # Peer comparison against vLLM's CPU build on this machine (never part of `make test`):
-# builds benchmarks/peers/.venv on first use, then the offline table (float32).
-# More: make bench-peers PEERS_ARGS='--dtype bfloat16'
+# builds benchmarks/peers/.venv on first use, then the offline table (float32) and the
+# served sweep (`vllm serve` vs `bucketserve serve` shapes under `vllm bench serve`).
+# More: make bench-peers PEERS_ARGS='--dtype bfloat16' SERVED_ARGS='--rates 1,2'
 PEERS_ARGS ?=
+SERVED_ARGS ?=
 bench-peers: $(STAMP)
 	PYTHON=$(PYTHON) bash benchmarks/peers/setup.sh
 	$(PY) -m benchmarks.peers.offline $(PEERS_ARGS)
+	$(PY) -m benchmarks.peers.served $(SERVED_ARGS)

@@ -13,7 +13,6 @@ vLLM's. Writes a table, JSON and a plot (TTFT p90 and TPOT p90 against rate).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import signal
@@ -27,11 +26,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-PEERS_DIR = Path(__file__).resolve().parent
-REPO_ROOT = PEERS_DIR.parent.parent
-PEER_BIN = PEERS_DIR / ".venv" / "bin"
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-PEER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+from benchmarks.peers.harness import PEER_ENV, PEER_PYTHON, REPO_ROOT, RESULTS_DIR
+from benchmarks.simulator.report import rate_at
+
+PEER_BIN = PEER_PYTHON.parent
 SHAPES = ("colocated", "disaggregated")
 SERVED_NAME = "SmolLM2-135M-Instruct"
 
@@ -147,19 +145,6 @@ def summarize(raw: dict, rate: float, slo_ttft: float, slo_tpot: float) -> dict[
     }
 
 
-def rate_at(runs: list[dict], target: float = 0.8) -> float | None:
-    """The offered rate where attainment falls through `target`, linearly interpolated; the
-    highest rate tried if it never does (a lower bound), None if even the lowest misses."""
-    runs = sorted(runs, key=lambda r: r["rate"])
-    if not runs or runs[0]["slo_attainment"] < target:
-        return None
-    for low, high in itertools.pairwise(runs):
-        if high["slo_attainment"] < target:
-            a, b = low["slo_attainment"], high["slo_attainment"]
-            return low["rate"] + (a - target) / (a - b) * (high["rate"] - low["rate"])
-    return runs[-1]["rate"]
-
-
 def plot(results: dict[str, list[dict]], path: Path) -> None:
     import matplotlib
 
@@ -217,7 +202,10 @@ def main() -> None:
                 print(system, json.dumps(results[system][-1]), flush=True)
         finally:
             server.stop()
-    at = {s: rate_at(runs) for s, runs in results.items()}
+    at = {
+        s: rate_at([r["rate"] for r in runs], [r["slo_attainment"] for r in runs])
+        for s, runs in results.items()
+    }
     report = {
         "command": " ".join(sys.argv),
         "workload": vars(args) | {"out": str(args.out)},
@@ -239,7 +227,7 @@ def main() -> None:
             print(f"{system:28} {r['rate']:4g} {r['completed']:>4}/{r['failed']:<3} "
                   f"{r['output_tok_s']:7.1f} {r['ttft_p50_s']:7.2f}/{r['ttft_p90_s']:<7.2f} "
                   f"{r['tpot_p50_ms']:8.0f}/{r['tpot_p90_ms']:<7.0f} {r['slo_attainment']:5.0%}")
-    print("rate at 80 % SLO:", {s: (None if v is None else round(v, 2)) for s, v in at.items()})
+    print("rate at 80 % SLO:", {s: round(v, 2) for s, v in at.items()})
     print("ratio vs vllm:", report["ratio_vs_vllm"])
 
 
