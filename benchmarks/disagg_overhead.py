@@ -65,6 +65,7 @@ def controller_config(args: argparse.Namespace, mode: str, max_model_len: int) -
         runner=runner,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
         buckets=dataclasses.replace(buckets, batching=batching),
+        shape="disaggregated",  # what this benchmark measures
         mode=mode,
         ray_init_kwargs={"log_to_driver": False},
         prefill_placement=PlacementConfig(torch_threads=args.prefill_threads),

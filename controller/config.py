@@ -84,7 +84,7 @@ class ControllerConfig:
     prefill_kv_blocks: int | None = None
     num_prefill: int = 1
     num_decode: int = 1
-    shape: str = "disaggregated"
+    shape: str = "colocated"  # measured better on one machine: docs/architecture.md
     mode: str = "ray"
     transport: str = "auto"
     ray_address: str | None = None

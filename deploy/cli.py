@@ -16,8 +16,9 @@ def register(subparsers: Any) -> None:
     serve = subparsers.add_parser(
         "serve",
         help="start the service: gRPC API and OpenAI-compatible HTTP (embedded default model)",
-        description="Start the service. With no --config: one prefill and one decode Ray "
-        "actor on CPU serving the embedded SmolLM2, no API key needed. Flags override the "
+        description="Start the service. With no --config: one colocated Ray worker actor "
+        "(prefill chunked into its decode steps) on CPU serving the embedded SmolLM2, no API "
+        "key needed. Flags override the "
         "config file. Ctrl-C or SIGTERM drains running requests, then stops.",
     )
     serve.add_argument("--config", type=Path, help="service YAML: gateway, tenants, controller")

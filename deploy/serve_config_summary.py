@@ -20,7 +20,10 @@ def summarize(config: ServeConfig, model_len: int | None = None) -> str:
         f"model       {model}  (dtype {runner.dtype}, device {runner.device}, "
         f"max_model_len {length or 'from the model'})",
         f"kv cache    block size {runner.block_size}, {kv} per decode worker",
-        f"prefill     {c.num_prefill} worker(s), each {_asks(config, 'prefill')}",
+        f"shape       {c.shape}"
+        + (": the decode workers prefill in chunks" if c.colocated else ""),
+        f"prefill     {c.num_prefill_workers} worker(s)"
+        + (f", each {_asks(config, 'prefill')}" if c.num_prefill_workers else ""),
         f"decode      {c.num_decode} worker(s), each {_asks(config, 'decode')}; "
         f"max_num_seqs {c.scheduler.max_num_seqs}, pipeline depth {c.pipeline_depth}",
         f"controller  mode {c.mode}"

@@ -44,7 +44,8 @@ def controller_config(model_dir: Path, **options: Any) -> Any:
     runner = ModelRunnerConfig(
         model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS
     )
-    return ControllerConfig(runner=runner, **{"stats_interval_s": 0.2, **options})
+    options = {"stats_interval_s": 0.2, "shape": "disaggregated", **options}
+    return ControllerConfig(runner=runner, **options)
 
 
 async def collect(controller: Any, request: ServeRequest) -> list[StreamDelta]:

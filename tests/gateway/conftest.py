@@ -50,7 +50,7 @@ def local_controller_config(model_dir: Path, tenants: list[TenantConfig], **opti
     runner = ModelRunnerConfig(
         model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS
     )
-    options = {"mode": "local", "stats_interval_s": 0.2, **options}
+    options = {"mode": "local", "stats_interval_s": 0.2, "shape": "disaggregated", **options}
     return with_tenants(ControllerConfig(runner=runner, **options), tenants)
 
 
