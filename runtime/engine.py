@@ -319,6 +319,11 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
         params.validate()
+        if params.n != 1:
+            raise ValueError(
+                f"n={params.n}: a request is one sample here; add n requests with "
+                "params.sample(i) (the OpenAI endpoints do this for n)"
+            )
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not request_id:

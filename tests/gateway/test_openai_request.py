@@ -140,7 +140,7 @@ def test_vllm_bench_bodies_are_accepted() -> None:
         chat=False,
     )
     assert completion.input.sampling == {
-        "max_tokens": 8, "temperature": 0.0, "ignore_eos": True
+        "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "repetition_penalty": 1.0
     }
     assert (completion.include_usage, completion.continuous_usage) == (True, False)
     chat = OpenAIRequest.parse(
