@@ -173,14 +173,15 @@ def _penalize(
     and presence (once) over the output tokens."""
     vocab, device = logits.shape[1], logits.device
     n = len(rows)
-    counts = torch.zeros(n, vocab, device=device)
-    seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)
-    for r, seq in enumerate(seqs):
-        out = seq.output_token_ids
-        if out:
-            ids = torch.tensor(out, device=device)
-            counts[r].index_add_(0, ids, torch.ones(len(out), device=device))
-        seen[r, torch.tensor(seq.prompt_token_ids, device=device)] = True
+    outputs = [seq.output_token_ids for seq in seqs]
+    prompts = [seq.prompt_token_ids for seq in seqs]
+    counts = torch.zeros(n * vocab, device=device)
+    seen = torch.zeros(n * vocab, dtype=torch.bool, device=device)
+    counts.index_add_(
+        0, _flat_index(outputs, vocab, device), torch.ones(sum(map(len, outputs)), device=device)
+    )
+    seen[_flat_index(prompts, vocab, device)] = True
+    counts, seen = counts.view(n, vocab), seen.view(n, vocab)
     seen |= counts > 0
     index = torch.tensor(rows, device=device)
     x = logits.index_select(0, index)
@@ -190,3 +191,11 @@ def _penalize(
     pres = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
     x = x - freq * counts - pres * (counts > 0).float()
     logits.index_copy_(0, index, x)
+
+
+def _flat_index(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Row r's ids at r * vocab + id, all rows in one flat index."""
+    lengths = torch.tensor([len(row) for row in ids])
+    flat = torch.tensor([t for row in ids for t in row], dtype=torch.long)
+    offsets = torch.repeat_interleave(torch.arange(len(ids)) * vocab, lengths)
+    return (offsets + flat).to(device)
