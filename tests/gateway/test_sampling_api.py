@@ -261,3 +261,23 @@ def test_sdk_sends_the_new_fields_over_grpc(open_server: Any, engine_llm: LLM,
         assert len(held.token_ids) >= 4
         with pytest.raises(InvalidArgumentError, match="n=2: one request is one sample"):
             client.generate(PROMPT, SamplingParams(max_tokens=2, n=2))
+
+
+def test_min_tokens_holds_back_stop_strings_too(open_server: Any, engine_llm: LLM) -> None:
+    base = greedy(engine_llm, 16)
+    tok = engine_llm.tokenizer
+    second = tok.decode(base.token_ids[:2])
+    stop = second[len(tok.decode(base.token_ids[:1])):].strip()[:3] or second.strip()[:3]
+    assert stop and stop in base.text
+    client = oai(open_server)
+    early = client.completions.create(
+        model=open_server.model_name, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert early.choices[0].finish_reason == "stop"
+    assert early.choices[0].text == base.text[: base.text.index(stop)]
+    held = client.completions.create(
+        model=open_server.model_name, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
+        extra_body={"min_tokens": 16},
+    )
+    assert held.choices[0].finish_reason == "length"
+    assert held.choices[0].text == base.text
