@@ -113,7 +113,9 @@ def run_engine_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     engine.executor.execute = timed_execute
     steps, preemptions = engine.stats.steps, engine.stats.num_preemptions
-    params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
+    params = SamplingParams(
+        temperature=0, max_tokens=args.max_new_tokens, logprobs=getattr(args, "logprobs", None)
+    )
     t0_wall, t0 = time.perf_counter(), time.monotonic()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0_wall
@@ -181,6 +183,8 @@ def forwarded(args: argparse.Namespace) -> list[str]:
     flags = ["--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens)]
     flags += ["--max-num-seqs", str(args.max_num_seqs)]
     flags += ["--decode-context", str(args.decode_context)]
+    if getattr(args, "logprobs", None) is not None:
+        flags += ["--logprobs", str(args.logprobs)]
     return flags + (["--model", args.model] if args.model else [])
 
 
@@ -311,6 +315,7 @@ def main() -> None:
     parser.add_argument("--decode-context", type=int, default=128,
                         help="KV tokens per sequence in the roofline decode step")
     parser.add_argument("--systems", default=",".join((*SYSTEMS, "roofline")))
+    parser.add_argument("--logprobs", type=int, help="engine: top logprobs per token (0..20)")
     parser.add_argument("--out", default="benchmarks/results/offline_throughput.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)

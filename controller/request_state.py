@@ -8,6 +8,7 @@ import time
 from bucket_manager.request import BucketRequest
 from controller.request_stream import RequestStream
 from kv_worker.messages import HandoffRequest, RequestTimings, ServeRequest, StreamDelta, TokenDelta
+from runtime.logprobs import TokenLogprob
 from runtime.output_processor import OutputProcessor
 
 logger = logging.getLogger(__name__)
@@ -72,27 +73,50 @@ class RequestState:
         if delta.token_offset > have:
             logger.error("request %s: %s skips ahead of %d tokens", self.request_id, delta, have)
             return None
-        tokens = delta.token_ids[have - delta.token_offset :]
+        skip = have - delta.token_offset
+        tokens = delta.token_ids[skip:]
         reason = (delta.finish_reason or "stop") if delta.finished else None
         out = outputs.process(self.request_id, tokens, reason)
         self.output_token_ids += out.token_ids
+        logprobs = self._logprobs(delta, skip, len(out.token_ids))
         if out.token_ids and self.first_token_at is None:
             self.first_token_at = time.monotonic()
         if out.finished:
-            return self.final(out.finish_reason or "stop", delta.error, out.token_ids, out.text)
+            return self.final(
+                out.finish_reason or "stop", delta.error, out.token_ids, out.text, logprobs
+            )
         if not out.token_ids:
             return None
-        return StreamDelta(self.request_id, token_ids=out.token_ids, text=out.text)
+        return StreamDelta(
+            self.request_id, token_ids=out.token_ids, text=out.text, logprobs=logprobs
+        )
+
+    def _logprobs(
+        self, delta: TokenDelta, skip: int, kept: int
+    ) -> list[TokenLogprob | None] | None:
+        """The logprobs of the `kept` tokens of `delta` after the `skip` it repeats."""
+        if self.request.sampling_params.logprobs is None:
+            return None
+        have = delta.logprobs or []
+        return [have[i] if i < len(have) else None for i in range(skip, skip + kept)]
 
     def final(
-        self, reason: str, error: str | None = None, tokens: list[int] | None = None, text: str = ""
+        self,
+        reason: str,
+        error: str | None = None,
+        tokens: list[int] | None = None,
+        text: str = "",
+        logprobs: list[TokenLogprob | None] | None = None,
     ) -> StreamDelta:
         """The last delta; the request is done."""
         self.phase = "done"
+        if logprobs is None and self.request.sampling_params.logprobs is not None:
+            logprobs = [None] * len(tokens or [])
         return StreamDelta(
             self.request_id,
             token_ids=tokens or [],
             text=text,
+            logprobs=logprobs,
             finished=True,
             finish_reason=reason,
             error=error,

@@ -383,4 +383,5 @@ def _delta(out: RequestOutput) -> TokenDelta:
         finished=out.finished,
         finish_reason=None if reason is None else reason.value,
         error="the model runner failed on this request" if reason == FinishReason.ERROR else None,
+        logprobs=None if out.delta_logprobs is None else list(out.delta_logprobs),
     )

@@ -235,6 +235,11 @@ class Admission:
             params = SamplingParams(**kwargs)
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from exc
+        if params.n != 1:
+            raise InvalidArgumentError(
+                f"n={params.n}: one request is one sample here; the OpenAI endpoints serve "
+                "n > 1, or send n requests (seed + i for reproducible ones)"
+            )
         if params.stop_token_ids:
             self.token_ids("stop_token_ids", params.stop_token_ids)
         self._check_stop(params.stop)

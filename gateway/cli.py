@@ -44,6 +44,18 @@ def _client_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2]")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2]")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="(0, 2]")
+    parser.add_argument("--min-p", type=float, default=0.0, help="[0, 1]")
+    parser.add_argument(
+        "--min-tokens", type=int, default=0, help="no EOS or stop token before this many"
+    )
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        help="print each token's logprob and its top K alternatives after the text (0..20)",
+    )
     parser.add_argument("--timeout", type=float, help="seconds before the call is abandoned")
     parser.add_argument("--tls", action="store_true", help="connect with TLS")
 
@@ -111,6 +123,12 @@ def _params(args: argparse.Namespace) -> Any:
             max_tokens=args.max_tokens,
             stop=args.stop,
             seed=args.seed,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
+            min_p=args.min_p,
+            min_tokens=args.min_tokens,
+            logprobs=args.logprobs,
         )
     except ValueError as exc:
         raise InvalidArgumentError(str(exc)) from exc
@@ -127,14 +145,23 @@ def _print_stream(chunks: Any, out: TextIO) -> str:
     from gateway.errors import GenerationError
 
     text = ""
+    tokens: list[tuple[int, Any]] = []
     for chunk in chunks:
         out.write(chunk.text)
         out.flush()
         text += chunk.text
+        if chunk.logprobs is not None:
+            tokens += zip(chunk.token_ids, chunk.logprobs, strict=False)
         if chunk.finished:
             out.write("\n")
             if chunk.finish_reason == "error":
                 raise GenerationError(f"generation failed: {chunk.error}")
+    for token_id, lp in tokens:
+        if lp is None:
+            out.write(f"{token_id}\t?\n")
+            continue
+        top = " ".join(f"{t}:{v:.4f}" for t, v in lp.top)
+        out.write(f"{token_id}\t{lp.logprob:.4f}" + (f"\t{top}" if top else "") + "\n")
     return text
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from gateway.errors import BucketServeError, InternalError, from_backend
 from kv_worker.messages import ServeRequest, StreamDelta
+from runtime.logprobs import TokenLogprob
 
 if TYPE_CHECKING:
     from gateway.tenant_spec import TenantSpec
@@ -35,6 +36,7 @@ class Generation:
         self.first_token_time: float | None = None
         self.token_gaps: list[float] = []  # seconds between consecutive output tokens
         self.token_ids: list[int] = []  # everything streamed so far
+        self.logprobs: list[TokenLogprob | None] = []  # theirs, when the request asked
         self.text = ""
         self._stream = stream
         self._abort = abort
@@ -88,6 +90,8 @@ class Generation:
     def _observe(self, delta: StreamDelta) -> None:
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs.extend(delta.logprobs)
         n = len(delta.token_ids)
         if not n:
             return

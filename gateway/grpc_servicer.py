@@ -98,6 +98,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 continue
             whole.token_ids.extend(response.token_ids)
             whole.text += response.text
+            whole.logprobs.extend(response.logprobs)
             if response.HasField("final"):
                 whole.final.CopyFrom(response.final)
                 await context.write(whole)

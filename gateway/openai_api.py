@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -13,15 +14,17 @@ from aiohttp import web
 from gateway.access_log import GENERATION, TENANT
 from gateway.admission import Admission
 from gateway.errors import (
+    BucketServeError,
     DeadlineExceededError,
     GenerationError,
     NotFoundError,
     UnavailableError,
 )
 from gateway.gateway_config import GatewayConfig
+from gateway.generate_input import GenerateInput
 from gateway.generation import Generation
 from gateway.http_body import read_text
-from gateway.openai_format import OpenAIFormat, error_body
+from gateway.openai_format import Finished, OpenAIFormat, error_body
 from gateway.openai_request import OpenAIRequest
 from gateway.openai_responses import ModelCard, ModelList
 from gateway.tenant_registry import parse_bearer
@@ -75,17 +78,59 @@ class OpenAIApi:
         text = await read_text(request, self.config.max_message_bytes)
         oai = OpenAIRequest.parse(text, chat)
         self.check_model(oai.model)
-        gen = await deadline.run(self.admission.admit(oai.input, api_key), None)
+        gens = await self._admit(oai, api_key, deadline)
+        gen = gens[0]
         request[GENERATION] = gen
         prompt_tokens = len(gen.request.prompt_token_ids)
-        fmt = OpenAIFormat(oai, gen.request_id, self.model_name, prompt_tokens)
+        prefix = self._prompt_text(gen) if oai.echo else ""
+        fmt = OpenAIFormat(
+            oai, gen.request_id, self.model_name, prompt_tokens, self._token_text, prefix
+        )
         try:
             if oai.stream:
-                return await _stream(request, gen, fmt, deadline)
-            await deadline.run(_drain(gen), gen)
+                return await _stream(request, gens, fmt, deadline)
+            await deadline.run(asyncio.gather(*(_drain(g) for g in gens)), gen)
         finally:
-            await gen.close()
-        return web.json_response(fmt.whole(*_final(gen)))
+            for g in gens:
+                await g.close()
+        finished = []
+        for g in gens:
+            final, whole = _final(g)
+            finished.append(Finished(final, whole, g.token_ids, g.logprobs))
+        return web.json_response(fmt.whole_choices(finished))
+
+    async def _admit(
+        self, oai: OpenAIRequest, api_key: str | None, deadline: _Deadline
+    ) -> list[Generation]:
+        """One generation per choice (`n`): choice i's seed is seed + i, its id the
+        request id with `-i` (for n > 1). All or none are admitted."""
+        gens: list[Generation] = []
+        try:
+            for i in range(oai.n):
+                inp = oai.input if oai.n == 1 else _choice_input(oai.input, i)
+                gens.append(await deadline.run(self.admission.admit(inp, api_key), None))
+        except BaseException:
+            for g in gens:
+                await g.close()
+            raise
+        return gens
+
+    def _token_text(self, token_id: int) -> str:
+        return self.admission.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _prompt_text(self, gen: Generation) -> str:
+        text = gen.request.prompt_text
+        if text is None:
+            text = self.admission.tokenizer.decode(gen.request.prompt_token_ids)
+        return text
+
+
+def _choice_input(inp: GenerateInput, index: int) -> GenerateInput:
+    sampling = dict(inp.sampling)
+    if sampling.get("seed") is not None:
+        sampling["seed"] += index
+    request_id = None if inp.request_id is None else f"{inp.request_id}-{index}"
+    return dataclasses.replace(inp, sampling=sampling, request_id=request_id)
 
 
 class _Deadline:
@@ -127,11 +172,13 @@ def _final(gen: Generation) -> tuple[StreamDelta, str]:
 
 
 async def _stream(
-    request: web.Request, gen: Generation, fmt: OpenAIFormat, deadline: _Deadline
+    request: web.Request, gens: list[Generation], fmt: OpenAIFormat, deadline: _Deadline
 ) -> web.StreamResponse:
-    deltas: AsyncIterator[StreamDelta] = aiter(gen)
+    """Every choice's deltas as they come (each chunk names its choice's index); usage,
+    when asked for, once after the last choice's final chunk."""
+    streams: list[AsyncIterator[StreamDelta]] = [aiter(g) for g in gens]
     # admission errors surface with the first delta, before any header is sent
-    first = await deadline.run(anext(deltas), gen)
+    firsts = [await deadline.run(anext(s), g) for s, g in zip(streams, gens, strict=True)]
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -141,23 +188,71 @@ async def _stream(
         data = payload if isinstance(payload, str) else json.dumps(payload)
         await response.write(f"data: {data}\n\n".encode())
 
-    if fmt.oai.chat:
-        await send(fmt.chunk(role="assistant", text=""))
-    delta: StreamDelta | None = first
+    for index in range(len(gens)):
+        if fmt.oai.chat:
+            await send(fmt.chunk(role="assistant", text="", index=index))
+        elif fmt.prefix:
+            await send(fmt.chunk(text=fmt.prefix, index=index))
+    queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
+    for index, first in enumerate(firsts):
+        queue.put_nowait((index, first))
+
+    async def pump(index: int) -> None:
+        try:
+            async for delta in streams[index]:
+                await queue.put((index, delta))
+        except Exception as exc:  # reported in the stream
+            await queue.put((index, exc))
+        await queue.put((index, None))
+
+    pumps = [asyncio.ensure_future(pump(i)) for i, f in enumerate(firsts) if not f.finished]
+    open_streams, finals = len(pumps), []
     try:
-        while delta is not None:
-            await _send_delta(send, fmt, delta, len(gen.token_ids))
-            delta = await deadline.run(anext(deltas, None), gen)
-    except DeadlineExceededError as exc:  # headers are out: the error goes in the stream
+        while True:
+            if queue.empty() and not open_streams:
+                break
+            index, item = await deadline.run(queue.get(), gens[0])
+            if item is None:
+                open_streams -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            gen = gens[index]
+            await _send_delta(send, fmt, item, len(gen.token_ids), index)
+            if item.finished:
+                finals.append(item)
+        if fmt.oai.include_usage and finals:
+            await send(fmt.usage_chunk(_total(finals)))
+    except BucketServeError as exc:  # headers are out: the error goes in the stream
         await send({"error": error_body(exc)["error"]})
+    finally:
+        for task in pumps:
+            task.cancel()
     await send("[DONE]")
     await response.write_eof()
     return response
 
 
-async def _send_delta(send: Any, fmt: OpenAIFormat, delta: StreamDelta, tokens: int) -> None:
-    if delta.text:
-        await send(fmt.chunk(text=delta.text, completion_tokens=tokens))
+def _total(finals: list[StreamDelta]) -> StreamDelta:
+    """The usage of every choice: the prompt once, all of their outputs."""
+    total = dataclasses.replace(finals[0])
+    total.num_output_tokens = sum(f.num_output_tokens for f in finals)
+    return total
+
+
+async def _send_delta(
+    send: Any, fmt: OpenAIFormat, delta: StreamDelta, tokens: int, index: int = 0
+) -> None:
+    if delta.text or (delta.logprobs and delta.token_ids):
+        await send(
+            fmt.chunk(
+                text=delta.text,
+                completion_tokens=tokens,
+                index=index,
+                token_ids=delta.token_ids,
+                logprobs=delta.logprobs,
+            )
+        )
     if not delta.finished:
         return
     if delta.finish_reason == "error":
@@ -165,6 +260,4 @@ async def _send_delta(send: Any, fmt: OpenAIFormat, delta: StreamDelta, tokens: 
         await send({"error": error_body(error)["error"]})
     else:
         reason = fmt.finish_reason(delta)
-        await send(fmt.chunk(finish_reason=reason, completion_tokens=tokens))
-    if fmt.oai.include_usage:
-        await send(fmt.usage_chunk(delta))
+        await send(fmt.chunk(finish_reason=reason, completion_tokens=tokens, index=index))

@@ -27,6 +27,7 @@ Str = StrictStr
 Float = StrictFloat
 Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_N = 16  # runtime.sampling_params.MAX_N
 
 
 class _Lenient(BaseModel):
@@ -68,12 +69,6 @@ class _GenerateBody(_Lenient):
 
     # field -> the values at which a field this server does not implement changes nothing
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "n": (1,),
-        "presence_penalty": (0.0,),
-        "frequency_penalty": (0.0,),
-        "repetition_penalty": (1.0,),
-        "min_p": (0.0,),
-        "min_tokens": (0,),
         "logit_bias": (None, {}),
         "best_of": (None, 1),
         "use_beam_search": (False,),
@@ -119,13 +114,14 @@ class _GenerateBody(_Lenient):
     service_tier: Str | None = None
     skip_special_tokens: Bool = True
     spaces_between_special_tokens: Bool = True
-    # not implemented yet: neutral values only (UNSUPPORTED)
-    n: Int = Field(1, ge=1)
+    # sampling (runtime.sampler)
+    n: Int = Field(1, ge=1, le=MAX_N, description="choices, each sampled on its own")
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Float = Field(1.0, gt=0.0, le=2.0)
     min_p: Float = Field(0.0, ge=0.0, le=1.0)
     min_tokens: Int = Field(0, ge=0)
+    # not implemented yet: neutral values only (NEUTRAL)
     logit_bias: dict[str, float] | None = None
     best_of: Int | None = Field(None, ge=1)
     use_beam_search: Bool = False
@@ -143,8 +139,6 @@ class CompletionRequest(_GenerateBody):
 
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_GenerateBody.NEUTRAL,
-        "logprobs": (None,),
-        "echo": (False,),
         "suffix": (None,),
         "add_special_tokens": (True,),
     }
@@ -177,8 +171,6 @@ class ChatCompletionRequest(_GenerateBody):
 
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_GenerateBody.NEUTRAL,
-        "logprobs": (False,),
-        "top_logprobs": (None, 0),
         "tools": (None, []),
         "tool_choice": (None, "none", "auto"),  # without tools, "auto" calls none
         "functions": (None,),

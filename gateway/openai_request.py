@@ -17,7 +17,8 @@ from gateway.request_body import parse_body
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's; chat defaults to the rest of the context
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-            "ignore_eos")
+            "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
+            "min_p", "min_tokens")
 Body = CompletionRequest | ChatCompletionRequest
 
 
@@ -29,6 +30,9 @@ class OpenAIRequest:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # usage in every chunk (vLLM's continuous_usage_stats)
+    n: int = 1  # choices, each its own generation (SamplingParams.sample(i))
+    logprobs: int | None = None  # top logprobs per token (0: the sampled token's only)
+    echo: bool = False  # completions: the prompt's text before the output
 
     @classmethod
     def parse(cls, body: str | bytes | Any, chat: bool) -> OpenAIRequest:
@@ -39,8 +43,21 @@ class OpenAIRequest:
         if options is not None and not req.stream:
             raise InvalidArgumentError("stream_options is only allowed with stream=true")
         include_usage = options is not None and options.include_usage
+        logprobs = _logprobs(req)
+        inp = _input(req)
+        if logprobs is not None:
+            inp.sampling["logprobs"] = logprobs
+        echo = isinstance(req, CompletionRequest) and req.echo
+        if echo and logprobs is not None:
+            raise InvalidArgumentError(
+                "echo=true with logprobs (the prompt's logprobs) is not supported yet by this "
+                "server; send one of them"
+            )
         return cls(
-            input=_input(req),
+            input=inp,
+            n=req.n,
+            logprobs=logprobs,
+            echo=echo,
             chat=chat,
             model=req.model,
             stream=req.stream,
@@ -58,6 +75,15 @@ def _check_neutral(req: Body) -> None:
                 f"{name}={value!r} is not supported yet by this server; leave it out or "
                 f"send {neutral[-1]!r}"
             )
+
+
+def _logprobs(req: Body) -> int | None:
+    """How many top logprobs each output token carries (None: no logprobs)."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidArgumentError("top_logprobs needs logprobs=true")
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 def _input(req: Body) -> GenerateInput:

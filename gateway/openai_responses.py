@@ -20,10 +20,34 @@ class _Response(BaseModel):
     model: str
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: per output token its text, logprob, the top
+    logprobs as {token text: logprob}, and where it starts in the choice's text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatLogprob] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = Field(None, description="stop, length or abort (vLLM's)")
 
 
@@ -41,7 +65,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -59,7 +83,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 

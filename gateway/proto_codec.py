@@ -16,6 +16,7 @@ from gateway.generate_input import GenerateInput
 from gateway.proto.bucketserve.v1 import serving_pb2 as pb
 from gateway.sdk_types import Chunk
 from kv_worker.messages import RequestTimings, StreamDelta
+from runtime.logprobs import TokenLogprob
 
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -24,7 +25,20 @@ FINISH_REASONS = {
     "error": pb.FINISH_REASON_ERROR,
 }
 _REASON_NAMES = {v: k for k, v in FINISH_REASONS.items()}
-_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "max_tokens", "seed")
+_OPTIONAL_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+    "logprobs",
+    "n",
+)
 _PROMPT_KINDS = ("text", "token_ids", "chat")
 
 
@@ -79,6 +93,12 @@ def delta_to_response(delta: StreamDelta, cancel_reason: str | None = None) -> p
     response = pb.GenerateResponse(
         request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text
     )
+    if delta.logprobs is not None:
+        for lp in delta.logprobs:
+            out = response.logprobs.add()
+            if lp is not None:
+                out.logprob = lp.logprob
+                out.top.extend(pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top)
     if delta.finished:
         final = response.final
         final.finish_reason = FINISH_REASONS.get(delta.finish_reason or "error", 0)
@@ -128,6 +148,13 @@ def input_to_request(inp: GenerateInput, stream: bool) -> pb.GenerateRequest:
 
 def response_to_chunk(response: pb.GenerateResponse) -> Chunk:
     chunk = Chunk(response.request_id, list(response.token_ids), response.text)
+    if len(response.logprobs):
+        chunk.logprobs = [
+            TokenLogprob(lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+            if lp.HasField("logprob")
+            else None
+            for lp in response.logprobs
+        ]
     if response.HasField("final"):
         final = response.final
         chunk.finished = True

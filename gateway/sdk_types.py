@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kv_worker.messages import RequestTimings
+from runtime.logprobs import TokenLogprob
 
 
 @dataclass
@@ -23,6 +24,8 @@ class Chunk:
     timings: RequestTimings | None = None
     request_bucket: tuple[int, int] | None = None  # [low, up) prompt lengths
     shape_bucket: tuple[int, int, int] | None = None  # (batch, query, blocks)
+    # one per token when the request asked for logprobs (None: not known)
+    logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -32,12 +35,17 @@ class Completion(Chunk):
     @classmethod
     def from_chunks(cls, chunks: Iterable[Chunk]) -> Completion:
         done = cls(request_id="")
+        logprobs: list[TokenLogprob | None] | None = None
         for chunk in chunks:
             done.token_ids.extend(chunk.token_ids)
             done.text += chunk.text
+            if chunk.logprobs is not None:
+                logprobs = (logprobs or []) + list(chunk.logprobs)
             if chunk.finished:
                 tokens, text = done.token_ids, done.text
-                done = cls(**{**chunk.__dict__, "token_ids": tokens, "text": text})
+                done = cls(
+                    **{**chunk.__dict__, "token_ids": tokens, "text": text, "logprobs": logprobs}
+                )
         if not done.finished:
             raise ValueError("the stream ended without a final chunk")
         return done

@@ -16,6 +16,7 @@ from typing import Any
 
 from bucket_manager.monitor import BucketMetrics
 from kv_transfer.kv_format import KVBlockHandle
+from runtime.logprobs import TokenLogprob
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Tokenizer
 
@@ -60,6 +61,7 @@ class StreamDelta:
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    logprobs: list[TokenLogprob | None] | None = None  # one per token, when asked for
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
@@ -169,6 +171,7 @@ class TokenDelta:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob | None] | None = None  # one per token, when asked for
 
 
 @dataclass

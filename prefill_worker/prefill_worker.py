@@ -12,6 +12,7 @@ from kv_worker.kv_worker import KVWorker
 from kv_worker.messages import HandoffRequest, PrefillResult, PrefillTask, TokenDelta, WorkerStats
 from prefill_worker.config import PrefillWorkerConfig
 from runtime.block_manager import BlockManager
+from runtime.logprobs import logprob_of
 from runtime.scheduler import finish_reason
 from runtime.sequence import Sequence
 
@@ -217,6 +218,7 @@ class PrefillWorker(KVWorker):
     def _first_delta(self, seq: Sequence, token: int | None, max_seq_len: int) -> TokenDelta:
         """The sampled token and whether it already ends the request (judged as the decode
         side would: eos, a stop token id, length)."""
+        logprob = logprob_of(token)
         token = int(token)  # type: ignore[arg-type]  # the chunk always ends its sequence
         offset = seq.num_output_tokens
         seq.append_token(token)
@@ -227,6 +229,7 @@ class PrefillWorker(KVWorker):
             [token],
             finished=reason is not None,
             finish_reason=None if reason is None else reason.value,
+            logprobs=None if seq.sampling_params.logprobs is None else [logprob],
         )
 
     def _free_lease(self, lease: Lease) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from runtime.block_manager import BlockManager
 from runtime.engine_config import EngineConfig
 from runtime.executor import ExecutionError, Executor
+from runtime.logprobs import TokenLogprob
 from runtime.model_runner import ModelRunner, ModelRunnerConfig
 from runtime.output_processor import OutputProcessor
 from runtime.outputs import RequestOutput
@@ -43,6 +44,7 @@ class _Request:
     prompt: str | None
     token_ids: list[int] = field(default_factory=list)  # output tokens delivered
     text: str = ""
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # theirs, if asked
 
 
 class LLMEngine:
@@ -275,8 +277,15 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.abort(seq.seq_id)
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, delta.stop_reason
+        start = len(request.token_ids)
         request.token_ids += delta.token_ids
         request.text += delta.text
+        delta_logprobs = None
+        if seq.sampling_params.logprobs is not None:
+            delta_logprobs = [
+                seq.output_logprobs.get(i) for i in range(start, len(request.token_ids))
+            ]
+            request.logprobs += delta_logprobs
         out = RequestOutput(
             request_id=str(seq.seq_id),
             prompt=request.prompt,
@@ -290,6 +299,8 @@ class LLMEngine:
             stop_reason=seq.stop_reason,
             num_preemptions=seq.num_preemptions,
             metrics=seq.metrics,
+            logprobs=None if delta_logprobs is None else list(request.logprobs),
+            delta_logprobs=delta_logprobs,
         )
         if out.finished:
             del self._requests[seq.seq_id]
@@ -307,6 +318,11 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
         params.validate()
+        if params.n != 1:
+            raise ValueError(
+                f"n={params.n}: a request is one sample here; add n requests with "
+                "params.sample(i) (the OpenAI endpoints do this for n)"
+            )
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not request_id:

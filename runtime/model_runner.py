@@ -130,7 +130,7 @@ class ModelRunner:
             self.dtype,
             self.device.torch_device,
         )
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.eos_token_ids)
         self._graphs: dict[Shape, GraphFn] = {}
 
     @property
@@ -193,6 +193,7 @@ class ModelRunner:
                 logits if len(rows) == len(seqs) else logits[rows],
                 [seqs[i].sampling_params for i in rows],
                 [seqs[i].num_output_tokens for i in rows],
+                [seqs[i] for i in rows],
             )
             for i, token in zip(rows, picked, strict=True):
                 out[i] = token

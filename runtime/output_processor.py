@@ -37,6 +37,8 @@ class OutputProcessor:
     def __init__(self, tokenizer: Decoder | None) -> None:
         self.tokenizer = tokenizer
         self._detok: dict[str, Detokenizer] = {}
+        # requests with min_tokens and stop strings: [min_tokens, tokens seen, stop strings]
+        self._min_tokens: dict[str, list] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._detok
@@ -49,6 +51,8 @@ class OutputProcessor:
             raise ValueError("stop strings need a tokenizer; pass one to the OutputProcessor")
         if self.tokenizer is not None:
             self._detok[request_id] = Detokenizer(self.tokenizer, prompt_token_ids, params.stop)
+            if params.stop and params.min_tokens > 1:
+                self._min_tokens[request_id] = [params.min_tokens, 0, list(params.stop)]
 
     def text(self, request_id: str) -> str:
         detok = self._detok.get(request_id)
@@ -64,18 +68,23 @@ class OutputProcessor:
             return TextDelta(list(token_ids), "", finish_reason is not None, finish_reason)
         kept: list[int] = []
         text = ""
+        early = self._min_tokens.get(request_id)
         for token in token_ids:
             kept.append(token)
+            if early is not None:  # as vLLM: no stop string ends it before min_tokens
+                early[1] += 1
+                detok.stop = [] if early[1] < early[0] else early[2]
             text += detok.push(token)
             if detok.stopped:
-                del self._detok[request_id]
+                self.remove(request_id)
                 return TextDelta(kept, text, True, "stop", detok.stop_reason, stopped=True)
         if finish_reason is None:
             return TextDelta(kept, text)
         if finish_reason != "cancelled":
             text += detok.flush()
-        del self._detok[request_id]
+        self.remove(request_id)
         return TextDelta(kept, text, True, finish_reason)
 
     def remove(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
+        self._min_tokens.pop(request_id, None)

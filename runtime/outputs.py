@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime.logprobs import TokenLogprob
 from runtime.sequence import FinishReason, SequenceMetrics
 
 
@@ -15,7 +16,9 @@ class RequestOutput:
     `delta_token_ids` only what is new since the previous output for this
     request. The last output of a request has `finished=True` and a
     `finish_reason`; `stop_reason` is the stop string or stop token id that
-    ended it, if one did.
+    ended it, if one did. `logprobs` / `delta_logprobs` hold one TokenLogprob per output
+    token (None for a token sampled elsewhere) when the request asked for logprobs, else
+    they are None.
     """
 
     request_id: str
@@ -30,3 +33,5 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     metrics: SequenceMetrics | None = field(default=None, repr=False)
+    logprobs: list[TokenLogprob | None] | None = field(default=None, repr=False)
+    delta_logprobs: list[TokenLogprob | None] | None = field(default=None, repr=False)

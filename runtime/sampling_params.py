@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+MAX_N = 16  # the most samples one request may ask for
+MAX_LOGPROBS = 20  # the most top logprobs a token may carry (vLLM's default max_logprobs)
 
 
 @dataclass
@@ -23,6 +26,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    # penalties (vLLM's): presence / frequency over the output tokens, repetition over
+    # prompt + output; 0.0, 0.0 and 1.0 change nothing
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # drop tokens below min_p times the top token's probability
+    min_tokens: int = 0  # EOS and stop token ids suppressed until this many tokens
+    logprobs: int | None = None  # None: none; k: the sampled token's and the top k's
+    n: int = 1  # samples of the prompt; each its own request (seeded: seed + i)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -34,6 +46,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def sample(self, index: int) -> SamplingParams:
+        """The settings of sample `index` of n: n=1, its own seed (seed + index) if seeded."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the allowed range."""
@@ -51,5 +76,36 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}"
+            )
+        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+        if self.logprobs is not None and (
+            not _integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        if not _integer(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -347,11 +347,12 @@ def finish_reason(
     token matched. Shared with a prefill worker judging the first token. Stop strings are
     the output processor's (runtime.output_processor)."""
     params = seq.sampling_params
-    if not params.ignore_eos and token in eos_token_ids:
-        return FinishReason.STOP
-    if token in params.stop_token_ids:
-        seq.stop_reason = token
-        return FinishReason.STOP
+    if seq.num_output_tokens > params.min_tokens:  # none stops before min_tokens
+        if not params.ignore_eos and token in eos_token_ids:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
+            return FinishReason.STOP
     if seq.num_output_tokens >= params.max_tokens or len(seq) >= max_seq_len:
         return FinishReason.LENGTH
     return None

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum, auto
 
+from runtime.logprobs import TokenLogprob, logprob_of
 from runtime.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
@@ -76,6 +77,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.num_preemptions = 0
+        # output token index -> its logprobs, kept when the request asks for them (tokens
+        # generated elsewhere have none here)
+        self.output_logprobs: dict[int, TokenLogprob] = {}
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -112,4 +116,8 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
+        """Append a sampled token; a SampledToken's logprobs are kept when asked for."""
+        logprob = logprob_of(token_id)
+        if logprob is not None:
+            self.output_logprobs[self.num_output_tokens] = logprob
+        self.token_ids.append(int(token_id))

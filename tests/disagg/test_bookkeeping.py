@@ -36,7 +36,8 @@ def test_worker_messages_carry_token_ids_and_no_text() -> None:
         names = {f.name for f in dataclasses.fields(cls)}
         assert not any("text" in name for name in names), (cls.__name__, names)
     assert {f.name for f in dataclasses.fields(messages.TokenDelta)} == {
-        "request_id", "token_offset", "token_ids", "finished", "finish_reason", "error"
+        "request_id", "token_offset", "token_ids", "finished", "finish_reason", "error",
+        "logprobs",  # numbers that ride along with the token ids, never text
     }
 
 

@@ -29,6 +29,30 @@ def test_generate_streams_the_completion_to_the_terminal(
     assert capsys.readouterr().out == want_chat + "\n"
 
 
+def test_generate_takes_the_sampling_flags(
+    open_server: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    params = SamplingParams(
+        temperature=0, max_tokens=8, frequency_penalty=1.5, presence_penalty=0.5,
+        repetition_penalty=1.2, min_p=0.1, min_tokens=3, logprobs=2,
+    )
+    with Client(open_server.grpc_target) as client:
+        want = client.generate("Once upon a time", params)
+    flags = ["--frequency-penalty", "1.5", "--presence-penalty", "0.5", "--repetition-penalty",
+             "1.2", "--min-p", "0.1", "--min-tokens", "3", "--logprobs", "2"]
+    assert main(["generate", "Once upon a time", *cli_args(open_server, *flags)]) == 0
+    lines = capsys.readouterr().out.split("\n")
+    assert "\n".join(lines[: want.text.count("\n") + 1]) == want.text
+    table = [line.split("\t") for line in lines[want.text.count("\n") + 1 :] if line]
+    assert [int(row[0]) for row in table] == want.token_ids
+    assert want.logprobs is not None
+    for row, lp in zip(table, want.logprobs, strict=True):
+        assert float(row[1]) == pytest.approx(lp.logprob, abs=1e-4)
+        assert len(row[2].split()) == 2
+    assert main(["generate", "Hi", *cli_args(open_server, "--min-p", "2")]) == 1
+    assert "min_p must be in [0, 1], got 2.0" in capsys.readouterr().err
+
+
 def test_generate_reports_errors_with_their_status(
     tenant_server: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

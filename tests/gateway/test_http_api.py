@@ -111,10 +111,8 @@ def test_openai_errors_have_their_status_and_shape(tenant_server: Any) -> None:
     )
     assert ignored.usage.completion_tokens == 2  # unknown fields are ignored, as vLLM does
     with pytest.raises(openai.BadRequestError) as n:
-        alice.completions.create(model=model, prompt="Hi", n=3)
-    assert n.value.body["message"] == (
-        "n=3 is not supported yet by this server; leave it out or send 1"
-    )
+        alice.completions.create(model=model, prompt="Hi", n=17)
+    assert n.value.body["message"] == "n must be <= 16, got 17"
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         alice.completions.create(model="gpt-9", prompt="Hi")
     with pytest.raises(openai.BadRequestError, match="max_model_len"):

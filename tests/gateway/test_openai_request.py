@@ -70,24 +70,16 @@ def test_prompt_forms() -> None:
 
 BAD_BODIES = [
     # (body, chat, the whole message)
-    ({"prompt": "x", "n": 2}, False,
-     "n=2 is not supported yet by this server; leave it out or send 1"),
-    ({"prompt": "x", "logprobs": 3}, False,
-     "logprobs=3 is not supported yet by this server; leave it out or send None"),
-    ({"prompt": "x", "echo": True}, False,
-     "echo=True is not supported yet by this server; leave it out or send False"),
-    ({"prompt": "x", "frequency_penalty": 0.5}, False,
-     "frequency_penalty=0.5 is not supported yet by this server; leave it out or send 0.0"),
-    ({"prompt": "x", "repetition_penalty": 1.2}, False,
-     "repetition_penalty=1.2 is not supported yet by this server; leave it out or send 1.0"),
-    ({"prompt": "x", "min_tokens": 3}, False,
-     "min_tokens=3 is not supported yet by this server; leave it out or send 0"),
-    ({"prompt": "x", "min_p": 0.1}, False,
-     "min_p=0.1 is not supported yet by this server; leave it out or send 0.0"),
+    ({"prompt": "x", "n": 17}, False, "n must be <= 16, got 17"),
+    ({"prompt": "x", "echo": True, "logprobs": 0}, False,
+     "echo=true with logprobs (the prompt's logprobs) is not supported yet by this server; "
+     "send one of them"),
+    ({"prompt": "x", "best_of": 2}, False,
+     "best_of=2 is not supported yet by this server; leave it out or send 1"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, True,
      "tools=[{}] is not supported yet by this server; leave it out or send []"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, True,
-     "logprobs=True is not supported yet by this server; leave it out or send False"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, True,
+     "top_logprobs needs logprobs=true"),
     # out of range, or of the wrong type, before "not supported"
     ({"prompt": "x", "n": 0}, False, "n must be >= 1, got 0"),
     ({"prompt": "x", "presence_penalty": 3}, False, "presence_penalty must be <= 2.0, got 3"),
@@ -148,7 +140,7 @@ def test_vllm_bench_bodies_are_accepted() -> None:
         chat=False,
     )
     assert completion.input.sampling == {
-        "max_tokens": 8, "temperature": 0.0, "ignore_eos": True
+        "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "repetition_penalty": 1.0
     }
     assert (completion.include_usage, completion.continuous_usage) == (True, False)
     chat = OpenAIRequest.parse(

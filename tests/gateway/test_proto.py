@@ -38,9 +38,10 @@ def test_unknown_fields_are_found_at_any_depth() -> None:
     assert unknown_fields(request) == []
     assert unknown_fields(with_unknown(request, 99)) == ["GenerateRequest #99"]
     nested = pb.GenerateRequest()
-    inner = pb.SamplingParams(max_tokens=3).SerializeToString() + bytes([(15 << 3)]) + b"\x01"
+    tag_40 = bytes([(40 << 3) & 0x7F | 0x80, (40 << 3) >> 7])  # field 40, varint: 2 bytes
+    inner = pb.SamplingParams(max_tokens=3).SerializeToString() + tag_40 + b"\x01"
     nested.ParseFromString(b"\x2a" + bytes([len(inner)]) + inner)  # field 5: sampling_params
-    assert unknown_fields(nested) == ["GenerateRequest.sampling_params #15"]
+    assert unknown_fields(nested) == ["GenerateRequest.sampling_params #40"]
     chat = pb.GenerateRequest()
     message = b"\x0a\x04user" + bytes([(9 << 3)]) + b"\x07"  # ChatMessage with field 9
     messages = b"\x0a" + bytes([len(message)]) + message

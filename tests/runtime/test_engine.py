@@ -256,3 +256,41 @@ def test_llm_generate_and_chat_keep_input_order(tiny_runner):
     with pytest.raises(ValueError, match="not both"):
         LLM(runner=tiny_runner, num_kv_blocks=8)
     assert not llm.engine.has_unfinished()
+
+
+def test_batched_sampling_features_match_one_at_a_time_and_keep_logprobs(
+    small_pool_runner, tiny_runner
+):
+    """Penalties, min_p, min_tokens and logprobs in a batch under preemption equal each
+    request alone; each output token has its logprobs, deltas adding up to the whole."""
+    prompts = token_prompts(6, seed=4)
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, frequency_penalty=1.0, logprobs=2),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=12, presence_penalty=0.5, min_p=0.1),
+        SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.5, logprobs=0),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=12, min_tokens=12, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=12),
+        SamplingParams(temperature=0, max_tokens=12, presence_penalty=-1.0, logprobs=3),
+    ]
+    engine = LLMEngine.from_kwargs(runner=small_pool_runner, max_num_seqs=4)
+    ids = engine.add_requests(prompts, params)
+    streams = drain(engine)
+    assert engine.stats.num_preemptions > 0
+    got = [streams[i][-1].token_ids for i in ids]
+    assert got == reference(tiny_runner, prompts, params)
+    for request_id, p in zip(ids, params, strict=True):
+        final = streams[request_id][-1]
+        if p.logprobs is None:
+            assert final.logprobs is None
+            continue
+        assert len(final.logprobs) == len(final.token_ids)
+        assert all(lp is not None and len(lp.top) == p.logprobs for lp in final.logprobs)
+        pieces = [lp for out in streams[request_id] for lp in out.delta_logprobs]
+        assert pieces == final.logprobs
+
+
+def test_n_is_one_request_per_sample(tiny_runner):
+    engine = LLMEngine(runner=tiny_runner)
+    with pytest.raises(ValueError, match="n=2: a request is one sample here"):
+        engine.add_request([5, 6, 7], SamplingParams(n=2))
+    assert not engine.has_unfinished()

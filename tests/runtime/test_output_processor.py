@@ -60,3 +60,17 @@ def test_without_a_tokenizer_only_token_ids_pass_and_stop_strings_are_refused():
     assert (delta.token_ids, delta.text, delta.finished) == ([5, 6], "", True)
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         outputs.add("s", [1], SamplingParams(stop=["x"]))
+
+
+def test_no_stop_string_ends_a_request_before_min_tokens(tok):
+    """vLLM's rule: stop strings count from the min_tokens-th output token on."""
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    after = next(i for i in range(len(ids)) if "weather" in tok.decode(ids[: i + 1])) + 1
+    outputs = OutputProcessor(tok)
+    outputs.add("r", [], SamplingParams(stop=["weather", "drums"], min_tokens=after + 1,
+                                        max_tokens=64))
+    delta = outputs.process("r", ids)
+    assert delta.stopped and delta.stop_reason == "drums"  # "weather" came too early
+    assert delta.text == TEXT[: TEXT.index("drums")]
+    outputs.add("s", [], SamplingParams(stop=["weather"], min_tokens=after, max_tokens=64))
+    assert outputs.process("s", ids).text == TEXT[: TEXT.index("weather")]
