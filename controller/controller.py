@@ -237,12 +237,7 @@ class Controller:
                 self.buckets.requeue(rest)
             if batch is None:  # wait for handoffs to be acknowledged
                 return
-            states = [self._requests[r.request_id] for r in batch.requests]
-            now = time.monotonic()
-            for state in states:
-                state.phase, state.decode_worker = "prefill", decode.name
-                state.dispatched_at = state.dispatched_at or now
-                state.request_bucket, state.shape_bucket = batch.bucket, batch.shape
+            states = self._take(batch, decode, "prefill")
             handoff = Handoff(prefill, decode, pd.need(batch), self.config.lease_ttl_s)
             self._spawn(self._handoff(handoff, batch, states))
 
@@ -256,14 +251,19 @@ class Controller:
             batch = self.buckets.next_batch(decode.free_blocks, self.block_size, time.monotonic())
             if batch is None:
                 return
-            states = [self._requests[r.request_id] for r in batch.requests]
-            now = time.monotonic()
-            for state in states:
-                state.phase, state.decode_worker = "decode", decode.name
-                state.dispatched_at = state.dispatched_at or now
-                state.request_bucket, state.shape_bucket = batch.bucket, batch.shape
+            states = self._take(batch, decode, "decode")
             blocks = sum(n for _, n in self.pd.need(batch))
             self._spawn(self._colocate(decode, states, blocks))
+
+    def _take(self, batch: PrefillBatch, decode: WorkerHandle, phase: str) -> list[RequestState]:
+        """The batch's requests, now in `phase` on their way to `decode`."""
+        states = [self._requests[r.request_id] for r in batch.requests]
+        now = time.monotonic()
+        for state in states:
+            state.phase, state.decode_worker = phase, decode.name
+            state.dispatched_at = state.dispatched_at or now
+            state.request_bucket, state.shape_bucket = batch.bucket, batch.shape
+        return states
 
     async def _colocate(
         self, decode: WorkerHandle, states: list[RequestState], blocks: int
