@@ -127,7 +127,7 @@ class WorkerPool:
             *(asyncio.wait_for(h.start(), timeout) for h in handles), return_exceptions=True
         )
         for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, TimeoutError):
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.TimeoutError):
                 raise result
         placed = [h for h, r in zip(handles, results, strict=True) if r is None]
         missing = [h for h in handles if h not in placed]
@@ -152,35 +152,32 @@ class WorkerPool:
     # -- worker configs ----------------------------------------------------------------------
 
     def prefill_config(self, index: int) -> PrefillWorkerConfig:
-        c = self.config
-        return PrefillWorkerConfig(
-            name=f"prefill-{index}",
-            runner=c.prefill_runner(),
-            shape_buckets=self.buckets.shape_buckets,
-            pad_to_shape_buckets=c.pad_to_shape_buckets,
-            warmup=c.warmup,
-            transport=self._worker_transport(),
-            lease_ttl_s=c.lease_ttl_s,
-            torch_threads=c.torch_threads("prefill"),
-            cpus=c.cpus("prefill"),
-        )
+        runner = self.config.prefill_runner()
+        return PrefillWorkerConfig(runner=runner, **self._shared("prefill", index))
 
     def decode_config(self, index: int) -> DecodeWorkerConfig:
         c = self.config
         return DecodeWorkerConfig(
-            name=f"decode-{index}",
             engine=EngineConfig(c.runner, c.scheduler, c.pipeline_depth),
-            shape_buckets=self.buckets.shape_buckets,
-            pad_to_shape_buckets=c.pad_to_shape_buckets,
-            warmup=c.warmup,
-            transport=self._worker_transport(),
-            lease_ttl_s=c.lease_ttl_s,
-            torch_threads=c.torch_threads("decode"),
-            cpus=c.cpus("decode"),
+            **self._shared("decode", index),
             admit_delay_s=c.admit_delay_s,
             admit_delay_count=c.admit_delay_count,
             stall_timeout_s=c.worker_timeout_s,
         )
+
+    def _shared(self, role: str, index: int) -> dict[str, Any]:
+        """The WorkerConfig fields both roles take from the controller's config."""
+        c = self.config
+        return {
+            "name": f"{role}-{index}",
+            "shape_buckets": self.buckets.shape_buckets,
+            "pad_to_shape_buckets": c.pad_to_shape_buckets,
+            "warmup": c.warmup,
+            "transport": self._worker_transport(),
+            "lease_ttl_s": c.lease_ttl_s,
+            "torch_threads": c.torch_threads(role),
+            "cpus": c.cpus(role),
+        }
 
     def _worker_transport(self) -> str:
         """What a worker builds alone; a collective group is joined after start."""

@@ -57,15 +57,15 @@ class GatewayServer:
 
     async def start(self) -> None:
         await self.grpc.start()
-        self._health = asyncio.get_running_loop().create_task(
-            self.grpc.track_health(self.backend.serving)
-        )
         if self.http is not None:
             try:
                 await self.http.start()
             except BaseException:
                 await self.grpc.stop(0)
                 raise
+        self._health = asyncio.get_running_loop().create_task(
+            self.grpc.track_health(self.backend.serving)
+        )
         logger.info("serving %s: gRPC %s, HTTP %s", self.model_name, self.grpc_target,
                     self.http_url)
         for warning in exposure_warnings(self.config, self.tenants):
