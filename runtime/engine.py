@@ -12,11 +12,13 @@ from typing import Any
 
 from runtime.block_manager import BlockManager
 from runtime.engine_config import EngineConfig
-from runtime.executor import ExecutionError, Executor
+from runtime.executor import ExecutionError
 from runtime.logprobs import TokenLogprob
 from runtime.model_runner import ModelRunner, ModelRunnerConfig
 from runtime.output_processor import OutputProcessor
 from runtime.outputs import RequestOutput
+from runtime.pipeline.pipeline_executor import PipelineExecutor, make_executor
+from runtime.pipeline.pipeline_runner import PipelineRunner
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerOutput
 from runtime.sequence import FinishReason, Sequence
@@ -78,7 +80,7 @@ class LLMEngine:
                 "model runner options (model, num_kv_blocks, ...) configure a new runner; "
                 "pass either them or an existing runner, not both"
             )
-        self.runner = runner or ModelRunner(config.runner)
+        self.runner = runner or _new_runner(config)
         self.tokenizer = self.runner.tokenizer
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size)
         self.scheduler = Scheduler(
@@ -89,10 +91,13 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self.detokenize = detokenize
-        self.executor = Executor(self._execute_fn(pad_fn), config.pipeline_depth)
+        self.executor = make_executor(
+            self.runner, pad_fn, config.pipeline_depth, self._execute_fn(pad_fn)
+        )
         self.lock = threading.RLock()
         # a share of the running batch per microbatch, so every pipeline stage has work
-        self._microbatch_seqs = -(-config.scheduler.max_num_seqs // config.pipeline_depth)
+        self._microbatch_seqs = -(-config.scheduler.max_num_seqs // self.executor.depth)
+        self._arrival = threading.Event()  # a request came in: one of the loop's events
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []  # produced outside step(): aborts, handoffs
@@ -163,6 +168,7 @@ class LLMEngine:
         self.scheduler.add(seq)
         self._track(seq)
         self._requests[seq.seq_id] = request
+        self._arrival.set()
         return seq.seq_id
 
     def _check_stop(self, params: SamplingParams) -> None:
@@ -198,6 +204,7 @@ class LLMEngine:
             seq.token_ids.extend(int(t) for t in (*output_token_ids, first_token_id))
             seq.num_computed_tokens = len(seq) - 1
             self.scheduler.add_prefilled(seq, block_ids)
+            self._arrival.set()
             self._track(seq)
             request = self._requests[seq.seq_id] = _Request(seq, None)
             self._pending.append(self._output(request))
@@ -227,11 +234,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         with self.lock:
             outputs, self._pending = self._pending, []
-            batch = self.scheduler.schedule(self._microbatch_seqs)  # schedule()
+            self._arrival.clear()
+            batch = self.scheduler.schedule(self._microbatch_limit())  # schedule()
         if batch:
             self.executor.submit(batch)  # submit()
         if not self.executor.num_in_flight or (batch and not self.executor.full):
             return outputs
+        pipelined = isinstance(self.executor, PipelineExecutor)
+        if not batch and pipelined and not self.executor.wait(self._arrival):
+            return outputs  # a new request came in before the oldest microbatch ended
         try:
             done, tokens = self.executor.finish()  # finish()
         except ExecutionError as exc:
@@ -248,6 +259,14 @@ class LLMEngine:
 
     def close(self) -> None:
         self.executor.shutdown()
+
+    def _microbatch_limit(self) -> int:
+        """Over stages, the unfinished requests shared out so every stage gets a microbatch
+        (a request is in one in-flight microbatch at most)."""
+        if not isinstance(self.executor, PipelineExecutor):
+            return self._microbatch_seqs
+        share = -(-len(self._requests) // self.executor.depth)
+        return max(1, min(self._microbatch_seqs, share))
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -352,3 +371,11 @@ class LLMEngine:
         ]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are not integers in [0, {vocab})")
+
+
+def _new_runner(config: EngineConfig) -> ModelRunner | PipelineRunner:
+    if config.pipeline_parallel_size == 1:
+        return ModelRunner(config.runner)
+    return PipelineRunner.local(
+        config.runner, config.pipeline_parallel_size, config.stage_torch_threads
+    )
