@@ -18,6 +18,7 @@ MODES = ("ray", "local")
 SHAPES = ("disaggregated", "colocated")
 TRANSPORT_CHOICES = ("auto", "inprocess", "ray", "collective")
 ACCELERATORS = ("auto", "hpu", "gpu", "none")
+STAGE_PACKING = ("PACK", "STRICT_PACK")
 
 
 @dataclass
@@ -34,6 +35,10 @@ class PlacementConfig:
     makes idle OpenMP threads sleep rather than spin). `cpus` pins each actor
     to those core ids (and sizes its pool to them unless `torch_threads` says
     otherwise): disjoint lists partition one machine between the roles.
+    `pipeline_parallel_size` > 1 makes each worker of the role a group of that many stage
+    actors, one card each, packed by a Ray placement group with `stage_packing` ("PACK":
+    on one node where possible; "STRICT_PACK": only on one node) next to the worker's own
+    actor, which holds the scheduler and no card.
     """
 
     accelerator: str = "auto"
@@ -41,8 +46,18 @@ class PlacementConfig:
     resources: dict[str, float] = field(default_factory=dict)
     torch_threads: int | None = None
     cpus: list[int] | None = None
+    pipeline_parallel_size: int = 1
+    stage_packing: str = "PACK"
 
     def __post_init__(self) -> None:
+        pp = self.pipeline_parallel_size
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise ValueError(f"placement.pipeline_parallel_size must be >= 1, got {pp!r}")
+        if self.stage_packing not in STAGE_PACKING:
+            raise ValueError(
+                f"placement.stage_packing must be one of {STAGE_PACKING}; "
+                f"got {self.stage_packing!r}"
+            )
         if self.accelerator not in ACCELERATORS:
             raise ValueError(
                 f"placement.accelerator must be one of {ACCELERATORS}; got {self.accelerator!r}"
@@ -133,6 +148,15 @@ class ControllerConfig:
             )
         _positive_int("admit_delay_count", self.admit_delay_count, 0)
         check_worker_options("ControllerConfig", self.pad_to_shape_buckets, self.warmup, None)
+        prefill = self.prefill_placement.pipeline_parallel_size
+        decode = self.decode_placement.pipeline_parallel_size
+        if not self.colocated and prefill != decode:
+            raise ValueError(
+                f"controller.prefill.pipeline_parallel_size ({prefill}) and "
+                f"controller.decode.pipeline_parallel_size ({decode}) must be equal: prefill "
+                "stage i hands the KV of its layers to decode stage i, which must hold the "
+                "same layers"
+            )
 
     @property
     def colocated(self) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 
 from bucket_manager.config import BucketManagerConfig
 from controller.config import ControllerConfig, PlacementConfig
+from controller.stage_group import StageGroupPlacement
 from controller.worker_handle import Failure, LocalWorkerHandle, RayWorkerHandle, WorkerHandle
 from decode_worker.config import DecodeWorkerConfig
 from kv_worker.messages import WorkerStats
@@ -36,6 +37,7 @@ class WorkerPool:
         self._started_ray = False
         self._store: Any = None
         self._generation = 0
+        self._placement_groups: list[Any] = []
 
     async def start(self) -> list[WorkerHandle]:
         """Create every worker and warm it up; prefill handles first, then decode."""
@@ -118,6 +120,12 @@ class WorkerPool:
 
             ray.shutdown()
             self._started_ray = False
+        elif self._placement_groups:
+            from ray.util import remove_placement_group
+
+            for pg in self._placement_groups:
+                remove_placement_group(pg)
+        self._placement_groups = []
 
     async def _placed(self, handles: list[WorkerHandle]) -> list[WorkerHandle]:
         """The workers Ray placed within `placement_timeout_s` (time for an autoscaler to add
@@ -177,6 +185,7 @@ class WorkerPool:
             "lease_ttl_s": c.lease_ttl_s,
             "torch_threads": c.torch_threads(role),
             "cpus": c.cpus(role),
+            "pipeline_parallel_size": c.placement(role).pipeline_parallel_size,
         }
 
     def _worker_transport(self) -> str:
@@ -226,22 +235,35 @@ class WorkerPool:
             ray.init(address=self.config.ray_address, **kwargs)
             self._started_ray = True
         c = self.config
-        prefill_options = self.actor_options("prefill", c.prefill_placement)
-        decode_options = self.actor_options("decode", c.decode_placement)
-        if c.ray_address is None:  # a Ray started here: no autoscaler adds nodes to it
-            _check_feasible(
-                [prefill_options] * c.num_prefill_workers + [decode_options] * c.num_decode,
-                ray.cluster_resources(),
+        groups = {
+            role: StageGroupPlacement(self.actor_options(role, placement), placement)
+            for role, placement in (
+                ("prefill", c.prefill_placement), ("decode", c.decode_placement)
             )
-        prefill_cls = ray.remote(PrefillWorker).options(**prefill_options)
-        decode_cls = ray.remote(DecodeWorker).options(**decode_options)
+        }
+        counts = {"prefill": c.num_prefill_workers, "decode": c.num_decode}
+        if c.ray_address is None:  # a Ray started here: no autoscaler adds nodes to it
+            wanted = [
+                opts
+                for role, group in groups.items()
+                for opts in (
+                    group.feasibility_options() if group.num_stages > 1 else [group.options]
+                ) * counts[role]
+            ]
+            _check_feasible(wanted, ray.cluster_resources())
+        classes = {"prefill": PrefillWorker, "decode": DecodeWorker}
+        configs = {"prefill": self.prefill_config, "decode": self.decode_config}
         handles: list[WorkerHandle] = []
-        for i in range(c.num_prefill_workers):
-            actor = prefill_cls.remote(self.prefill_config(i))
-            handles.append(RayWorkerHandle(f"prefill-{i}", "prefill", actor))
-        for i in range(c.num_decode):
-            actor = decode_cls.remote(self.decode_config(i))
-            handles.append(RayWorkerHandle(f"decode-{i}", "decode", actor))
+        for role in ("prefill", "decode"):
+            group = groups[role]
+            for i in range(counts[role]):
+                config, options = configs[role](i), group.options
+                if group.num_stages > 1:  # one placement group per worker: head + stages
+                    pg, options, stage_options = group.create()
+                    self._placement_groups.append(pg)
+                    config = dataclasses.replace(config, stage_options=stage_options)
+                actor = ray.remote(classes[role]).options(**options).remote(config)
+                handles.append(RayWorkerHandle(f"{role}-{i}", role, actor))
         return handles
 
     def actor_options(self, role: str, placement: PlacementConfig) -> dict[str, Any]:

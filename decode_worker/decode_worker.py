@@ -62,6 +62,8 @@ class DecodeWorker(KVWorker):
             transport,
             config.torch_threads,
             config.cpus,
+            config.pipeline_parallel_size,
+            config.stage_options,
         )
         engine_config = dataclasses.replace(config.engine, runner=ModelRunnerConfig())
         self.engine = LLMEngine(engine_config, self.runner, pad_fn=self._pad_to, detokenize=False)
@@ -235,6 +237,7 @@ class DecodeWorker(KVWorker):
                 reserved_blocks=bm.num_reserved_blocks,
                 blocks_to_come=self._blocks_to_come(),
                 batches=self._steps,
+                **self.pipeline_stats(),
             )
 
     def shutdown(self) -> None:

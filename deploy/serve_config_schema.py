@@ -31,7 +31,10 @@ TARGETS: dict[str, type] = {
     "request_buckets": RequestBucketConfig,
     "batching": BatchingConfig,
 }
-_PLACEMENT = ("accelerator", "num_cpus", "resources", "torch_threads", "cpus")
+_PLACEMENT = (
+    "accelerator", "num_cpus", "resources", "torch_threads", "cpus", "pipeline_parallel_size",
+    "stage_packing",
+)
 _CONTROLLER = (
     "shape", "mode", "ray_address", "transport", "max_restarts", "lease_ttl_s",
     "worker_timeout_s", "max_queued_requests", "max_requeues", "stats_interval_s",

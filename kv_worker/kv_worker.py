@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -14,6 +15,7 @@ from kv_transfer.collective import CollectiveTransport, PairSpec
 from kv_transfer.collective_group import backend_for
 from kv_transfer.kv_format import KVFormat
 from kv_transfer.transport import KVTransport, check_transport
+from kv_worker.stage_group import new_runner
 from kv_worker.worker_env import (
     accelerator_ids,
     apply_torch_threads,
@@ -23,7 +25,8 @@ from kv_worker.worker_env import (
     resolve_padding,
     warmup_selection,
 )
-from runtime.model_runner import ModelRunner, ModelRunnerConfig, Shape
+from runtime.model_runner import ModelRunnerConfig, Shape
+from runtime.pipeline.pipeline_runner import PipelineRunner
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +47,16 @@ class KVWorker:
         transport: KVTransport | None,
         torch_threads: int | None,
         cpus: list[int] | None = None,
+        pipeline_parallel_size: int = 1,
+        stage_options: dict[str, Any] | None = None,
     ) -> None:
         self.name = name
         self.boot_id = new_boot_id()
         pin_cpus(cpus)
         apply_torch_threads(torch_threads)
-        self.runner = ModelRunner(runner_config)
+        self.runner = new_runner(
+            runner_config, pipeline_parallel_size, stage_options, torch_threads, name
+        )
         self.tokenizer = self.runner.tokenizer
         self.shapes = ShapeBuckets(shape_config, log=False)
         self.padding = resolve_padding(padding, self.runner.device.type)
@@ -85,6 +92,18 @@ class KVWorker:
             "kv_format": self.kv_format,
             "num_kv_blocks": self.runner.num_kv_blocks,
             "max_model_len": self.runner.max_model_len,
+            "stages": list(getattr(self.runner, "stage_infos", [])),
+        }
+
+    def pipeline_stats(self) -> dict[str, Any]:
+        """The WorkerStats fields of the worker's stage group (one stage: the defaults)."""
+        if not isinstance(self.runner, PipelineRunner):
+            return {}
+        stats = self.runner.stats()
+        return {
+            "pipeline_stages": stats.num_stages,
+            "microbatches_in_flight": stats.in_flight,
+            "bubble_fraction": stats.bubble_fraction,
         }
 
     def ping(self) -> str:

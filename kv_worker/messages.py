@@ -197,6 +197,9 @@ class WorkerStats:
     batches: int = 0  # prefill batches run, or decode steps taken
     kv_bytes_sent: int = 0
     transport: str = ""  # the KV transport in use
+    pipeline_stages: int = 1  # stages of the worker's group (one card each)
+    microbatches_in_flight: int = 0
+    bubble_fraction: float = 0.0  # stage time idle while the group had work, since start
 
 
 @dataclass

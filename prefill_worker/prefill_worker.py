@@ -48,6 +48,8 @@ class PrefillWorker(KVWorker):
             transport,
             config.torch_threads,
             config.cpus,
+            config.pipeline_parallel_size,
+            config.stage_options,
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size)
         self.eos_token_ids = self.runner.eos_token_ids
@@ -122,6 +124,7 @@ class PrefillWorker(KVWorker):
                 leases_expired=self.leases.counts.expired,
                 batches=self._batches,
                 kv_bytes_sent=self._kv_bytes,
+                **self.pipeline_stats(),
             )
 
     def shutdown(self) -> None:

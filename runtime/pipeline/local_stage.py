@@ -55,8 +55,8 @@ class LocalStage:
     def import_blocks(self, layer: int, block_ids: list[int], data: Any) -> None:
         self.runner.import_blocks(layer, block_ids, data)
 
-    def clock(self) -> tuple[float, int, list[StageSpan]]:
-        return self.runner.clock.snapshot()
+    def clock(self, spans: bool, fresh: bool) -> tuple[float, int, list[StageSpan]]:
+        return self.runner.clock.snapshot(spans)
 
     def shutdown(self) -> None:
         self._queue.put(_STOP)

@@ -179,8 +179,10 @@ class PipelineRunner:
 
     # -- counters ----------------------------------------------------------------------------
 
-    def stats(self) -> PipelineStats:
-        clocks = [stage.clock() for stage in self.stages]
+    def stats(self, spans: bool = False, fresh: bool = False) -> PipelineStats:
+        """Counters; `spans` adds the recent stage spans and the hand-off time measured on
+        them; `fresh` waits for remote stages' current clocks (else their last report)."""
+        clocks = [stage.clock(spans, fresh) for stage in self.stages]
         with self._lock:
             active = self._active_s
             if self._in_flight:

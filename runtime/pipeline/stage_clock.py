@@ -36,7 +36,7 @@ class StageClock:
             self.busy_s += end - start
             self.count += 1
 
-    def snapshot(self) -> tuple[float, int, list[StageSpan]]:
-        """(busy seconds, microbatches run, recent spans)."""
+    def snapshot(self, spans: bool = False) -> tuple[float, int, list[StageSpan]]:
+        """(busy seconds, microbatches run, the recent spans if asked for)."""
         with self._lock:
-            return self.busy_s, self.count, list(self._spans)
+            return self.busy_s, self.count, list(self._spans) if spans else []

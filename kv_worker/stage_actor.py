@@ -1,0 +1,45 @@
+"""A pipeline stage as a Ray actor: one card, one slice of layers, their paged KV."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kv_worker.worker_env import accelerator_ids, apply_torch_threads, node_id
+from runtime.model_runner import ModelRunnerConfig, Shape
+from runtime.pipeline.stage_clock import StageSpan
+from runtime.pipeline.stage_runner import StageOutput, StageRunner
+from runtime.pipeline.stage_spec import StageSpec
+from runtime.pipeline.stage_step import StageStep
+
+
+class StageActor:
+    """Owns a StageRunner. Ray runs its calls one at a time in arrival order, so the
+    microbatches a head submits go through it in order; `run`'s `hidden` argument is the
+    previous stage's ObjectRef, which Ray resolves from its object store."""
+
+    def __init__(
+        self, config: ModelRunnerConfig, spec: StageSpec, torch_threads: int | None
+    ) -> None:
+        apply_torch_threads(torch_threads)
+        self.runner = StageRunner(config, spec)
+
+    def run(self, step: StageStep, hidden: Any) -> StageOutput:
+        return self.runner.run(step, hidden)
+
+    def warmup(self, shapes: list[Shape]) -> None:
+        self.runner.warmup(shapes)
+
+    def info(self) -> dict:
+        return {**self.runner.info(), "node_id": node_id(), "accelerator_ids": accelerator_ids()}
+
+    def export_blocks(self, layer: int, block_ids: list[int]) -> Any:
+        return self.runner.export_blocks(layer, block_ids)
+
+    def import_blocks(self, layer: int, block_ids: list[int], data: Any) -> None:
+        self.runner.import_blocks(layer, block_ids, data)
+
+    def clock(self, spans: bool) -> tuple[float, int, list[StageSpan]]:
+        return self.runner.clock.snapshot(spans)
+
+    def ping(self) -> int:
+        return self.runner.spec.index
