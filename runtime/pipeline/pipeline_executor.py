@@ -29,6 +29,7 @@ class PipelineExecutor:
         self.pad_fn = pad_fn
         self.depth = depth
         self._queue: deque[tuple[SchedulerOutput, Microbatch]] = deque()
+        self.peak_in_flight = 0
 
     @property
     def num_in_flight(self) -> int:
@@ -48,6 +49,7 @@ class PipelineExecutor:
         seqs, counts = batch.seqs, batch.num_new_tokens
         pad_to = None if self.pad_fn is None else self.pad_fn(seqs, counts)
         self._queue.append((batch, self.runner.submit(seqs, counts, pad_to)))
+        self.peak_in_flight = max(self.peak_in_flight, len(self._queue))
 
     def wait(self, wake: threading.Event, poll_s: float = 0.002) -> bool:
         """Until the oldest microbatch is done (True) or `wake` is set first (False): the
