@@ -1,0 +1,38 @@
+"""1 prefill + 1 decode worker in process, each a 2-stage group on threads (3 layers)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from controller.config import PlacementConfig
+from controller.controller import Controller
+from tests.disagg.helpers import (
+    controller_config,
+    mixed_workload,
+    reference_outputs,
+    serve_and_drain,
+    small_batches,
+)
+
+TWO = PlacementConfig(pipeline_parallel_size=2)
+
+
+def test_local_2_stage_groups_match_one_stage(tiny_model_factory) -> None:
+    model: Path = tiny_model_factory(num_hidden_layers=3)
+    work = mixed_workload(8)
+    reference = reference_outputs(model, work)
+
+    async def main() -> None:
+        config = controller_config(
+            model, mode="local", buckets=small_batches(),
+            prefill_placement=TWO, decode_placement=TWO,
+        )
+        controller = Controller(config)
+        await controller.start()
+        outputs, stats = await serve_and_drain(controller, work, "local-pp")
+        assert outputs == reference
+        assert {w.pipeline_stages for w in stats.workers} == {2}
+        assert stats.kv_bytes_moved > 0
+
+    asyncio.run(main())
