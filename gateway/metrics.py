@@ -152,12 +152,26 @@ def _service_metrics(stats: Any) -> Iterator[Metric]:
     misses = CounterMetricFamily(
         P + "graph_misses", "Batches beyond the largest warmed shape.", labels=["worker", "role"]
     )
+    bubble = GaugeMetricFamily(
+        P + "pipeline_bubble_fraction",
+        "Share of stage time idle while the worker's stage group had work, since start.",
+        labels=["worker", "role"],
+    )
+    in_flight = GaugeMetricFamily(
+        P + "pipeline_microbatches_in_flight",
+        "Microbatches in the worker's stage group now.",
+        labels=["worker", "role"],
+    )
     for w in workers:
         used = 1.0 - w.num_free_blocks / w.num_total_blocks if w.num_total_blocks else 0.0
         usage.add_metric([w.name, w.role], used)
         misses.add_metric([w.name, w.role], w.graph_misses)
+        bubble.add_metric([w.name, w.role], w.bubble_fraction)
+        in_flight.add_metric([w.name, w.role], w.microbatches_in_flight)
     yield usage
     yield misses
+    yield bubble
+    yield in_flight
     yield counter(
         "num_preemptions", "Sequences preempted.", sum(w.preemptions for w in workers)
     )

@@ -94,6 +94,9 @@ def test_metrics_parse_and_move_with_traffic(
     ):
         assert value(after, name) >= 0
     assert "bucketserve:graph_misses" in after
+    bubbles = after["bucketserve:pipeline_bubble_fraction"].samples  # one stage: no bubble
+    assert bubbles and all(s.value == 0.0 for s in bubbles)
+    assert "bucketserve:pipeline_microbatches_in_flight" in after
 
 
 def test_servers_in_one_process_keep_separate_registries(
