@@ -27,6 +27,7 @@ from kv_worker.worker_env import (
 )
 from runtime.model_runner import ModelRunnerConfig, Shape
 from runtime.pipeline.pipeline_runner import PipelineRunner
+from runtime.pipeline.stage_clock import StageSpan
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,12 @@ class KVWorker:
             "microbatches_in_flight": stats.in_flight,
             "bubble_fraction": stats.bubble_fraction,
         }
+
+    def pipeline_spans(self) -> list[StageSpan]:
+        """The stages' recent busy spans (when each ran which microbatch), fresh."""
+        if not isinstance(self.runner, PipelineRunner):
+            return []
+        return self.runner.stats(spans=True, fresh=True).spans
 
     def ping(self) -> str:
         return self.boot_id

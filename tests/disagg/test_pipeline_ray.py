@@ -54,7 +54,8 @@ def test_2_stage_prefill_and_decode_groups_take_two_cards_each_match_one_stage_a
 
     work = mixed_workload(8)
     reference = reference_outputs(three_layers, work)  # one stage, in process
-    long_work = [(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for p, _ in work]
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    long_work = [(p, long) for p, _ in work]
     long_reference = reference_outputs(three_layers, long_work)
 
     async def main() -> None:
@@ -80,6 +81,12 @@ def test_2_stage_prefill_and_decode_groups_take_two_cards_each_match_one_stage_a
             assert_drained(stats)
             decode = stats.worker("decode-0")
             assert decode.pipeline_stages == 2 and 0.0 <= decode.bubble_fraction < 1.0
+            spans = await controller.pool.by_name("decode-0").call("pipeline_spans")
+            assert any(  # stage 0 ran one microbatch while stage 1 ran another
+                a.stage == 0 and b.stage == 1 and a.microbatch != b.microbatch
+                and a.start < b.end and b.start < a.end
+                for a in spans for b in spans
+            ), spans
 
             victim = infos["decode-0"]["stages"][1]["actor"]
             first = asyncio.Event()

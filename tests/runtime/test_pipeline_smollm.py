@@ -1,0 +1,32 @@
+"""SmolLM2 in 2 pipeline stages: greedy parity with transformers (30 layers: 15 + 15)."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.engine import LLMEngine
+from tests.runtime.test_engine import drain_all
+from tests.runtime.test_engine_smollm import (  # noqa: F401 - fixtures
+    GREEDY,
+    assert_matches,
+    prompts,
+    reference,
+    smollm_runner,
+)
+
+pytestmark = pytest.mark.smollm
+
+
+def test_two_stages_match_transformers(smollm_dir, prompts, reference):  # noqa: F811
+    engine = LLMEngine.from_kwargs(
+        model=str(smollm_dir), dtype="float32", device="cpu", num_kv_blocks=256,
+        max_num_seqs=4, pipeline_parallel_size=2, stage_torch_threads=1,
+    )
+    try:
+        got = drain_all(engine, prompts, [GREEDY] * len(prompts))
+        assert engine.executor.peak_in_flight == 2
+        assert [(s.spec.start, s.spec.stop) for s in engine.runner.stages] == [(0, 15), (15, 30)]
+    finally:
+        engine.close()
+    assert_matches(got, reference)
+    assert engine.block_manager.num_free_blocks == 256
