@@ -94,11 +94,23 @@ def test_2_stage_prefill_and_decode_groups_take_two_cards_each_match_one_stage_a
             await first.wait()
             ray.kill(ray.get_actor(victim), no_restart=True)
             assert tokens(await run) == long_reference
+
+            victim = infos["prefill-0"]["stages"][0]["actor"]  # mid-batch, or between
+            run = asyncio.ensure_future(generate(controller, long_work, "prefill-kill"))
+            await asyncio.sleep(0.1)
+            ray.kill(ray.get_actor(victim), no_restart=True)
+            assert tokens(await run) == long_reference
+            for _ in range(600):  # its death is noticed by a call or the next stats poll
+                if controller.pool.by_name("prefill-0").restarts == 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert tokens(await generate(controller, work, "after")) == reference
             stats = await controller.drain(60)
         finally:
             await controller.shutdown()
         assert_drained(stats)
         assert stats.worker("decode-0").restarts == 1
+        assert stats.worker("prefill-0").restarts == 1
         assert stats.requests_requeued >= 1
 
     asyncio.run(main())
