@@ -7,7 +7,9 @@ subprocess with the same intra-op thread budget (`OMP_WAIT_POLICY=passive` for b
 - `1x2`: one stage (today's engine), 2 intra-op threads;
 - `2x1`: `pipeline_parallel_size=2`, stages on two threads of one process, 1 intra-op
   thread each (OpenMP team size is per thread), so the two microbatches in flight compute
-  on different cores.
+  on different cores;
+- `2x1-ray` (with `--ray`): the same two stages as Ray actors (the service's stage
+  groups), hidden states through Ray's object store.
 
 Per configuration: output tok/s, steps (microbatches), bubble fraction (stage time idle
 while the group had work), the inter-stage hand-off per microbatch (stage s - 1 finished
@@ -30,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-CONFIGS = {"1x2": (1, 2), "2x1": (2, 1)}  # name: (stages, intra-op threads per stage)
+# name: (stages, intra-op threads per stage)
+CONFIGS = {"1x2": (1, 2), "2x1": (2, 1), "2x1-ray": (2, 1)}
 
 
 def run_config(args: argparse.Namespace, name: str) -> dict[str, Any]:
@@ -42,14 +45,17 @@ def run_config(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
     stages, threads = CONFIGS[name]
     torch.set_num_threads(threads)  # the caller's thread: the whole model when 1 stage
-    llm = LLM(
-        args.model, dtype="float32", device="cpu", max_num_seqs=args.max_num_seqs,
-        pipeline_parallel_size=stages, stage_torch_threads=threads if stages > 1 else None,
-    )
+    if name.endswith("-ray"):
+        llm = LLM(runner=ray_runner(args, stages, threads), max_num_seqs=args.max_num_seqs)
+    else:
+        llm = LLM(
+            args.model, dtype="float32", device="cpu", max_num_seqs=args.max_num_seqs,
+            pipeline_parallel_size=stages, stage_torch_threads=threads if stages > 1 else None,
+        )
     prompts = encode_chats(llm.tokenizer, chat_prompts(args.num_prompts))
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     engine = llm.engine
-    before = engine.runner.stats(spans=True) if stages > 1 else None
+    before = engine.runner.stats(spans=True, fresh=True) if stages > 1 else None
     steps = engine.stats.steps
     params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
     start = time.perf_counter()
@@ -68,7 +74,7 @@ def run_config(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "token_ids": [o.token_ids for o in outputs],
     }
     if stages > 1:
-        after = engine.runner.stats(spans=True)
+        after = engine.runner.stats(spans=True, fresh=True)
         busy = [a - b for a, b in zip(after.busy_s, before.busy_s, strict=True)]
         active = after.active_s - before.active_s
         result["bubble_fraction"] = 1.0 - sum(busy) / (stages * active)
@@ -77,6 +83,22 @@ def run_config(args: argparse.Namespace, name: str) -> dict[str, Any]:
         result["peak_in_flight"] = engine.executor.peak_in_flight
     engine.close()
     return result
+
+
+def ray_runner(args: argparse.Namespace, stages: int, threads: int):
+    import ray
+
+    from kv_worker.stage_group import RayStage
+    from runtime.model_runner import ModelRunnerConfig
+    from runtime.pipeline.pipeline_runner import PipelineRunner
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    config = ModelRunnerConfig(args.model, dtype="float32", device="cpu")
+    env = {"env_vars": {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "passive"}}
+    options = {"num_cpus": 0, "runtime_env": env}
+    return PipelineRunner(
+        config, stages, lambda cfg, spec: RayStage(cfg, spec, options, threads, "bench")
+    )
 
 
 def spawn(args: argparse.Namespace, name: str) -> dict[str, Any]:
@@ -112,19 +134,23 @@ def summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         ]
         out[name] = med
     out["speedup_2x1_over_1x2"] = out["2x1"]["tok_s"] / out["1x2"]["tok_s"]
+    if "2x1-ray" in out:
+        out["speedup_2x1_ray_over_1x2"] = out["2x1-ray"]["tok_s"] / out["1x2"]["tok_s"]
     return out
 
 
 def table(result: dict[str, Any]) -> str:
     head = f"{'config':<8}{'tok/s':>9}{'steps':>8}{'bubble':>9}{'handoff ms/step':>17}"
     lines = [head + f"{'= 1 stage':>11}"]
-    for name in CONFIGS:
+    for name in (n for n in CONFIGS if n in result):
         r = result[name]
         lines.append(
             f"{name:<8}{r['tok_s']:>9.1f}{r['steps']:>8.0f}{r['bubble_fraction']:>9.3f}"
             f"{r['handoff_ms_per_step']:>17.3f}{r['tokens_equal_1_stage']!s:>11}"
         )
     lines.append(f"2x1 / 1x2 throughput: {result['speedup_2x1_over_1x2']:.2f}x")
+    if "speedup_2x1_ray_over_1x2" in result:
+        lines.append(f"2x1-ray / 1x2 throughput: {result['speedup_2x1_ray_over_1x2']:.2f}x")
     return "\n".join(lines)
 
 
@@ -135,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--ray", action="store_true", help="add 2x1-ray: stage actors")
     parser.add_argument("--out", default="benchmarks/results/pipeline.json")
     parser.add_argument("--worker", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -142,9 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         Path(args.worker_out).write_text(json.dumps(run_config(args, args.worker)))
         return
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGS}
+    names = [n for n in CONFIGS if args.ray or not n.endswith("-ray")]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for _ in range(args.repeats):
-        for name in CONFIGS:  # interleaved, so drift in the machine's load hits both
+        for name in names:  # interleaved, so drift in the machine's load hits both
             runs[name].append(spawn(args, name))
     result = {"args": {k: v for k, v in vars(args).items() if not k.startswith("worker")},
               **summary(runs)}
