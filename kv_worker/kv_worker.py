@@ -96,6 +96,11 @@ class KVWorker:
             "stages": list(getattr(self.runner, "stage_infos", [])),
         }
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether the runner is a stage group (one stage: a ModelRunner)."""
+        return isinstance(self.runner, PipelineRunner)
+
     def pipeline_stats(self) -> dict[str, Any]:
         """The WorkerStats fields of the worker's stage group (one stage: the defaults)."""
         if not isinstance(self.runner, PipelineRunner):

@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Any
 
-from kv_worker.stage_actor import StageActor
+from kv_worker.stage_actor import CONCURRENCY_GROUPS, StageActor
 from runtime.model_runner import ModelRunner, ModelRunnerConfig, Shape
 from runtime.pipeline.pipeline_runner import PipelineRunner
 from runtime.pipeline.stage_clock import StageSpan
@@ -65,7 +65,7 @@ class RayStage:
         self._clock_ref: Any = None
         self._last_clock: tuple[float, int, list[StageSpan]] = (0.0, 0, [])
         self.actor = (
-            ray.remote(StageActor)
+            ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(StageActor)
             .options(name=self.name, max_restarts=0, max_task_retries=0, **opts)
             .remote(config, spec, torch_threads)
         )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
+from kv_transfer.collective import CollectiveTransport
 from kv_transfer.lease import Lease, LeaseError, LeaseTable
 from kv_transfer.transport import KVSender, KVTransport
 from kv_worker.kv_worker import KVWorker
@@ -56,7 +58,7 @@ class PrefillWorker(KVWorker):
         self.leases = LeaseTable(f"{self.name}.{self.boot_id}", self._free_lease)
         self._held: dict[str, tuple[list[Sequence], KVSender]] = {}
         self._lock = threading.Lock()  # block manager + leases
-        self._run_lock = threading.Lock()  # one batch at a time
+        self._run_lock = threading.Lock()  # one batch at a time (into the stages, if any)
         self._batches = 0
         self._graph_misses = 0
         self._kv_bytes = 0
@@ -83,16 +85,29 @@ class PrefillWorker(KVWorker):
         Raises ValueError for a malformed task and PrefillCapacityError when the pool is
         full, in both cases changing nothing."""
         seqs = self._sequences(task)
-        with self._run_lock:
+        held = [True]
+
+        def submitted() -> None:
+            """The batch is in the first stage: the next one may follow it down the
+            pipeline (not on the collective transport, one ordered stream per pair)."""
+            if not isinstance(self.transport, CollectiveTransport):
+                held[0] = False
+                self._run_lock.release()
+
+        self._run_lock.acquire()
+        try:
             with self._lock:
                 self._allocate(seqs)
             try:
-                result = self._run(task, seqs)
+                result = self._run(task, seqs, submitted)
             except BaseException:
                 with self._lock:
                     for seq in seqs:
                         self.block_manager.free(seq)
                 raise
+        finally:
+            if held[0]:
+                self._run_lock.release()
         return result
 
     def release(self, lease_id: str) -> bool:
@@ -162,7 +177,9 @@ class PrefillWorker(KVWorker):
         for seq in seqs:
             bm.allocate(seq)
 
-    def _run(self, task: PrefillTask, seqs: list[Sequence]) -> PrefillResult:
+    def _run(
+        self, task: PrefillTask, seqs: list[Sequence], submitted: Callable[[], None]
+    ) -> PrefillResult:
         if self.transport is None:
             raise RuntimeError(f"{self.name}: no KV transport set ({self.config.transport!r})")
         sender = self.transport.sender(task.target, self.kv_format)
@@ -177,8 +194,9 @@ class PrefillWorker(KVWorker):
         pad_to = self._pad_to(task, seqs)
         start = time.perf_counter()
         try:
+            pipelined = {"on_submit": submitted} if self.pipelined else {}
             tokens = self.runner.execute(
-                seqs, [len(s) for s in seqs], pad_to=pad_to, on_layer=ship
+                seqs, [len(s) for s in seqs], pad_to=pad_to, on_layer=ship, **pipelined
             )
         except BaseException:
             sender.abort()

@@ -93,6 +93,7 @@ class PipelineRunner:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._in_flight = 0
+        self.peak_in_flight = 0
         self._microbatches = 0
         self._active_s = 0.0
         self._active_since = 0.0
@@ -131,6 +132,7 @@ class PipelineRunner:
             if self._in_flight == 0:
                 self._active_since = time.time()
             self._in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
         handles, prev = [], None
         for stage in self.stages:
             prev = stage.submit(step, prev)
@@ -157,10 +159,15 @@ class PipelineRunner:
         num_new_tokens: list[int],
         pad_to: Shape | None = None,
         on_layer: LayerHook | None = None,
+        on_submit: Callable[[], None] | None = None,
     ) -> list[int | None]:
         """One microbatch through every stage; `on_layer(i)` as soon as the stage holding
-        layer i is done with it, so a prefill ships stage s's layers while s + 1 computes."""
+        layer i is done with it, so a prefill ships stage s's layers while s + 1 computes.
+        `on_submit()` once it is queued on every stage: another caller's microbatch may
+        follow it down the pipeline from then on."""
         microbatch = self.submit(seqs, num_new_tokens, pad_to)
+        if on_submit is not None:
+            on_submit()
         if on_layer is not None:
             for index, spec in enumerate(self.specs):
                 try:

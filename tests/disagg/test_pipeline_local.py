@@ -30,9 +30,14 @@ def test_local_2_stage_groups_match_one_stage(tiny_model_factory) -> None:
         )
         controller = Controller(config)
         await controller.start()
+        prefill = controller.pool.by_name("prefill-0").worker
+        decode = controller.pool.by_name("decode-0").worker
         outputs, stats = await serve_and_drain(controller, work, "local-pp")
         assert outputs == reference
         assert {w.pipeline_stages for w in stats.workers} == {2}
         assert stats.kv_bytes_moved > 0
+        # two prefill batches in the prefill stages at once (max_batches_per_prefill=2),
+        # two decode microbatches in the decode stages
+        assert prefill.runner.peak_in_flight == 2 and decode.runner.peak_in_flight == 2
 
     asyncio.run(main())
