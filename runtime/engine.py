@@ -219,6 +219,7 @@ class LLMEngine:
                 return False
             self.scheduler.abort(request_id)
             self._pending.append(self._output(request))
+            self._arrival.set()  # its final output is due, and freed blocks may admit others
             return True
 
     def has_unfinished(self) -> bool:

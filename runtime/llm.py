@@ -21,8 +21,9 @@ class LLM:
     """Generate for a list of prompts at once with continuous batching.
 
     `LLM(model=None)` loads the embedded SmolLM2; other keyword arguments are
-    engine options (`max_num_seqs`, `num_kv_blocks`, `pipeline_depth`, ...,
-    see `EngineConfig.from_kwargs`). `runner` reuses an already loaded model.
+    engine options (`max_num_seqs`, `num_kv_blocks`, `pipeline_depth`,
+    `pipeline_parallel_size`, ..., see `EngineConfig.from_kwargs`). `runner` reuses an
+    already loaded model.
     """
 
     def __init__(
