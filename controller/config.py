@@ -157,6 +157,11 @@ class ControllerConfig:
                 "stage i hands the KV of its layers to decode stage i, which must hold the "
                 "same layers"
             )
+        if self.transport == "collective" and max(prefill, decode) > 1:
+            raise ValueError(
+                "transport 'collective' pairs whole workers on their devices; stage groups "
+                "(pipeline_parallel_size > 1) hand KV over through their heads: use 'ray'"
+            )
 
     @property
     def colocated(self) -> bool:

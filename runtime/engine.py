@@ -75,6 +75,11 @@ class LLMEngine:
         detokenize: bool = True,
     ):
         self.config = config = config or EngineConfig()
+        if runner is not None and config.pipeline_parallel_size > 1:
+            raise ValueError(
+                "pipeline_parallel_size builds the engine's own stages; pass either it or an "
+                "existing runner, not both"
+            )
         if runner is not None and config.runner != ModelRunnerConfig():
             raise ValueError(
                 "model runner options (model, num_kv_blocks, ...) configure a new runner; "

@@ -55,6 +55,11 @@ def test_unequal_prefill_and_decode_stages_are_refused_naming_both_keys(
         prefill_placement=PlacementConfig(pipeline_parallel_size=2),
         decode_placement=PlacementConfig(pipeline_parallel_size=3),
     )
+    with pytest.raises(ValueError, match=r"stage groups .* use 'ray'"):
+        ControllerConfig(
+            transport="collective",
+            decode_placement=PlacementConfig(pipeline_parallel_size=2),
+        )
     with pytest.raises(ValueError, match="stage_packing must be one of"):
         PlacementConfig(stage_packing="SPREAD")
     with pytest.raises(ValueError, match="pipeline_parallel_size must be >= 1"):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from runtime.engine import LLMEngine
+from runtime.model_runner import ModelRunner, ModelRunnerConfig
 from runtime.pipeline.pipeline_executor import PipelineExecutor
 from runtime.pipeline.pipeline_stats import PipelineStats, handoff_seconds
 from runtime.pipeline.stage_clock import StageSpan
@@ -149,3 +150,6 @@ def test_bad_pipeline_options_are_refused(tiny_model_dir):
         LLMEngine.from_kwargs(model=str(tiny_model_dir), pipeline_parallel_size=0)
     with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
         LLMEngine.from_kwargs(model=str(tiny_model_dir), pipeline_parallel_size=3)
+    runner = ModelRunner(ModelRunnerConfig(model=str(tiny_model_dir), num_kv_blocks=8))
+    with pytest.raises(ValueError, match="pass either it or an existing runner"):
+        LLMEngine.from_kwargs(runner=runner, pipeline_parallel_size=2)
