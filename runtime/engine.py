@@ -57,6 +57,7 @@ class _Request:
     prompt: str | None
     choices: list[_Choice]
     prompt_logprobs: bool = False  # computed here and wanted
+    prompt_logprob_list: list[TokenLogprob | None] | None = None  # once the prompt is done
 
     @property
     def seq(self) -> Sequence:
@@ -383,9 +384,12 @@ class LLMEngine:
         """The prompt's logprobs, once its K/V is all computed here (None for the first token,
         OpenAI's convention)."""
         seq = request.seq
-        if not request.prompt_logprobs or seq.num_computed_tokens < seq.num_prompt_tokens:
-            return None
-        return [None] + [seq.prompt_logprobs.get(i) for i in range(1, seq.num_prompt_tokens)]
+        if request.prompt_logprob_list is None:
+            if not request.prompt_logprobs or seq.num_computed_tokens < seq.num_prompt_tokens:
+                return None
+            rest = [seq.prompt_logprobs.get(i) for i in range(1, seq.num_prompt_tokens)]
+            request.prompt_logprob_list = [None, *rest]
+        return request.prompt_logprob_list
 
     def _new_request(
         self,
