@@ -100,9 +100,9 @@ class ModelRunner:
     K/V into the blocks of `seq.block_table`, and returns the sampled next
     token when the chunk reaches the end of the sequence (else None). It
     never mutates a Sequence's tokens or counters; it records the prompt logprobs of those
-    that ask in `seq.prompt_logprobs` (such a step runs unpadded). `on_layer(i)` is called as soon as layer i's K/V
-    of the step is written (while later layers still compute), so a prefill
-    can ship its KV layer by layer.
+    that ask in `seq.prompt_logprobs` (such a step runs unpadded). `on_layer(i)` is
+    called as soon as layer i's K/V of the step is written (while later layers still
+    compute), so a prefill can ship its KV layer by layer.
     """
 
     def __init__(self, config: ModelRunnerConfig | None = None) -> None:

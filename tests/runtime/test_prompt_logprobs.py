@@ -69,5 +69,5 @@ def test_prompt_logprobs_with_n_samples_come_once(runner, hf_logprobs):
 
 
 def test_out_of_range_prompt_logprobs_are_refused():
-    with pytest.raises(ValueError, match=r"prompt_logprobs must be None or an integer in \[0, 20\]"):
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be None or an integer in \[0, 20"):
         SamplingParams(prompt_logprobs=21)
