@@ -241,17 +241,21 @@ class LLMEngine:
             self._pending.append(self._output(request))
             return request.request_id
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request (every sample of it) and free its blocks; its final output
-        (finish reason `cancelled`) comes out of the next step(). False if it already
-        finished."""
+    def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Cancel a request (every sample of it, or only sample `index`) and free its
+        blocks; its output with finish reason `cancelled` comes out of the next step().
+        False if it (that sample) already finished."""
         with self.lock:
             request = self._requests.get(request_id)
-            if request is None or all(c.seq.is_finished for c in request.choices):
+            if request is None:
                 return False
-            for choice in request.choices:
-                if not choice.seq.is_finished:
-                    self.scheduler.abort(choice.seq.seq_id)
+            choices = request.choices if index is None else request.choices[index : index + 1]
+            live = [c.seq for c in choices if not c.seq.is_finished]
+            if not live:
+                return False
+            for seq in live:
+                if not seq.is_finished:  # a parent's abort ends the samples waiting for it
+                    self.scheduler.abort(seq.seq_id)
             self._pending.append(self._output(request))
             return True
 
