@@ -24,7 +24,7 @@ class PromptSpan:
 
 def prompt_spans(seqs: list[Sequence], num_new_tokens: list[int]) -> list[PromptSpan]:
     spans = []
-    for row, (seq, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
+    for row, (seq, n) in enumerate(zip(seqs, num_new_tokens, strict=False)):  # checked later
         if seq.sampling_params.prompt_logprobs is None:
             continue
         start = seq.num_computed_tokens
