@@ -37,7 +37,8 @@ def test_worker_messages_carry_token_ids_and_no_text() -> None:
         assert not any("text" in name for name in names), (cls.__name__, names)
     assert {f.name for f in dataclasses.fields(messages.TokenDelta)} == {
         "request_id", "token_offset", "token_ids", "finished", "finish_reason", "error",
-        "logprobs",  # numbers that ride along with the token ids, never text
+        "logprobs", "prompt_logprobs",  # numbers that ride with the token ids, never text
+        "index",  # the sample of an n > 1 request
     }
 
 
