@@ -141,9 +141,9 @@ def run_engine_worker(args: argparse.Namespace, variant: dict[str, int]) -> dict
 
     bm = engine.block_manager
     engine.executor.execute = watch_blocks
-    t0_wall, t0 = time.perf_counter(), time.monotonic()
+    t0_wall, t0, cpu0 = time.perf_counter(), time.monotonic(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0_wall
+    wall, cpu = time.perf_counter() - t0_wall, time.process_time() - cpu0
     traces = [
         (len(c.token_ids), o.metrics.first_token_time, o.metrics.last_token_time)
         for o in outputs
@@ -151,6 +151,9 @@ def run_engine_worker(args: argparse.Namespace, variant: dict[str, int]) -> dict
     ]
     result = summarize(t0, wall, traces, [c.token_ids for o in outputs for c in o.outputs])
     result["peak_kv_blocks"] = used[0]
+    # CPU seconds (all threads) per output token: the cost on a machine shared with others,
+    # where wall time mostly measures the neighbours
+    result["cpu_ms_per_token"] = 1000 * cpu / max(1, result["output_tokens"])
     num_steps = engine.stats.steps - steps
     result.update(
         steps=num_steps,
@@ -253,11 +256,14 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, An
         if not s.startswith("engine"):
             continue
         for m in ("steps", "preemptions", "model_ms_per_step", "overhead_ms_per_step",
-                  "peak_kv_blocks", "output_tokens"):
+                  "peak_kv_blocks", "output_tokens", "cpu_ms_per_token"):
             median[s][m] = median_of(runs, s, m)
         if s != "engine" and "engine" in systems:
             ratios = [run[s]["tok_s"] / run["engine"]["tok_s"] for run in runs]
             median[s]["tok_s_vs_engine"] = statistics.median(ratios)
+            cpu = [run[s]["cpu_ms_per_token"] / run["engine"]["cpu_ms_per_token"]
+                   for run in runs]
+            median[s]["cpu_per_token_vs_engine"] = statistics.median(cpu)
     out: dict[str, Any] = {"args": vars(args), "median": median}
     out["wasted_steps"] = {
         s: wasted_steps(runs[-1][s]) for s in systems if not s.startswith("engine")
@@ -306,7 +312,10 @@ def print_report(out: dict[str, Any]) -> None:
         if not name.startswith("engine"):
             continue
         ratio = engine.get("tok_s_vs_engine")
-        print(f"{name}: {engine['output_tokens']:.0f} tokens, {engine['steps']:.0f} steps, "
+        cpu = engine.get("cpu_per_token_vs_engine")
+        print(f"{name}: CPU {engine['cpu_ms_per_token']:.1f} ms/token"
+              + ("" if cpu is None else f" (x{cpu:.3f} of engine)") + ", "
+              f"{engine['output_tokens']:.0f} tokens, {engine['steps']:.0f} steps, "
               f"{engine['preemptions']:.0f} preemptions, peak {engine['peak_kv_blocks']:.0f} "
               f"KV blocks, model {engine['model_ms_per_step']:.1f} ms + engine overhead "
               f"{engine['overhead_ms_per_step']:.2f} ms per step"

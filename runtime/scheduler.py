@@ -124,7 +124,7 @@ class Scheduler:
         """Take a sequence whose K/V already sits in reserved `block_ids` for every token but
         its last, a token sampled elsewhere (the first output, or the next one of a request
         re-prefilled with the outputs it had streamed). Returns True if that token already
-        ends it, in which case the blocks are released again (those `forks`, further
+        ends it, in which case its blocks are released again (those its `forks`, further
         samples of its prompt, share stay theirs)."""
         self._check_new(seq, len(seq) - 1)
         self._check_forks(seq, forks)

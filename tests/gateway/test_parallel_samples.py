@@ -125,6 +125,22 @@ def test_the_samples_share_the_prompt_blocks_on_the_decode_worker(
     assert wait_until_idle(loop_thread, backend).kv_blocks_leaked == 0
 
 
+def test_a_stop_string_ends_each_sample_on_its_own(
+    service: Any, engine_llm: LLM, loop_thread: Any
+) -> None:
+    backend, server = service
+    whole = local(engine_llm, temperature=0, max_tokens=16)
+    stop = whole.text[len(whole.text) // 2 :][:3]
+    want = local(engine_llm, temperature=0, max_tokens=16, stop=[stop])
+    assert want.outputs[0].finish_reason.value == "stop"
+    out = oai(server).completions.create(
+        model=server.model_name, prompt=PROMPT, max_tokens=16, temperature=0, n=3, stop=[stop]
+    )
+    assert [c.text for c in out.choices] == [want.text] * 3
+    assert [c.finish_reason for c in out.choices] == ["stop"] * 3
+    assert wait_until_idle(loop_thread, backend).kv_blocks_leaked == 0
+
+
 def test_abort_mid_generation_frees_every_block(service: Any, loop_thread: Any) -> None:
     backend, server = service
     stream = oai(server).completions.create(
