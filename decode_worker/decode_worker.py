@@ -169,10 +169,13 @@ class DecodeWorker(KVWorker):
         self._check_alive()
         result = AdmitResult(admitted=[])
         for request in requests:
+            params = request.sampling_params
+            if params.stop:  # stop strings are the controller's output processor's
+                params = dataclasses.replace(params, stop=[])
             try:
                 self.engine.add_request(
                     list(request.prompt_token_ids),
-                    request.sampling_params,
+                    params,
                     request.request_id,
                     output_token_ids=request.output_token_ids,
                 )
