@@ -7,7 +7,10 @@ Each system runs in its own subprocess, so peak RSS is per system:
 
 - `static8`, `static32`: transformers `generate` over left-padded batches of
   8 / 32 prompts in order, each batch running until its longest sequence ends;
-- `engine`: `runtime.LLM` with `--max-num-seqs` running sequences;
+- `engine`: `runtime.LLM` with `--max-num-seqs` running sequences; its variants
+  `engine_lp<K>` (top K logprobs per token), `engine_n<N>` (n = N samples of each
+  prompt, sharing its KV blocks) and `engine_x<N>` (each prompt sent N times, n = 1)
+  measure the sampling features' cost in the same invocation;
 - `roofline`: memory read bandwidth (sum / copy of a 1 GiB tensor), float32
   GEMM rate (2048^2 torch.matmul and the runtime's linear), and a steady
   decode step at batch 32 against max(bytes / bandwidth, FLOPs / GEMM rate).
@@ -94,12 +97,25 @@ def run_static_worker(args: argparse.Namespace, batch_size: int) -> dict[str, An
     return result
 
 
-def run_engine_worker(args: argparse.Namespace) -> dict[str, Any]:
+def engine_variant(name: str) -> dict[str, int]:
+    """`engine` and its variants: engine_lp<K>, engine_n<N>, engine_x<N>."""
+    if name == "engine":
+        return {}
+    kinds = {"lp": "logprobs", "n": "n", "x": "copies"}
+    suffix = name.removeprefix("engine_")
+    for prefix, key in kinds.items():
+        if suffix.startswith(prefix) and suffix[len(prefix):].isdigit():
+            return {key: int(suffix[len(prefix):])}
+    raise ValueError(f"unknown engine variant {name!r}")
+
+
+def run_engine_worker(args: argparse.Namespace, variant: dict[str, int]) -> dict[str, Any]:
     from runtime.llm import LLM
     from runtime.sampling_params import SamplingParams
 
     llm = LLM(args.model, dtype="float32", device="cpu", max_num_seqs=args.max_num_seqs)
     prompts = load_prompts(args, llm.tokenizer)
+    prompts = [p for p in prompts for _ in range(variant.get("copies", 1))]
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     engine = llm.engine
     execute, busy = engine.executor.execute, [0.0]
@@ -113,17 +129,31 @@ def run_engine_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     engine.executor.execute = timed_execute
     steps, preemptions = engine.stats.steps, engine.stats.num_preemptions
+    logprobs = variant.get("logprobs", getattr(args, "logprobs", None))
     params = SamplingParams(
-        temperature=0, max_tokens=args.max_new_tokens, logprobs=getattr(args, "logprobs", None)
+        temperature=0, max_tokens=args.max_new_tokens, logprobs=logprobs, n=variant.get("n", 1)
     )
-    t0_wall, t0 = time.perf_counter(), time.monotonic()
+    used = [0]
+
+    def watch_blocks(seqs, counts):
+        used[0] = max(used[0], bm.num_total_blocks - bm.num_free_blocks)
+        return timed_execute(seqs, counts)
+
+    bm = engine.block_manager
+    engine.executor.execute = watch_blocks
+    t0_wall, t0, cpu0 = time.perf_counter(), time.monotonic(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0_wall
+    wall, cpu = time.perf_counter() - t0_wall, time.process_time() - cpu0
     traces = [
-        (len(o.token_ids), o.metrics.first_token_time, o.metrics.last_token_time)
+        (len(c.token_ids), o.metrics.first_token_time, o.metrics.last_token_time)
         for o in outputs
+        for c in o.outputs
     ]
-    result = summarize(t0, wall, traces, [o.token_ids for o in outputs])
+    result = summarize(t0, wall, traces, [c.token_ids for o in outputs for c in o.outputs])
+    result["peak_kv_blocks"] = used[0]
+    # CPU seconds (all threads) per output token: the cost on a machine shared with others,
+    # where wall time mostly measures the neighbours
+    result["cpu_ms_per_token"] = 1000 * cpu / max(1, result["output_tokens"])
     num_steps = engine.stats.steps - steps
     result.update(
         steps=num_steps,
@@ -161,8 +191,8 @@ def run_roofline_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    if args.worker == "engine":
-        result = run_engine_worker(args)
+    if args.worker.startswith("engine"):
+        result = run_engine_worker(args, engine_variant(args.worker))
     elif args.worker == "roofline":
         result = run_roofline_worker(args)
     else:
@@ -218,15 +248,26 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, An
         if base:
             ratios = [run[s]["tok_s"] / run[base]["tok_s"] for run in runs]
             median[s]["tok_s_vs_static32"] = statistics.median(ratios)
-        if s != "engine" and "engine" in systems:
+        if s.startswith("static") and "engine" in systems:
             same = sum(a == b for a, b in zip(runs[-1][s]["token_ids"],
                                               runs[-1]["engine"]["token_ids"], strict=True))
             median[s]["sequences_identical_to_engine"] = same
-    if "engine" in systems:
-        for m in ("steps", "preemptions", "model_ms_per_step", "overhead_ms_per_step"):
-            median["engine"][m] = median_of(runs, "engine", m)
+    for s in systems:
+        if not s.startswith("engine"):
+            continue
+        for m in ("steps", "preemptions", "model_ms_per_step", "overhead_ms_per_step",
+                  "peak_kv_blocks", "output_tokens", "cpu_ms_per_token"):
+            median[s][m] = median_of(runs, s, m)
+        if s != "engine" and "engine" in systems:
+            ratios = [run[s]["tok_s"] / run["engine"]["tok_s"] for run in runs]
+            median[s]["tok_s_vs_engine"] = statistics.median(ratios)
+            cpu = [run[s]["cpu_ms_per_token"] / run["engine"]["cpu_ms_per_token"]
+                   for run in runs]
+            median[s]["cpu_per_token_vs_engine"] = statistics.median(cpu)
     out: dict[str, Any] = {"args": vars(args), "median": median}
-    out["wasted_steps"] = {s: wasted_steps(runs[-1][s]) for s in systems if s != "engine"}
+    out["wasted_steps"] = {
+        s: wasted_steps(runs[-1][s]) for s in systems if not s.startswith("engine")
+    }
     if "roofline" in args.systems:
         step = {k: median_of(runs, "roofline", "decode_step", k) for k in
                 runs[0]["roofline"]["decode_step"]}
@@ -267,11 +308,18 @@ def print_report(out: dict[str, Any]) -> None:
         print(f"{name:<10} {m['tok_s']:>8.1f} {m['ms_per_token']:>8.1f} "
               f"{m['ttft_p50_ms']:>8.0f}ms {m['ttft_p99_ms']:>8.0f}ms "
               f"{m['peak_rss_mb']:>7.0f}MB {'' if ratio is None else f'x{ratio:.2f}':>12}")
-    engine = out["median"].get("engine")
-    if engine:
-        print(f"engine: {engine['steps']:.0f} steps, {engine['preemptions']:.0f} preemptions, "
-              f"model {engine['model_ms_per_step']:.1f} ms + engine overhead "
-              f"{engine['overhead_ms_per_step']:.2f} ms per step")
+    for name, engine in out["median"].items():
+        if not name.startswith("engine"):
+            continue
+        ratio = engine.get("tok_s_vs_engine")
+        cpu = engine.get("cpu_per_token_vs_engine")
+        print(f"{name}: CPU {engine['cpu_ms_per_token']:.1f} ms/token"
+              + ("" if cpu is None else f" (x{cpu:.3f} of engine)") + ", "
+              f"{engine['output_tokens']:.0f} tokens, {engine['steps']:.0f} steps, "
+              f"{engine['preemptions']:.0f} preemptions, peak {engine['peak_kv_blocks']:.0f} "
+              f"KV blocks, model {engine['model_ms_per_step']:.1f} ms + engine overhead "
+              f"{engine['overhead_ms_per_step']:.2f} ms per step"
+              + ("" if ratio is None else f"; tok/s x{ratio:.3f} of engine"))
     for name, w in out["wasted_steps"].items():
         print(f"\nwasted steps, {name}: {w['total_needed']} needed of {w['total_run']} run "
               f"({w['waste_pct']:.1f}% wasted)")
@@ -324,7 +372,13 @@ def main() -> None:
         worker(args)
         return
     args.systems = args.systems.split(",")
-    unknown = set(args.systems) - {*SYSTEMS, "roofline"}
+    unknown = {s for s in args.systems if not s.startswith("engine")} - {*SYSTEMS, "roofline"}
+    for name in args.systems:
+        if name.startswith("engine"):
+            try:
+                engine_variant(name)
+            except ValueError as exc:
+                parser.error(str(exc))
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {[*SYSTEMS, 'roofline']}")
     runs = []

@@ -34,7 +34,11 @@ class BatchingController:
         return int(self._safety * free_blocks)
 
     def kv_blocks(self, request: BucketRequest, block_size: int) -> int:
-        return ceil_div(request.kv_tokens(self.config.count_output_tokens), block_size)
+        """Blocks one request takes; n > 1 samples share the prompt's full blocks but the
+        one holding its last token, and each grows on its own."""
+        one = ceil_div(request.kv_tokens(self.config.count_output_tokens), block_size)
+        shared = (request.prompt_len - 1) // block_size
+        return one + (request.samples - 1) * (one - shared)
 
     def admit(self, needs: Iterable[int], free_blocks: int) -> int:
         """Eq. 6: the largest N whose first N block needs sum to at most the safe blocks."""

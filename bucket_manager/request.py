@@ -14,7 +14,8 @@ from bucket_manager.checks import check_int
 class BucketRequest:
     """A request waiting for prefill. `payload` rides along untouched (e.g. the runtime Sequence).
 
-    Lower `priority` is served first within its tenant.
+    Lower `priority` is served first within its tenant. `samples` (n > 1) generate from
+    one prompt, sharing its KV blocks.
     """
 
     request_id: Hashable
@@ -24,6 +25,7 @@ class BucketRequest:
     arrival_time: float = 0.0
     priority: int = 0
     payload: Any = field(default=None, compare=False, repr=False)
+    samples: int = 1
 
     def __post_init__(self) -> None:
         where = f"request {self.request_id!r}"
@@ -39,6 +41,7 @@ class BucketRequest:
             raise ValueError(f"{where}: arrival_time must be finite, got {arrival!r}")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ValueError(f"{where}: priority must be an integer, got {self.priority!r}")
+        check_int(f"{where}: samples", self.samples, 1)
 
     @property
     def expected_len(self) -> int:

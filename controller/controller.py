@@ -147,7 +147,10 @@ class Controller:
             raise NoWorkersError("no live prefill or decode worker; retry once they restart")
         state = RequestState(request, RequestStream(request.request_id, self.abort))
         self.buckets.add(state.bucket_request(self._max_tokens_hint(state)))
-        self.outputs.add(request.request_id, request.prompt_token_ids, request.sampling_params)
+        params = request.sampling_params
+        for i in range(state.n):
+            sample = params if state.n == 1 else params.sample(i)
+            self.outputs.add(state.key(i), request.prompt_token_ids, sample)
         self._requests[request.request_id] = state
         self.monitor.submitted()
         self._wake_dispatcher()
@@ -238,7 +241,9 @@ class Controller:
             if batch is None:  # wait for handoffs to be acknowledged
                 return
             states = self._take(batch, decode, "prefill")
-            handoff = Handoff(prefill, decode, pd.need(batch), self.config.lease_ttl_s)
+            handoff = Handoff(
+                prefill, decode, pd.need(batch), self.config.lease_ttl_s, pd.fork_blocks(batch)
+            )
             self._spawn(self._handoff(handoff, batch, states))
 
     def _dispatch_colocated(self) -> None:
@@ -252,7 +257,7 @@ class Controller:
             if batch is None:
                 return
             states = self._take(batch, decode, "decode")
-            blocks = sum(n for _, n in self.pd.need(batch))
+            blocks = sum(n for _, n in self.pd.need(batch)) + self.pd.fork_blocks(batch)
             self._spawn(self._colocate(decode, states, blocks))
 
     def _take(self, batch: PrefillBatch, decode: WorkerHandle, phase: str) -> list[RequestState]:
@@ -352,6 +357,8 @@ class Controller:
                 await self._abort_on(decode, state.request_id)
             else:
                 state.phase = "decode"
+                if state.n > 1 and state.ended[0]:  # a stop string ended sample 0 at prefill
+                    await self._abort_on(decode, state.request_id, 0)
 
     # -- outputs -----------------------------------------------------------------------------
 
@@ -388,22 +395,26 @@ class Controller:
         if out is None:
             return
         state.stream.put(out)
-        if not out.finished:
+        if out.finish_reason is None:
             return
-        self._closed(state, out.finish_reason or "stop")
+        if out.finished:
+            self._closed(state, out.finish_reason)
         if phase == "decode" and not delta.finished:  # a stop string: the worker runs it still
             decode = self.pool.by_name(state.decode_worker)
-            self._spawn(self._abort_on(decode, state.request_id))
+            index = None if out.finished else out.index
+            self._spawn(self._abort_on(decode, state.request_id, index))
 
     def _finish(self, state: RequestState, reason: str, error: str | None = None) -> None:
         if state.phase == "queued":
             self.buckets.remove(state.request_id)
-        state.stream.put(state.final(reason, error))
+        for delta in state.finals(reason, error):
+            state.stream.put(delta)
         self._closed(state, reason)
 
     def _closed(self, state: RequestState, reason: str) -> None:
         self._requests.pop(state.request_id, None)
-        self.outputs.remove(state.request_id)
+        for i in range(state.n):
+            self.outputs.remove(state.key(i))
         self.monitor.finished(reason)
 
     # -- faults ------------------------------------------------------------------------------
@@ -411,6 +422,9 @@ class Controller:
     def _requeue(self, state: RequestState, why: str) -> None:
         """Queue a request again for a re-prefill of everything it has so far."""
         if state.done:
+            return
+        if state.n > 1 and any(state.samples):
+            self._finish(state, "error", f"{why}; a request of n > 1 samples is not re-prefilled")
             return
         state.requeues += 1
         self.monitor.requeued()
@@ -473,9 +487,11 @@ class Controller:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    async def _abort_on(self, decode: WorkerHandle, request_id: str) -> None:
+    async def _abort_on(
+        self, decode: WorkerHandle, request_id: str, index: int | None = None
+    ) -> None:
         try:
-            await decode.call("abort", request_id)
+            await decode.call("abort", request_id, index)
         except Exception as exc:
             self._on_failure(decode, exc, decode.epoch)
 
@@ -501,8 +517,10 @@ class Controller:
             self.buckets = BucketManager(self.buckets.config, self.buckets.shapes, padded=False)
 
     def _max_tokens_hint(self, state: RequestState) -> int:
+        """Per sample: n samples' growth must fit the pool together."""
         left = state.request.sampling_params.max_tokens - len(state.output_token_ids)
-        return self.limits.max_tokens_hint(left, state.num_tokens)
+        hint = self.limits.max_tokens_hint(left, state.num_tokens)
+        return hint if state.n == 1 else max(1, hint // state.n)
 
     def _wake_dispatcher(self) -> None:
         if self._wake is not None:

@@ -62,17 +62,21 @@ class Handoff:
         decode: WorkerHandle,
         need: list[tuple[str, int]],
         lease_ttl_s: float,
+        fork_blocks: int = 0,
     ) -> None:
+        """`need`: the blocks each request's KV takes (shipped once); `fork_blocks`: what its
+        extra samples take on the decode side once admitted (PDScheduler.fork_blocks)."""
         self.prefill, self.decode = prefill, decode
         self.need = need
         self.total = sum(n for _, n in need)
+        self.fork_blocks = fork_blocks
         self.lease_ttl_s = lease_ttl_s
         self.epochs = (prefill.epoch, decode.epoch)
         self.reservation: Reservation | None = None
         self.result: PrefillResult | None = None
         prefill.inflight += 1
         prefill.pending_blocks += self.total
-        decode.pending_blocks += self.total
+        decode.pending_blocks += self.total + fork_blocks
 
     async def run_prefill(
         self, batch: PrefillBatch, requests: list[HandoffRequest], max_seq_len: int
@@ -89,7 +93,7 @@ class Handoff:
             return Prefilled(put_back=True, failures=[Failure(decode, exc, self.epochs[1])])
         finally:
             if decode.epoch == self.epochs[1]:
-                decode.pending_blocks -= self.total
+                decode.pending_blocks -= self.total + self.fork_blocks
         if decode.epoch == self.epochs[1]:
             decode.stats = reservation.stats
         self.reservation = reservation

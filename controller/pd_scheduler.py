@@ -70,6 +70,12 @@ class PDScheduler:
         """(request id, blocks its prompt takes) for each request of `batch`, in order."""
         return [(r.request_id, self.blocks(r.prompt_len)) for r in batch.requests]
 
+    @staticmethod
+    def fork_blocks(batch: PrefillBatch) -> int:
+        """Blocks the decode side takes at once for the extra samples of n > 1 requests: each
+        shares the prompt's full blocks (counted once, in `need`) and copies the last one."""
+        return sum(r.samples - 1 for r in batch.requests)
+
     def split_for_pool(
         self, batch: PrefillBatch, free_blocks: int
     ) -> tuple[PrefillBatch | None, PrefillBatch | None]:

@@ -21,14 +21,18 @@ class RequestState:
     `phase`: queued (in the bucket manager), prefill (dispatched, KV on its
     way), decode (admitted by `decode_worker`), done. Deltas carry their
     offsets, so tokens a re-prefilled request streamed before are not sent
-    twice.
+    twice. A request with n > 1 samples keeps each sample's tokens; it is done
+    once every sample has ended.
     """
 
     def __init__(self, request: ServeRequest, stream: RequestStream) -> None:
         self.request = request
         self.stream = stream
         self.phase = "queued"
-        self.output_token_ids: list[int] = []
+        n = request.sampling_params.n
+        self.samples: list[list[int]] = [[] for _ in range(n)]  # each sample's output tokens
+        self.ended = [False] * n
+        self._prompt_logprobs_sent = False
         self.decode_worker: str | None = None
         self.requeues = 0
         self.dispatched_at: float | None = None
@@ -47,6 +51,19 @@ class RequestState:
         return self.phase == "done"
 
     @property
+    def output_token_ids(self) -> list[int]:
+        """Sample 0's tokens: the ones a prefill continues."""
+        return self.samples[0]
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+    def key(self, index: int) -> str | tuple[str, int]:
+        """Sample `index`'s key in the OutputProcessor."""
+        return self.request_id if index == 0 else (self.request_id, index)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.output_token_ids)
 
@@ -62,34 +79,57 @@ class RequestState:
         """What the bucket manager queues: the tokens so far as the prompt to prefill."""
         r = self.request
         return BucketRequest(
-            r.request_id, self.num_tokens, max_tokens, r.tenant, r.arrival_time, r.priority
+            r.request_id,
+            self.num_tokens,
+            max_tokens,
+            r.tenant,
+            r.arrival_time,
+            r.priority,
+            samples=self.n,
         )
 
     def accept(self, delta: TokenDelta, outputs: OutputProcessor) -> StreamDelta | None:
         """Apply a worker's delta through the output processor; the StreamDelta with what is
-        new to the client (the final one when `delta`, or a stop string in it, ends the
-        request), or None when nothing is."""
-        have = len(self.output_token_ids)
+        new to the client (the one ending its sample when `delta`, or a stop string in it,
+        ends it; the final one when that was the last sample), or None when nothing is."""
+        index = delta.index
+        if not 0 <= index < self.n or self.ended[index]:
+            return None
+        tokens_so_far = self.samples[index]
+        have = len(tokens_so_far)
         if delta.token_offset > have:
             logger.error("request %s: %s skips ahead of %d tokens", self.request_id, delta, have)
             return None
         skip = have - delta.token_offset
         tokens = delta.token_ids[skip:]
         reason = (delta.finish_reason or "stop") if delta.finished else None
-        out = outputs.process(self.request_id, tokens, reason)
-        self.output_token_ids += out.token_ids
+        out = outputs.process(self.key(index), tokens, reason)
+        tokens_so_far.extend(out.token_ids)
         logprobs = self._logprobs(delta, skip, len(out.token_ids))
+        prompt_logprobs = self._prompt_logprobs(delta)
         if out.token_ids and self.first_token_at is None:
             self.first_token_at = time.monotonic()
         if out.finished:
-            return self.final(
-                out.finish_reason or "stop", delta.error, out.token_ids, out.text, logprobs
+            return self.end(
+                index, out.finish_reason or "stop", delta.error, out.token_ids, out.text,
+                logprobs, prompt_logprobs,
             )
-        if not out.token_ids:
+        if not out.token_ids and prompt_logprobs is None:
             return None
         return StreamDelta(
-            self.request_id, token_ids=out.token_ids, text=out.text, logprobs=logprobs
+            self.request_id,
+            token_ids=out.token_ids,
+            text=out.text,
+            logprobs=logprobs,
+            index=index,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _prompt_logprobs(self, delta: TokenDelta) -> list[TokenLogprob | None] | None:
+        if delta.prompt_logprobs is None or self._prompt_logprobs_sent:
+            return None
+        self._prompt_logprobs_sent = True
+        return delta.prompt_logprobs
 
     def _logprobs(
         self, delta: TokenDelta, skip: int, kept: int
@@ -100,32 +140,44 @@ class RequestState:
         have = delta.logprobs or []
         return [have[i] if i < len(have) else None for i in range(skip, skip + kept)]
 
-    def final(
+    def end(
         self,
+        index: int,
         reason: str,
         error: str | None = None,
         tokens: list[int] | None = None,
         text: str = "",
         logprobs: list[TokenLogprob | None] | None = None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> StreamDelta:
-        """The last delta; the request is done."""
-        self.phase = "done"
+        """Sample `index`'s last delta; the request's final one if no other is left."""
+        self.ended[index] = True
         if logprobs is None and self.request.sampling_params.logprobs is not None:
             logprobs = [None] * len(tokens or [])
+        last = all(self.ended)
+        if last:
+            self.phase = "done"
         return StreamDelta(
             self.request_id,
             token_ids=tokens or [],
             text=text,
             logprobs=logprobs,
-            finished=True,
+            finished=last,
             finish_reason=reason,
             error=error,
             num_prompt_tokens=len(self.request.prompt_token_ids),
-            num_output_tokens=len(self.output_token_ids),
-            timings=self.timings(),
-            request_bucket=self.request_bucket,
-            shape_bucket=self.shape_bucket,
+            num_output_tokens=sum(map(len, self.samples)) if last else len(self.samples[index]),
+            timings=self.timings() if last else None,
+            request_bucket=self.request_bucket if last else None,
+            shape_bucket=self.shape_bucket if last else None,
+            index=index,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def finals(self, reason: str, error: str | None = None) -> list[StreamDelta]:
+        """End every sample still going with `reason`: their last deltas, the request's final
+        one last."""
+        return [self.end(i, reason, error) for i in range(self.n) if not self.ended[i]]
 
     def timings(self) -> RequestTimings:
         now, arrival = time.monotonic(), self.request.arrival_time

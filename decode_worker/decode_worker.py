@@ -171,10 +171,13 @@ class DecodeWorker(KVWorker):
         self._check_alive()
         result = AdmitResult(admitted=[])
         for request in requests:
+            params = request.sampling_params
+            if params.stop:  # stop strings are the controller's output processor's
+                params = dataclasses.replace(params, stop=[])
             try:
                 self.engine.add_request(
                     list(request.prompt_token_ids),
-                    request.sampling_params,
+                    params,
                     request.request_id,
                     output_token_ids=request.output_token_ids,
                 )
@@ -194,9 +197,10 @@ class DecodeWorker(KVWorker):
             self.leases.release(lease_id)
             return True
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a running request now and free its blocks; its final delta follows."""
-        done = self.engine.abort(request_id)
+    def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Cancel a running request (or only its sample `index`) now and free its blocks;
+        its final delta follows."""
+        done = self.engine.abort(request_id, index)
         self._wake.set()
         return done
 
@@ -273,7 +277,7 @@ class DecodeWorker(KVWorker):
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         self._steps += 1
-        deltas = [_delta(out) for out in outputs]
+        deltas = [delta for out in outputs for delta in _deltas(out)]
         self._outbox.put(StepOutput(self.name, self.boot_id, self._steps, deltas, self.stats()))
 
     def _blocks_to_come(self) -> int:
@@ -377,14 +381,30 @@ def _check_reservation(requests: Sequence[tuple[str, int]]) -> tuple[list[str], 
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def _delta(out: RequestOutput) -> TokenDelta:
-    reason = out.finish_reason
-    return TokenDelta(
-        request_id=out.request_id,
-        token_offset=len(out.token_ids) - len(out.delta_token_ids),
-        token_ids=list(out.delta_token_ids),
-        finished=out.finished,
-        finish_reason=None if reason is None else reason.value,
-        error="the model runner failed on this request" if reason == FinishReason.ERROR else None,
-        logprobs=None if out.delta_logprobs is None else list(out.delta_logprobs),
-    )
+def _deltas(out: RequestOutput) -> list[TokenDelta]:
+    """One TokenDelta per sample with news (n = 1: always its one), the prompt's logprobs
+    with sample 0's first tokens."""
+    single = len(out.outputs) == 1
+    deltas = []
+    for o in out.outputs:
+        if not (o.changed or single):
+            continue
+        reason = o.finish_reason
+        offset = len(o.token_ids) - len(o.delta_token_ids)
+        first = o.index == 0 and offset == 0 and bool(o.delta_token_ids)
+        deltas.append(
+            TokenDelta(
+                request_id=out.request_id,
+                token_offset=offset,
+                token_ids=list(o.delta_token_ids),
+                finished=o.finished,
+                finish_reason=None if reason is None else reason.value,
+                error="the model runner failed on this request"
+                if reason == FinishReason.ERROR
+                else None,
+                logprobs=None if o.delta_logprobs is None else list(o.delta_logprobs),
+                index=o.index,
+                prompt_logprobs=out.prompt_logprobs if first else None,
+            )
+        )
+    return deltas

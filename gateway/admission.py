@@ -135,7 +135,8 @@ class Admission:
     def _admit(self, inp: GenerateInput, prompt: Prompt, api_key: str | None) -> Generation:
         tenant = self._open(api_key)
         request = self._build(inp, prompt, tenant)
-        cost = len(request.prompt_token_ids) + request.sampling_params.max_tokens
+        params = request.sampling_params
+        cost = len(request.prompt_token_ids) + params.n * params.max_tokens
         quota = self.registry.quotas[tenant.name]
         quota.acquire(cost)
         try:
@@ -150,7 +151,8 @@ class Admission:
     def _on_done(self, gen: Generation) -> None:
         del self.running[gen.request_id]
         params = gen.request.sampling_params
-        self.registry.quotas[gen.tenant.name].release(params.max_tokens - gen.num_output_tokens)
+        unused = params.n * params.max_tokens - gen.num_output_tokens
+        self.registry.quotas[gen.tenant.name].release(unused)
         self.metrics.record(gen, time.monotonic())
 
     def _build(self, inp: GenerateInput, prompt: Prompt, tenant: TenantSpec) -> ServeRequest:
@@ -235,11 +237,6 @@ class Admission:
             params = SamplingParams(**kwargs)
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from exc
-        if params.n != 1:
-            raise InvalidArgumentError(
-                f"n={params.n}: one request is one sample here; the OpenAI endpoints serve "
-                "n > 1, or send n requests (seed + i for reproducible ones)"
-            )
         if params.stop_token_ids:
             self.token_ids("stop_token_ids", params.stop_token_ids)
         self._check_stop(params.stop)

@@ -21,6 +21,9 @@ def register(subparsers: Any) -> None:
         "--chat", action="store_true", help="send PROMPT as a user message (chat template)"
     )
     _client_args(generate, max_tokens=128)
+    generate.add_argument(
+        "--n", type=int, default=1, help="samples of the prompt, each printed whole (1..16)"
+    )
     generate.set_defaults(func=run_generate)
 
     chat = subparsers.add_parser(
@@ -68,6 +71,14 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
     try:
         params = _params(args)
         with _client(args) as client:
+            if params.n > 1:
+                done = (
+                    client.chat(messages, params, timeout=args.timeout)
+                    if messages
+                    else client.generate(args.prompt, params, timeout=args.timeout)
+                )
+                _print_samples(done, out)
+                return 0
             chunks = (
                 client.chat_stream(messages, params, timeout=args.timeout)
                 if messages
@@ -129,6 +140,7 @@ def _params(args: argparse.Namespace) -> Any:
             min_p=args.min_p,
             min_tokens=args.min_tokens,
             logprobs=args.logprobs,
+            n=getattr(args, "n", 1),
         )
     except ValueError as exc:
         raise InvalidArgumentError(str(exc)) from exc
@@ -163,6 +175,12 @@ def _print_stream(chunks: Any, out: TextIO) -> str:
         top = " ".join(f"{t}:{v:.4f}" for t, v in lp.top)
         out.write(f"{token_id}\t{lp.logprob:.4f}" + (f"\t{top}" if top else "") + "\n")
     return text
+
+
+def _print_samples(done: Any, out: TextIO) -> None:
+    """Each sample's whole text under a `[i]` header line."""
+    for sample in done.choices:
+        out.write(f"[{sample.index}] ({sample.finish_reason})\n{sample.text}\n")
 
 
 def _fail(command: str, exc: Any) -> int:

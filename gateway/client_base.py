@@ -124,7 +124,9 @@ def rpc_error(err: grpc.RpcError) -> BucketServeError:
 def whole(chunks: Iterable[Chunk]) -> Completion:
     """The whole output; GenerationError if the request ended in an error."""
     completion = Completion.from_chunks(chunks)
-    if completion.finish_reason == "error":
+    if completion.finish_reason == "error" or any(
+        s.finish_reason == "error" for s in completion.choices
+    ):
         raise GenerationError(f"generation failed: {completion.error}")
     return completion
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.errors import BucketServeError, InternalError, from_backend
@@ -15,11 +16,24 @@ if TYPE_CHECKING:
     from gateway.tenant_spec import TenantSpec
 
 
+@dataclass
+class Choice:
+    """One sample of the request as streamed so far; `finish_reason` once it ended."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # when asked for
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+
+
 class Generation:
     """`async for delta in generation`, and `await generation.close()` in a `finally`: when
     the consumer stops before the final delta (client gone, deadline, shutdown) that aborts
     the request in the backend, which frees its KV blocks at once. `on_done(self)` runs
-    once, however the stream ends; `final` is then the finished delta or None."""
+    once, however the stream ends; `final` is then the finished delta or None. `choices`
+    holds each of the request's n samples; `token_ids`, `text` and `logprobs` are sample
+    0's."""
 
     def __init__(
         self,
@@ -35,9 +49,8 @@ class Generation:
         self.cancel_reason: str | None = None  # set when the server aborts it (shutdown)
         self.first_token_time: float | None = None
         self.token_gaps: list[float] = []  # seconds between consecutive output tokens
-        self.token_ids: list[int] = []  # everything streamed so far
-        self.logprobs: list[TokenLogprob | None] = []  # theirs, when the request asked
-        self.text = ""
+        self.choices = [Choice() for _ in range(request.sampling_params.n)]
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self._stream = stream
         self._abort = abort
         self._on_done = on_done
@@ -50,8 +63,22 @@ class Generation:
         return self.request.request_id
 
     @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def logprobs(self) -> list[TokenLogprob | None]:
+        return self.choices[0].logprobs
+
+    @property
     def num_output_tokens(self) -> int:
-        return self.final.num_output_tokens if self.final is not None else len(self.token_ids)
+        if self.final is not None:
+            return self.final.num_output_tokens
+        return sum(len(c.token_ids) for c in self.choices)
 
     def __aiter__(self) -> AsyncIterator[StreamDelta]:
         return self._deltas
@@ -88,10 +115,15 @@ class Generation:
             self._on_done(self)
 
     def _observe(self, delta: StreamDelta) -> None:
-        self.text += delta.text
-        self.token_ids.extend(delta.token_ids)
+        choice = self.choices[delta.index]
+        choice.text += delta.text
+        choice.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
-            self.logprobs.extend(delta.logprobs)
+            choice.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            choice.finish_reason, choice.error = delta.finish_reason, delta.error
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         n = len(delta.token_ids)
         if not n:
             return

@@ -90,18 +90,30 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return await self.admission.admit(request_to_input(request), _api_key(context))
 
     async def _stream(self, gen: Generation, stream: bool, context: Any) -> None:
-        whole = pb.GenerateResponse(request_id=gen.request_id)
+        """Each delta as it comes, or (stream=false) one message per sample with its whole
+        output, the request's final fields on the last."""
+        wholes = [
+            pb.GenerateResponse(request_id=gen.request_id, index=i)
+            for i in range(len(gen.choices))
+        ]
         async for delta in gen:
             response = delta_to_response(delta, gen.cancel_reason)
             if stream:
                 await context.write(response)
                 continue
+            whole = wholes[delta.index]
             whole.token_ids.extend(response.token_ids)
             whole.text += response.text
             whole.logprobs.extend(response.logprobs)
+            whole.prompt_logprobs.extend(response.prompt_logprobs)
+            if response.finish_reason:
+                whole.finish_reason = response.finish_reason
             if response.HasField("final"):
-                whole.final.CopyFrom(response.final)
-                await context.write(whole)
+                last = wholes.pop(delta.index)
+                for other in wholes:
+                    await context.write(other)
+                last.final.CopyFrom(response.final)
+                await context.write(last)
 
 
 def _api_key(context: Any) -> str | None:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -21,7 +20,6 @@ from gateway.errors import (
     UnavailableError,
 )
 from gateway.gateway_config import GatewayConfig
-from gateway.generate_input import GenerateInput
 from gateway.generation import Generation
 from gateway.http_body import read_text
 from gateway.openai_format import Finished, OpenAIFormat, error_body
@@ -78,8 +76,7 @@ class OpenAIApi:
         text = await read_text(request, self.config.max_message_bytes)
         oai = OpenAIRequest.parse(text, chat)
         self.check_model(oai.model)
-        gens = await self._admit(oai, api_key, deadline)
-        gen = gens[0]
+        gen = await deadline.run(self.admission.admit(oai.input, api_key), None)
         request[GENERATION] = gen
         prompt_tokens = len(gen.request.prompt_token_ids)
         prefix = self._prompt_text(gen) if oai.echo else ""
@@ -88,32 +85,17 @@ class OpenAIApi:
         )
         try:
             if oai.stream:
-                return await _stream(request, gens, fmt, deadline)
-            await deadline.run(asyncio.gather(*(_drain(g) for g in gens)), gen)
+                return await _stream(request, gen, fmt, deadline)
+            await deadline.run(_drain(gen), gen)
         finally:
-            for g in gens:
-                await g.close()
-        finished = []
-        for g in gens:
-            final, whole = _final(g)
-            finished.append(Finished(final, whole, g.token_ids, g.logprobs))
+            await gen.close()
+        final = _final(gen)
+        fmt.prompt(gen.request.prompt_token_ids, gen.prompt_logprobs)
+        finished = [
+            Finished(final, c.text, c.token_ids, c.logprobs, c.finish_reason)
+            for c in gen.choices
+        ]
         return web.json_response(fmt.whole_choices(finished))
-
-    async def _admit(
-        self, oai: OpenAIRequest, api_key: str | None, deadline: _Deadline
-    ) -> list[Generation]:
-        """One generation per choice (`n`): choice i's seed is seed + i, its id the
-        request id with `-i` (for n > 1). All or none are admitted."""
-        gens: list[Generation] = []
-        try:
-            for i in range(oai.n):
-                inp = oai.input if oai.n == 1 else _choice_input(oai.input, i)
-                gens.append(await deadline.run(self.admission.admit(inp, api_key), None))
-        except BaseException:
-            for g in gens:
-                await g.close()
-            raise
-        return gens
 
     def _token_text(self, token_id: int) -> str:
         return self.admission.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -123,14 +105,6 @@ class OpenAIApi:
         if text is None:
             text = self.admission.tokenizer.decode(gen.request.prompt_token_ids)
         return text
-
-
-def _choice_input(inp: GenerateInput, index: int) -> GenerateInput:
-    sampling = dict(inp.sampling)
-    if sampling.get("seed") is not None:
-        sampling["seed"] += index
-    request_id = None if inp.request_id is None else f"{inp.request_id}-{index}"
-    return dataclasses.replace(inp, sampling=sampling, request_id=request_id)
 
 
 class _Deadline:
@@ -161,24 +135,27 @@ async def _drain(gen: Generation) -> None:
         pass
 
 
-def _final(gen: Generation) -> tuple[StreamDelta, str]:
-    """The finished delta and the whole text, or the error the request ended with."""
+def _final(gen: Generation) -> StreamDelta:
+    """The finished delta, or the error the request ended with."""
     final = gen.final
-    if final is None or final.finish_reason == "error":
-        raise GenerationError(f"generation failed: {final.error if final else 'no final'}")
+    if final is None:
+        raise GenerationError("generation failed: no final")
+    failed = [c for c in gen.choices if c.finish_reason == "error"]
+    if failed:
+        raise GenerationError(f"generation failed: {failed[0].error}")
     if final.finish_reason == "cancelled" and gen.cancel_reason:
         raise UnavailableError(gen.cancel_reason)
-    return final, gen.text
+    return final
 
 
 async def _stream(
-    request: web.Request, gens: list[Generation], fmt: OpenAIFormat, deadline: _Deadline
+    request: web.Request, gen: Generation, fmt: OpenAIFormat, deadline: _Deadline
 ) -> web.StreamResponse:
     """Every choice's deltas as they come (each chunk names its choice's index); usage,
-    when asked for, once after the last choice's final chunk."""
-    streams: list[AsyncIterator[StreamDelta]] = [aiter(g) for g in gens]
+    when asked for, once after the request's final delta."""
+    stream = aiter(gen)
     # admission errors surface with the first delta, before any header is sent
-    firsts = [await deadline.run(anext(s), g) for s, g in zip(streams, gens, strict=True)]
+    first = await deadline.run(anext(stream), gen)
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -188,61 +165,35 @@ async def _stream(
         data = payload if isinstance(payload, str) else json.dumps(payload)
         await response.write(f"data: {data}\n\n".encode())
 
-    for index in range(len(gens)):
+    prompt_ids, prompt_logprobs = gen.request.prompt_token_ids, first.prompt_logprobs
+    for index in range(len(gen.choices)):
         if fmt.oai.chat:
             await send(fmt.chunk(role="assistant", text="", index=index))
         elif fmt.prefix:
-            await send(fmt.chunk(text=fmt.prefix, index=index))
-    queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
-    for index, first in enumerate(firsts):
-        queue.put_nowait((index, first))
-
-    async def pump(index: int) -> None:
-        try:
-            async for delta in streams[index]:
-                await queue.put((index, delta))
-        except Exception as exc:  # reported in the stream
-            await queue.put((index, exc))
-        await queue.put((index, None))
-
-    pumps = [asyncio.ensure_future(pump(i)) for i, f in enumerate(firsts) if not f.finished]
-    open_streams, finals = len(pumps), []
+            await send(
+                fmt.chunk(
+                    text=fmt.prefix, index=index, token_ids=prompt_ids, logprobs=prompt_logprobs
+                )
+            )
     try:
-        while True:
-            if queue.empty() and not open_streams:
+        delta: StreamDelta | None = first
+        while delta is not None:
+            tokens = len(gen.choices[delta.index].token_ids)
+            await _send_delta(send, fmt, delta, tokens)
+            if delta.finished:
+                if fmt.oai.include_usage:
+                    await send(fmt.usage_chunk(delta))
                 break
-            index, item = await deadline.run(queue.get(), gens[0])
-            if item is None:
-                open_streams -= 1
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            gen = gens[index]
-            await _send_delta(send, fmt, item, len(gen.token_ids), index)
-            if item.finished:
-                finals.append(item)
-        if fmt.oai.include_usage and finals:
-            await send(fmt.usage_chunk(_total(finals)))
+            delta = await deadline.run(anext(stream, None), gen)
     except BucketServeError as exc:  # headers are out: the error goes in the stream
         await send({"error": error_body(exc)["error"]})
-    finally:
-        for task in pumps:
-            task.cancel()
     await send("[DONE]")
     await response.write_eof()
     return response
 
 
-def _total(finals: list[StreamDelta]) -> StreamDelta:
-    """The usage of every choice: the prompt once, all of their outputs."""
-    total = dataclasses.replace(finals[0])
-    total.num_output_tokens = sum(f.num_output_tokens for f in finals)
-    return total
-
-
-async def _send_delta(
-    send: Any, fmt: OpenAIFormat, delta: StreamDelta, tokens: int, index: int = 0
-) -> None:
+async def _send_delta(send: Any, fmt: OpenAIFormat, delta: StreamDelta, tokens: int) -> None:
+    index = delta.index
     if delta.text or (delta.logprobs and delta.token_ids):
         await send(
             fmt.chunk(
@@ -253,7 +204,7 @@ async def _send_delta(
                 logprobs=delta.logprobs,
             )
         )
-    if not delta.finished:
+    if delta.finish_reason is None:
         return
     if delta.finish_reason == "error":
         error = GenerationError(f"generation failed: {delta.error}")

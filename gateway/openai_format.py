@@ -59,6 +59,15 @@ class OpenAIFormat:
         self.token_text = token_text or str
         self.prefix = prefix
         self._offsets: dict[int, int] = {}  # choice -> its text's length so far (streaming)
+        self._prompt: tuple[list[int], list[TokenLogprob | None]] | None = None
+
+    def prompt(
+        self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None] | None
+    ) -> None:
+        """The prompt's tokens and logprobs, which an echo with logprobs starts each
+        choice's logprobs with."""
+        if self.prefix and logprobs is not None:
+            self._prompt = (list(token_ids), list(logprobs))
 
     def _base(self) -> dict[str, Any]:
         return {"id": self.id, "created": self.created, "model": self.model}
@@ -152,10 +161,10 @@ class OpenAIFormat:
         return self.whole_choices([Finished(final, text)])
 
     def whole_choices(self, choices: Sequence[Finished]) -> dict[str, Any]:
-        """The response of every choice (index i: choices[i]); usage counts the prompt once
-        and every choice's output."""
-        first = choices[0].final
-        usage = _usage(first.num_prompt_tokens, sum(c.final.num_output_tokens for c in choices))
+        """The response of every choice (index i: choices[i]); usage is the request's final
+        delta's: the prompt once and every choice's output."""
+        final = choices[0].final
+        usage = _usage(final.num_prompt_tokens, final.num_output_tokens)
         want = self.oai.logprobs is not None
         out: Any
         if self.oai.chat:
@@ -164,7 +173,7 @@ class OpenAIFormat:
                     index=i,
                     message=ChatMessageOut(content=c.text),
                     logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if want else None,
-                    finish_reason=self.finish_reason(c.final),
+                    finish_reason=self._reason(c),
                 )
                 for i, c in enumerate(choices)
             ]
@@ -174,25 +183,34 @@ class OpenAIFormat:
                 CompletionChoice(
                     index=i,
                     text=self.prefix + c.text,
-                    logprobs=self._completion_logprobs(c.token_ids, c.logprobs, len(self.prefix))
-                    if want
-                    else None,
-                    finish_reason=self.finish_reason(c.final),
+                    logprobs=self._whole_logprobs(c) if want else None,
+                    finish_reason=self._reason(c),
                 )
                 for i, c in enumerate(choices)
             ]
             out = CompletionResponse(**self._base(), choices=completions, usage=usage)
         return out.model_dump()
 
+    def _whole_logprobs(self, c: Finished) -> CompletionLogprobs:
+        if self._prompt is None:
+            return self._completion_logprobs(c.token_ids, c.logprobs, len(self.prefix))
+        ids, logprobs = self._prompt
+        return self._completion_logprobs([*ids, *c.token_ids], [*logprobs, *c.logprobs], 0)
+
+    def _reason(self, c: Finished) -> str:
+        return OPENAI_FINISH.get(c.finish_reason or c.final.finish_reason or "", "stop")
+
 
 @dataclass
 class Finished:
-    """One finished choice: its final delta, whole text, tokens and their logprobs."""
+    """One finished choice: the request's final delta, the choice's whole text, tokens,
+    their logprobs and its finish reason (default: the final delta's)."""
 
     final: StreamDelta
     text: str
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    finish_reason: str | None = None
 
 
 def _padded(logprobs: Sequence[TokenLogprob | None], n: int) -> list[TokenLogprob | None]:

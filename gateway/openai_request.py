@@ -30,9 +30,9 @@ class OpenAIRequest:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # usage in every chunk (vLLM's continuous_usage_stats)
-    n: int = 1  # choices, each its own generation (SamplingParams.sample(i))
+    n: int = 1  # choices: samples of the prompt, prefilled once (SamplingParams.n)
     logprobs: int | None = None  # top logprobs per token (0: the sampled token's only)
-    echo: bool = False  # completions: the prompt's text before the output
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the output
 
     @classmethod
     def parse(cls, body: str | bytes | Any, chat: bool) -> OpenAIRequest:
@@ -48,11 +48,10 @@ class OpenAIRequest:
         if logprobs is not None:
             inp.sampling["logprobs"] = logprobs
         echo = isinstance(req, CompletionRequest) and req.echo
-        if echo and logprobs is not None:
-            raise InvalidArgumentError(
-                "echo=true with logprobs (the prompt's logprobs) is not supported yet by this "
-                "server; send one of them"
-            )
+        if echo and logprobs is not None:  # the prompt's tokens come with theirs (vLLM's way)
+            inp.sampling["prompt_logprobs"] = logprobs
+        if req.n != 1:
+            inp.sampling["n"] = req.n
         return cls(
             input=inp,
             n=req.n,

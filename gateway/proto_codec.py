@@ -38,6 +38,7 @@ _OPTIONAL_SAMPLING = (
     "min_tokens",
     "logprobs",
     "n",
+    "prompt_logprobs",
 )
 _PROMPT_KINDS = ("text", "token_ids", "chat")
 
@@ -91,14 +92,14 @@ def _sampling_from(params: pb.SamplingParams) -> dict[str, Any]:
 
 def delta_to_response(delta: StreamDelta, cancel_reason: str | None = None) -> pb.GenerateResponse:
     response = pb.GenerateResponse(
-        request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text
+        request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text, index=delta.index
     )
     if delta.logprobs is not None:
-        for lp in delta.logprobs:
-            out = response.logprobs.add()
-            if lp is not None:
-                out.logprob = lp.logprob
-                out.top.extend(pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top)
+        _write_logprobs(response.logprobs, delta.logprobs)
+    if delta.prompt_logprobs is not None:
+        _write_logprobs(response.prompt_logprobs, delta.prompt_logprobs)
+    if delta.finish_reason is not None:
+        response.finish_reason = FINISH_REASONS.get(delta.finish_reason, 0)
     if delta.finished:
         final = response.final
         final.finish_reason = FINISH_REASONS.get(delta.finish_reason or "error", 0)
@@ -115,6 +116,14 @@ def delta_to_response(delta: StreamDelta, cancel_reason: str | None = None) -> p
             batch, query, blocks = delta.shape_bucket
             final.shape_bucket.CopyFrom(pb.ShapeBucket(batch=batch, query=query, blocks=blocks))
     return response
+
+
+def _write_logprobs(field: Any, logprobs: list[TokenLogprob | None]) -> None:
+    for lp in logprobs:
+        out = field.add()
+        if lp is not None:
+            out.logprob = lp.logprob
+            out.top.extend(pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top)
 
 
 # -- client side ---------------------------------------------------------------------------
@@ -147,14 +156,15 @@ def input_to_request(inp: GenerateInput, stream: bool) -> pb.GenerateRequest:
 
 
 def response_to_chunk(response: pb.GenerateResponse) -> Chunk:
-    chunk = Chunk(response.request_id, list(response.token_ids), response.text)
+    chunk = Chunk(
+        response.request_id, list(response.token_ids), response.text, index=response.index
+    )
     if len(response.logprobs):
-        chunk.logprobs = [
-            TokenLogprob(lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
-            if lp.HasField("logprob")
-            else None
-            for lp in response.logprobs
-        ]
+        chunk.logprobs = _read_logprobs(response.logprobs)
+    if len(response.prompt_logprobs):
+        chunk.prompt_logprobs = _read_logprobs(response.prompt_logprobs)
+    if response.finish_reason:
+        chunk.finish_reason = _REASON_NAMES.get(response.finish_reason, "error")
     if response.HasField("final"):
         final = response.final
         chunk.finished = True
@@ -173,3 +183,12 @@ def response_to_chunk(response: pb.GenerateResponse) -> Chunk:
             s = final.shape_bucket
             chunk.shape_bucket = (s.batch, s.query, s.blocks)
     return chunk
+
+
+def _read_logprobs(field: Any) -> list[TokenLogprob | None]:
+    return [
+        TokenLogprob(lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+        if lp.HasField("logprob")
+        else None
+        for lp in field
+    ]

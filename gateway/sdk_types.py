@@ -11,7 +11,8 @@ from runtime.logprobs import TokenLogprob
 
 @dataclass
 class Chunk:
-    """New tokens of one request; the last chunk has `finished=True` and the final fields."""
+    """New tokens of one request's sample `index`; the last chunk has `finished=True` and
+    the final fields. With n > 1 samples, each sample's last chunk has its `finish_reason`."""
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
@@ -26,29 +27,61 @@ class Chunk:
     shape_bucket: tuple[int, int, int] | None = None  # (batch, query, blocks)
     # one per token when the request asked for logprobs (None: not known)
     logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0  # the sample of an n > 1 request
+    # once, when the request asked for prompt_logprobs: one per prompt token, the first None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass
+class Sample:
+    """One of a request's n samples, whole."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str | None = None
 
 
 @dataclass
 class Completion(Chunk):
-    """A whole request: every token and all the text, with the final chunk's fields."""
+    """A whole request: every token and all the text of sample 0, with the final chunk's
+    fields; `choices` holds every sample (n of them)."""
+
+    choices: list[Sample] = field(default_factory=list)
 
     @classmethod
     def from_chunks(cls, chunks: Iterable[Chunk]) -> Completion:
-        done = cls(request_id="")
-        logprobs: list[TokenLogprob | None] | None = None
+        samples: dict[int, Sample] = {}
+        prompt_logprobs = None
+        final: Chunk | None = None
         for chunk in chunks:
-            done.token_ids.extend(chunk.token_ids)
-            done.text += chunk.text
+            sample = samples.setdefault(chunk.index, Sample(chunk.index))
+            sample.token_ids.extend(chunk.token_ids)
+            sample.text += chunk.text
             if chunk.logprobs is not None:
-                logprobs = (logprobs or []) + list(chunk.logprobs)
+                sample.logprobs = (sample.logprobs or []) + list(chunk.logprobs)
+            if chunk.finish_reason is not None:
+                sample.finish_reason = chunk.finish_reason
+            if chunk.prompt_logprobs is not None:
+                prompt_logprobs = chunk.prompt_logprobs
             if chunk.finished:
-                tokens, text = done.token_ids, done.text
-                done = cls(
-                    **{**chunk.__dict__, "token_ids": tokens, "text": text, "logprobs": logprobs}
-                )
-        if not done.finished:
+                final = chunk
+        if final is None:
             raise ValueError("the stream ended without a final chunk")
-        return done
+        choices = [samples[i] for i in sorted(samples)]
+        first = samples.get(0, Sample(0))
+        return cls(
+            **{
+                **final.__dict__,
+                "token_ids": first.token_ids,
+                "text": first.text,
+                "logprobs": first.logprobs,
+                "index": 0,
+                "prompt_logprobs": prompt_logprobs,
+            },
+            choices=choices,
+        )
 
 
 @dataclass(frozen=True)

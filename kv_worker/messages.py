@@ -51,11 +51,15 @@ class RequestTimings:
 
 @dataclass
 class StreamDelta:
-    """New tokens of one request since its previous delta.
+    """New tokens of one request's sample `index` since its previous delta.
 
     The final delta has `finished=True`, a `finish_reason` (stop / length /
     cancelled / error), usage counts, timings and the buckets that served it;
-    `error` says what went wrong when the reason is `error`.
+    `error` says what went wrong when the reason is `error`. With n > 1 samples
+    each sample's last delta has its `finish_reason` (and `num_output_tokens`, its
+    token count); the request's final delta is the last of them and counts every
+    sample's tokens. `prompt_logprobs` (when asked for) come once, one per prompt
+    token, the first None.
     """
 
     request_id: str
@@ -70,6 +74,8 @@ class StreamDelta:
     timings: RequestTimings | None = None
     request_bucket: tuple[int, int] | None = None  # [low, up) prompt-length range
     shape_bucket: tuple[int, int, int] | None = None  # (batch, query, blocks) of its prefill
+    index: int = 0  # the sample (choice) of an n > 1 request
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class ServiceError(Exception):
@@ -172,6 +178,8 @@ class TokenDelta:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[TokenLogprob | None] | None = None  # one per token, when asked for
+    index: int = 0  # the sample (choice) of an n > 1 request
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, when asked for
 
 
 @dataclass

@@ -242,6 +242,11 @@ class PrefillWorker(KVWorker):
         logprob = logprob_of(token)
         token = int(token)  # type: ignore[arg-type]  # the chunk always ends its sequence
         offset = seq.num_output_tokens
+        prompt_logprobs = None
+        if seq.sampling_params.prompt_logprobs is not None and offset == 0:
+            prompt_logprobs = [None] + [
+                seq.prompt_logprobs.get(i) for i in range(1, seq.num_prompt_tokens)
+            ]
         seq.append_token(token)
         reason = finish_reason(seq, token, self.eos_token_ids, max_seq_len)
         return TokenDelta(
@@ -251,6 +256,7 @@ class PrefillWorker(KVWorker):
             finished=reason is not None,
             finish_reason=None if reason is None else reason.value,
             logprobs=None if seq.sampling_params.logprobs is None else [logprob],
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _free_lease(self, lease: Lease) -> None:

@@ -17,6 +17,7 @@ _EXPORTS = {
     "ModelRunner": "runtime.model_runner",
     "ModelRunnerConfig": "runtime.model_runner",
     "RequestOutput": "runtime.outputs",
+    "CompletionOutput": "runtime.outputs",
     "SamplingParams": "runtime.sampling_params",
     "Sequence": "runtime.sequence",
     "SequenceStatus": "runtime.sequence",
@@ -32,6 +33,7 @@ _EXPORTS = {
 __all__ = [
     "LLM",
     "BlockManager",
+    "CompletionOutput",
     "Detokenizer",
     "EngineConfig",
     "EngineStats",
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
     from runtime.engine_config import EngineConfig
     from runtime.llm import LLM
     from runtime.model_runner import ModelRunner, ModelRunnerConfig
-    from runtime.outputs import RequestOutput
+    from runtime.outputs import CompletionOutput, RequestOutput
     from runtime.sampling_params import SamplingParams
     from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
     from runtime.sequence import FinishReason, Sequence, SequenceStatus

@@ -16,7 +16,7 @@ from runtime.executor import ExecutionError
 from runtime.logprobs import TokenLogprob
 from runtime.model_runner import ModelRunner, ModelRunnerConfig
 from runtime.output_processor import OutputProcessor
-from runtime.outputs import RequestOutput
+from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.pipeline.pipeline_executor import PipelineExecutor, make_executor
 from runtime.pipeline.pipeline_runner import PipelineRunner
 from runtime.sampling_params import SamplingParams
@@ -41,12 +41,33 @@ class EngineStats:
 
 
 @dataclass
-class _Request:
+class _Choice:
+    """One sample of a request and what its outputs have delivered of it."""
+
     seq: Sequence
-    prompt: str | None
     token_ids: list[int] = field(default_factory=list)  # output tokens delivered
     text: str = ""
     logprobs: list[TokenLogprob | None] = field(default_factory=list)  # theirs, if asked
+    ended: bool = False  # its last output went out
+
+
+@dataclass
+class _Request:
+    """A prompt and its `n` samples: sample 0 computes the prompt, the others fork from it."""
+
+    request_id: str
+    prompt: str | None
+    choices: list[_Choice]
+    prompt_logprobs: bool = False  # computed here and wanted
+    prompt_logprob_list: list[TokenLogprob | None] | None = None  # once the prompt is done
+
+    @property
+    def seq(self) -> Sequence:
+        return self.choices[0].seq
+
+    @property
+    def finished(self) -> bool:
+        return all(c.ended for c in self.choices)
 
 
 class LLMEngine:
@@ -105,6 +126,7 @@ class LLMEngine:
         self._arrival = threading.Event()  # a request came in: one of the loop's events
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
+        self._owners: dict[int | str, _Request] = {}  # every sample's seq id -> its request
         self._pending: list[RequestOutput] = []  # produced outside step(): aborts, handoffs
         self._ids = itertools.count()
 
@@ -133,8 +155,11 @@ class LLMEngine:
         with self.lock:
             request = self._prepare(prompt, sampling_params, request_id, prompt_text, arrival_time)
             if output_token_ids:
+                if len(request.choices) > 1:
+                    raise ValueError("a request resumed with its outputs has one sample (n=1)")
                 self._check_ids(list(output_token_ids))
                 request.seq.token_ids.extend(int(t) for t in output_token_ids)
+                request.prompt_logprobs = False
             return self._admit(request)
 
     def add_requests(
@@ -163,18 +188,28 @@ class LLMEngine:
         arrival_time: float | None,
     ) -> _Request:
         token_ids = self._encode(prompt)
-        seq = self._new_seq(token_ids, sampling_params, request_id, arrival_time)
-        self.scheduler.check(seq)
-        self._check_stop(seq.sampling_params)
-        return _Request(seq, prompt if isinstance(prompt, str) else prompt_text)
+        request = self._new_request(
+            token_ids, sampling_params, request_id, arrival_time, prompt_text
+        )
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        self.scheduler.check(request.seq)
+        self._check_stop(request.seq.sampling_params)
+        request.prompt_logprobs = request.seq.sampling_params.prompt_logprobs is not None
+        return request
 
     def _admit(self, request: _Request) -> str:
-        seq = request.seq
-        self.scheduler.add(seq)
-        self._track(seq)
-        self._requests[seq.seq_id] = request
+        seqs = [c.seq for c in request.choices]
+        self.scheduler.add(seqs[0], forks=seqs[1:])
+        self._register(request)
         self._arrival.set()
-        return seq.seq_id
+        return request.request_id
+
+    def _register(self, request: _Request) -> None:
+        for choice in request.choices:
+            self._track(choice.seq)
+            self._owners[choice.seq.seq_id] = request
+        self._requests[request.request_id] = request
 
     def _check_stop(self, params: SamplingParams) -> None:
         if params.stop and not self.detokenize:
@@ -205,24 +240,34 @@ class LLMEngine:
         finishes by max_tokens counting all of them, and its first output holds them all."""
         with self.lock:  # the ids come from the controller, validated at its edge
             token_ids = [int(t) for t in prompt_token_ids]
-            seq = self._new_seq(token_ids, sampling_params, request_id, arrival_time)
+            request = self._new_request(token_ids, sampling_params, request_id, arrival_time)
+            if output_token_ids and len(request.choices) > 1:
+                raise ValueError("a request resumed with its outputs has one sample (n=1)")
+            seq = request.seq
             seq.token_ids.extend(int(t) for t in (*output_token_ids, first_token_id))
             seq.num_computed_tokens = len(seq) - 1
-            self.scheduler.add_prefilled(seq, block_ids)
+            forks = [c.seq for c in request.choices[1:]]
+            self.scheduler.add_prefilled(seq, block_ids, forks=forks)
+            self._register(request)
             self._arrival.set()
-            self._track(seq)
-            request = self._requests[seq.seq_id] = _Request(seq, None)
             self._pending.append(self._output(request))
-            return seq.seq_id
+            return request.request_id
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request and free its blocks; its final output (finish reason
-        `cancelled`) comes out of the next step(). False if it already finished."""
+    def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Cancel a request (every sample of it, or only sample `index`) and free its
+        blocks; its output with finish reason `cancelled` comes out of the next step().
+        False if it (that sample) already finished."""
         with self.lock:
             request = self._requests.get(request_id)
-            if request is None or request.seq.is_finished:
+            if request is None:
                 return False
-            self.scheduler.abort(request_id)
+            choices = request.choices if index is None else request.choices[index : index + 1]
+            live = [c.seq for c in choices if not c.seq.is_finished]
+            if not live:
+                return False
+            for seq in live:
+                if not seq.is_finished:  # a parent's abort ends the samples waiting for it
+                    self.scheduler.abort(seq.seq_id)
             self._pending.append(self._output(request))
             self._arrival.set()  # its final output is due, and freed blocks may admit others
             return True
@@ -282,7 +327,8 @@ class LLMEngine:
         return lambda seqs, counts: self.runner.execute(seqs, counts, pad_to=pad_fn(seqs, counts))
 
     def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        return [self._output(self._requests[s.seq_id]) for s in seqs]
+        requests = {id(r): r for r in (self._owners[s.seq_id] for s in seqs)}
+        return [self._output(r) for r in requests.values()]
 
     def _count(self, batch: SchedulerOutput, num_tokens: int) -> None:
         stats = self.stats
@@ -293,68 +339,124 @@ class LLMEngine:
 
     def _output(self, request: _Request) -> RequestOutput:
         """The request's output after its new tokens went through the output processor; a
-        stop string ends it on the scheduler at once (its blocks freed)."""
-        seq = request.seq
+        stop string ends that sample on the scheduler at once (its blocks freed)."""
+        outputs = [self._completion(i, c) for i, c in enumerate(request.choices)]
+        seq, first = request.seq, outputs[0]
+        finished = request.finished
+        out = RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=first.text,
+            token_ids=first.token_ids,
+            delta_text=first.delta_text,
+            delta_token_ids=first.delta_token_ids,
+            finished=finished,
+            finish_reason=first.finish_reason if finished else None,
+            stop_reason=seq.stop_reason,
+            num_preemptions=seq.num_preemptions,
+            metrics=seq.metrics,
+            logprobs=first.logprobs,
+            delta_logprobs=first.delta_logprobs,
+            outputs=outputs,
+            prompt_logprobs=self._prompt_logprobs(request),
+        )
+        if finished:
+            del self._requests[request.request_id]
+            for choice in request.choices:
+                del self._owners[choice.seq.seq_id]
+            self.stats.num_finished += 1
+        return out
+
+    def _completion(self, index: int, choice: _Choice) -> CompletionOutput:
+        seq = choice.seq
+        if choice.ended:
+            return CompletionOutput(
+                index, choice.text, list(choice.token_ids), finished=True,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                logprobs=None if seq.sampling_params.logprobs is None else list(choice.logprobs),
+                delta_logprobs=None if seq.sampling_params.logprobs is None else [],
+            )
         reason = seq.finish_reason.value if seq.finish_reason is not None else None
-        new = seq.output_token_ids[len(request.token_ids) :]
+        new = seq.output_token_ids[len(choice.token_ids) :]
         delta = self.outputs.process(seq.seq_id, new, reason)
         if delta.stopped:
             if not seq.is_finished:
                 self.scheduler.abort(seq.seq_id)
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, delta.stop_reason
-        start = len(request.token_ids)
-        request.token_ids += delta.token_ids
-        request.text += delta.text
+        start = len(choice.token_ids)
+        choice.token_ids += delta.token_ids
+        choice.text += delta.text
+        choice.ended = delta.finished
         delta_logprobs = None
         if seq.sampling_params.logprobs is not None:
             delta_logprobs = [
-                seq.output_logprobs.get(i) for i in range(start, len(request.token_ids))
+                seq.output_logprobs.get(i) for i in range(start, len(choice.token_ids))
             ]
-            request.logprobs += delta_logprobs
-        out = RequestOutput(
-            request_id=str(seq.seq_id),
-            prompt=request.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=request.text,
-            token_ids=list(request.token_ids),
+            choice.logprobs += delta_logprobs
+        return CompletionOutput(
+            index=index,
+            text=choice.text,
+            token_ids=list(choice.token_ids),
             delta_text=delta.text,
             delta_token_ids=delta.token_ids,
             finished=delta.finished,
             finish_reason=seq.finish_reason if delta.finished else None,
             stop_reason=seq.stop_reason,
-            num_preemptions=seq.num_preemptions,
-            metrics=seq.metrics,
-            logprobs=None if delta_logprobs is None else list(request.logprobs),
+            changed=bool(delta.token_ids) or delta.finished,
+            logprobs=None if delta_logprobs is None else list(choice.logprobs),
             delta_logprobs=delta_logprobs,
         )
-        if out.finished:
-            del self._requests[seq.seq_id]
-            self.stats.num_finished += 1
-        return out
 
-    def _new_seq(
+    @staticmethod
+    def _prompt_logprobs(request: _Request) -> list[TokenLogprob | None] | None:
+        """The prompt's logprobs, once its K/V is all computed here (None for the first token,
+        OpenAI's convention)."""
+        seq = request.seq
+        if request.prompt_logprob_list is None:
+            if not request.prompt_logprobs or seq.num_computed_tokens < seq.num_prompt_tokens:
+                return None
+            rest = [seq.prompt_logprobs.get(i) for i in range(1, seq.num_prompt_tokens)]
+            request.prompt_logprob_list = [None, *rest]
+        return request.prompt_logprob_list
+
+    def _new_request(
         self,
         token_ids: list[int],
         sampling_params: SamplingParams | None,
         request_id: str | None,
         arrival_time: float | None,
-    ) -> Sequence:
+        prompt_text: str | None = None,
+    ) -> _Request:
+        """The request's `n` sample sequences: sample 0 named `request_id`, sample i
+        `request_id#i`, each with its settings (`SamplingParams.sample(i)`)."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
         params.validate()
-        if params.n != 1:
-            raise ValueError(
-                f"n={params.n}: a request is one sample here; add n requests with "
-                "params.sample(i) (the OpenAI endpoints do this for n)"
-            )
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        return Sequence(token_ids, params, seq_id=request_id, arrival_time=arrival_time)
+        ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
+        for seq_id in ids:
+            if seq_id in self._requests or seq_id in self._owners:
+                raise ValueError(f"request id {seq_id!r} is already in use")
+        samples = [params] if params.n == 1 else [params.sample(i) for i in range(params.n)]
+        choices = [
+            _Choice(self._new_seq(token_ids, p, seq_id, arrival_time))
+            for p, seq_id in zip(samples, ids, strict=True)
+        ]
+        return _Request(request_id, prompt_text, choices)
+
+    @staticmethod
+    def _new_seq(
+        token_ids: list[int],
+        params: SamplingParams,
+        seq_id: str,
+        arrival_time: float | None,
+    ) -> Sequence:
+        return Sequence(list(token_ids), params, seq_id=seq_id, arrival_time=arrival_time)
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -17,6 +17,7 @@ from runtime.device import Device, GraphFn
 from runtime.kv_cache import KVCache
 from runtime.model_config import ModelConfig
 from runtime.models import MODEL_REGISTRY
+from runtime.prompt_logprobs import PromptSpan, prompt_spans, record_prompt_logprobs, span_rows
 from runtime.sampler import Sampler
 from runtime.sequence import Sequence
 from runtime.tokenizer import Tokenizer
@@ -98,9 +99,10 @@ class ModelRunner:
     `token_ids[num_computed_tokens : num_computed_tokens + n]`, writes their
     K/V into the blocks of `seq.block_table`, and returns the sampled next
     token when the chunk reaches the end of the sequence (else None). It
-    never mutates a Sequence. `on_layer(i)` is called as soon as layer i's K/V
-    of the step is written (while later layers still compute), so a prefill
-    can ship its KV layer by layer.
+    never mutates a Sequence's tokens or counters; it records the prompt logprobs of those
+    that ask in `seq.prompt_logprobs` (such a step runs unpadded). `on_layer(i)` is
+    called as soon as layer i's K/V of the step is written (while later layers still
+    compute), so a prefill can ship its KV layer by layer.
     """
 
     def __init__(self, config: ModelRunnerConfig | None = None) -> None:
@@ -183,7 +185,11 @@ class ModelRunner:
         on_layer: LayerHook | None = None,
     ) -> list[int | None]:
         """Run one step; returns each sequence's sampled token, or None for a partial chunk."""
-        logits = self._run(seqs, num_new_tokens, pad_to, on_layer)
+        spans = prompt_spans(seqs, num_new_tokens)
+        logits = self._run(seqs, num_new_tokens, None if spans else pad_to, on_layer, spans)
+        if spans:
+            record_prompt_logprobs(seqs, spans, logits[len(seqs) :])
+            logits = logits[: len(seqs)]
         rows = [
             i for i, s in enumerate(seqs) if s.num_computed_tokens + num_new_tokens[i] == len(s)
         ]
@@ -228,9 +234,11 @@ class ModelRunner:
         num_new_tokens: list[int],
         pad_to: Shape | None,
         on_layer: LayerHook | None = None,
+        spans: list[PromptSpan] | None = None,
     ):
+        """Logits of each sequence's last new token, then those of the `spans` (unpadded)."""
         pad_to = None if pad_to is None else self._check_shape(pad_to)
-        inputs = self._prepare(seqs, num_new_tokens, pad_to)
+        inputs = self._prepare(seqs, num_new_tokens, pad_to, spans)
         if pad_to in self._graphs:
             logits = self._graphs[pad_to](*inputs.padded_args())[: inputs.num_seqs]
             for layer in range(self.kv_cache.num_layers if on_layer else 0):
@@ -242,7 +250,7 @@ class ModelRunner:
         )
         if on_layer is not None:
             on_layer(self.kv_cache.num_layers - 1)
-        return logits[: inputs.num_seqs]
+        return logits if spans else logits[: inputs.num_seqs]
 
     def _forward(
         self,
@@ -334,7 +342,11 @@ class ModelRunner:
                 raise ValueError(f"seq {seq.seq_id}: token ids must be in [0, {vocab})")
 
     def _prepare(
-        self, seqs: list[Sequence], num_new_tokens: list[int], pad_to: Shape | None
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        pad_to: Shape | None,
+        spans: list[PromptSpan] | None = None,
     ) -> StepInputs:
         """Device tensors for a step. Tokens are flat; with `pad_to=(B, Q, NB)` they are laid
         out `[B, Q]`, padding tokens write nowhere, dummy rows fill the batch and block
@@ -374,6 +386,8 @@ class ModelRunner:
         context_lens[: b.n] = b.starts + b.qlens
         query_start_loc = np.append(row_start, num_tokens).astype(np.int32)
         logits_rows = row_start + np.maximum(qlens - 1, 0)
+        if spans:
+            logits_rows = np.concatenate([logits_rows, span_rows(spans, row_start)])
 
         t = self._to_device
         if rectangular:

@@ -34,7 +34,8 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p times the top token's probability
     min_tokens: int = 0  # EOS and stop token ids suppressed until this many tokens
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k's
-    n: int = 1  # samples of the prompt; each its own request (seeded: seed + i)
+    n: int = 1  # samples of one prompt, prefilled once (sample i seeded with seed + i)
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the top k's
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,9 +49,11 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     def sample(self, index: int) -> SamplingParams:
-        """The settings of sample `index` of n: n=1, its own seed (seed + index) if seeded."""
+        """The settings of sample `index` of n: n=1, its own seed (seed + index) if seeded;
+        the prompt's logprobs are the request's, computed once (by sample 0)."""
         seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed)
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
     @property
     def has_penalties(self) -> bool:
@@ -96,6 +99,13 @@ class SamplingParams:
         ):
             raise ValueError(
                 f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        if self.prompt_logprobs is not None and (
+            not _integer(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                f"got {self.prompt_logprobs!r}"
             )
         if not _integer(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")

@@ -57,6 +57,11 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting and running queues; decides each step's microbatch and applies its results.
 
+    Parallel samples of one prompt (`forks`) wait until their parent has computed
+    the prompt, then share its full prompt blocks (reference counts) and recompute
+    only the tail from the last full block on, into blocks of their own, which
+    samples their first token; they then run as any other sequence.
+
     A step schedules running sequences first (one decode token each, or the
     next chunk of a prompt), then admits waiting ones in FCFS order while the
     running limit, the token budget and the free blocks allow. A sequence in
@@ -91,16 +96,20 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._seqs: dict[int | str, Sequence] = {}
+        self._forks: dict[int | str, list[Sequence]] = {}  # parent id -> samples waiting for it
         self._in_flight: set[int | str] = set()
         self._watermark_blocks = int(config.watermark * block_manager.num_total_blocks)
 
     # -- admission ---------------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, forks: Collection[Sequence] = ()) -> None:
         """Queue a new sequence, or one resuming with outputs it streamed elsewhere (they are
-        prefilled with the prompt); raises ValueError (changing nothing) if it can never run."""
+        prefilled with the prompt); raises ValueError (changing nothing) if it can never run.
+        `forks`: further samples of its prompt, started once `seq` has computed it."""
         self.check(seq)
+        self._check_forks(seq, forks)
         self._seqs[seq.seq_id] = seq
+        self._register_forks(seq, forks)
         self.waiting.append(seq)
 
     def check(self, seq: Sequence) -> None:
@@ -109,12 +118,16 @@ class Scheduler:
         if seq.num_computed_tokens or seq.block_table:
             raise ValueError(f"seq {seq.seq_id} must be new: no KV or blocks yet")
 
-    def add_prefilled(self, seq: Sequence, block_ids: list[int]) -> bool:
+    def add_prefilled(
+        self, seq: Sequence, block_ids: list[int], forks: Collection[Sequence] = ()
+    ) -> bool:
         """Take a sequence whose K/V already sits in reserved `block_ids` for every token but
         its last, a token sampled elsewhere (the first output, or the next one of a request
         re-prefilled with the outputs it had streamed). Returns True if that token already
-        ends it, in which case the blocks are released again."""
+        ends it, in which case its blocks are released again (those its `forks`, further
+        samples of its prompt, share stay theirs)."""
         self._check_new(seq, len(seq) - 1)
+        self._check_forks(seq, forks)
         if seq.num_output_tokens < 1 or seq.num_computed_tokens != len(seq) - 1:
             raise ValueError(
                 f"a prefilled seq has all its tokens but the newest computed and exactly one "
@@ -124,12 +137,48 @@ class Scheduler:
             )
         self.block_manager.attach(seq, block_ids)
         self._seqs[seq.seq_id] = seq
+        self._register_forks(seq, forks)
+        self._fork(seq)
         now = time.monotonic()
         seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
         if self._on_token(seq, now):
             return True
         self.waiting.append(seq)
         return False
+
+    def _check_forks(self, parent: Sequence, forks: Collection[Sequence]) -> None:
+        ids = {parent.seq_id}
+        for child in forks:
+            self.check(child)
+            if child.seq_id in ids:
+                raise ValueError(f"sequence id {child.seq_id!r} is given twice")
+            if child.prompt_token_ids != parent.prompt_token_ids or child.num_output_tokens:
+                raise ValueError(f"fork {child.seq_id} must be a fresh copy of the prompt")
+            ids.add(child.seq_id)
+        if forks and parent.num_computed_tokens > parent.num_prompt_tokens:
+            raise ValueError("forks need a parent whose outputs are not computed yet")
+
+    def _register_forks(self, parent: Sequence, forks: Collection[Sequence]) -> None:
+        if not forks:
+            return
+        for child in forks:
+            self._seqs[child.seq_id] = child
+        self._forks[parent.seq_id] = list(forks)
+
+    def _fork(self, parent: Sequence) -> None:
+        """Start the samples waiting for `parent`, whose prompt K/V is computed: each shares
+        the full blocks before the one holding the last prompt token and goes to the front
+        of the waiting queue to compute the rest (at most a block) and sample."""
+        forks = self._forks.pop(parent.seq_id, None)
+        if not forks:
+            return
+        bs = self.block_manager.block_size
+        shared = (parent.num_prompt_tokens - 1) // bs * bs
+        for child in reversed(forks):
+            self.block_manager.fork(parent, child, shared)
+            child.num_computed_tokens = shared
+            child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+            self.waiting.appendleft(child)
 
     def _check_new(self, seq: Sequence, prompt_len: int) -> None:
         if seq.seq_id in self._seqs:
@@ -149,12 +198,20 @@ class Scheduler:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise KeyError(f"no unfinished sequence with id {seq_id!r}")
-        if seq.status == SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        else:
+        if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif not self._drop_fork(seq):
+            self.waiting.remove(seq)
         self._finish(seq, FinishReason.CANCELLED, time.monotonic())
         return seq
+
+    def _drop_fork(self, seq: Sequence) -> bool:
+        """Take `seq` out of the samples waiting for their parent; False if it is not one."""
+        for forks in self._forks.values():
+            if seq in forks:
+                forks.remove(seq)
+                return True
+        return False
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -283,6 +340,8 @@ class Scheduler:
             if self._land(seq):
                 continue
             seq.num_computed_tokens += n
+            if self._forks and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self._fork(seq)
             if token is None:
                 continue
             seq.append_token(token)
@@ -338,6 +397,8 @@ class Scheduler:
         if seq.block_table and seq.seq_id not in self._in_flight:
             self.block_manager.free(seq)
         del self._seqs[seq.seq_id]
+        for child in self._forks.pop(seq.seq_id, ()):  # ended before its prompt was computed
+            self._finish(child, reason, now)
 
 
 def finish_reason(

@@ -80,6 +80,9 @@ class Sequence:
         # output token index -> its logprobs, kept when the request asks for them (tokens
         # generated elsewhere have none here)
         self.output_logprobs: dict[int, TokenLogprob] = {}
+        # prompt position -> the logprobs of the prompt token there (position >= 1), written
+        # by the model runner for a request that asks for prompt logprobs
+        self.prompt_logprobs: dict[int, TokenLogprob] = {}
 
     def __len__(self) -> int:
         return len(self.token_ids)

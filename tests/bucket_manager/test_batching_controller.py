@@ -51,6 +51,20 @@ def test_kv_blocks_count_output_tokens_by_default():
     assert prompt_only.kv_blocks(BucketRequest("b", 32), block_size=16) == 2
 
 
+def test_kv_blocks_of_n_samples_count_the_shared_prompt_blocks_once():
+    """Prompt 40 in blocks of 16: blocks 0-1 (32 tokens) are shared, each sample holds its
+    own copy of the block with the last prompt token and its growth."""
+    one = BucketRequest("a", prompt_len=40, max_tokens=30)  # 70 tokens: 5 blocks
+    four = BucketRequest("b", prompt_len=40, max_tokens=30, samples=4)
+    controller = BatchingController(BatchingConfig())
+    assert controller.kv_blocks(one, block_size=16) == 5
+    assert controller.kv_blocks(four, block_size=16) == 5 + 3 * (5 - 2)
+    prompt_only = BatchingController(BatchingConfig(count_output_tokens=False))
+    assert prompt_only.kv_blocks(four, block_size=16) == 3 + 3  # a tail block each
+    with pytest.raises(ValueError, match="samples must be an integer >= 1"):
+        BucketRequest("c", prompt_len=4, samples=0)
+
+
 def test_memory_eq6_rejects_bad_geometry():
     controller = BatchingController(BatchingConfig())
     with pytest.raises(ValueError, match="num_heads must be an integer >= 1, got 0"):

@@ -37,7 +37,8 @@ def test_worker_messages_carry_token_ids_and_no_text() -> None:
         assert not any("text" in name for name in names), (cls.__name__, names)
     assert {f.name for f in dataclasses.fields(messages.TokenDelta)} == {
         "request_id", "token_offset", "token_ids", "finished", "finish_reason", "error",
-        "logprobs",  # numbers that ride along with the token ids, never text
+        "logprobs", "prompt_logprobs",  # numbers that ride with the token ids, never text
+        "index",  # the sample of an n > 1 request
     }
 
 
@@ -155,3 +156,18 @@ def test_the_reservation_goes_to_the_decode_worker_with_most_room_then_least_loa
     handles[1].stats.num_free_blocks = 39
     assert pick(handles) == "busy"
     assert handles[3].free_blocks == 35
+
+
+def test_the_reservation_counts_shared_prompt_blocks_once() -> None:
+    """n > 1 samples ship the prompt's KV once; each takes a tail block of its own after."""
+    from types import SimpleNamespace
+
+    from bucket_manager.request import BucketRequest
+
+    batch = SimpleNamespace(requests=(
+        BucketRequest("one", prompt_len=10, max_tokens=8),
+        BucketRequest("fan", prompt_len=10, max_tokens=8, samples=3),
+    ))
+    pd = PDScheduler(1, 4)
+    assert pd.need(batch) == [("one", 3), ("fan", 3)]  # not 3 x 3 for the fan
+    assert pd.fork_blocks(batch) == 2

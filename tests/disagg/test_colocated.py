@@ -112,3 +112,36 @@ def _request(request_id: str, prompt: list[int], params: Any) -> Any:
     from kv_worker.messages import ServeRequest
 
     return ServeRequest(request_id, list(prompt), params)
+
+
+@pytest.mark.parametrize("shape", ["colocated", "disaggregated"])
+def test_n_samples_end_with_an_error_when_their_decode_worker_dies(
+    tiny_model_dir: Path, shape: str
+) -> None:
+    """A request of n > 1 samples that streamed tokens is not re-prefilled: every sample
+    ends, with an error, and the pools drain."""
+    from kv_worker.messages import ServeRequest
+    from runtime.sampling_params import SamplingParams
+
+    async def main() -> None:
+        config = controller_config(tiny_model_dir, mode="local", shape=shape)
+        controller = Controller(config)
+        await controller.start()
+        try:
+            params = SamplingParams(temperature=0.8, max_tokens=200, ignore_eos=True, n=3)
+            stream = controller.submit(ServeRequest("fan", list(range(100, 120)), params))
+            deltas = [await anext(stream)]
+            while not any(d.index > 0 and d.token_ids for d in deltas):
+                deltas.append(await anext(stream))
+            await controller.kill_worker("decode-0")
+            deltas += [d async for d in stream]
+            stats = await controller.drain(30)
+        finally:
+            await controller.shutdown()
+        ends = {d.index: d.finish_reason for d in deltas if d.finish_reason}
+        assert ends == {0: "error", 1: "error", 2: "error"}
+        assert deltas[-1].finished and sum(d.finished for d in deltas) == 1
+        assert "not re-prefilled" in deltas[-1].error
+        assert_drained(stats)
+
+    asyncio.run(main())

@@ -71,9 +71,7 @@ def test_prompt_forms() -> None:
 BAD_BODIES = [
     # (body, chat, the whole message)
     ({"prompt": "x", "n": 17}, False, "n must be <= 16, got 17"),
-    ({"prompt": "x", "echo": True, "logprobs": 0}, False,
-     "echo=true with logprobs (the prompt's logprobs) is not supported yet by this server; "
-     "send one of them"),
+    ({"prompt": "x", "echo": True, "logprobs": 21}, False, "logprobs must be <= 20, got 21"),
     ({"prompt": "x", "best_of": 2}, False,
      "best_of=2 is not supported yet by this server; leave it out or send 1"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, True,
@@ -121,6 +119,14 @@ def test_bad_bodies(body: object, chat: bool, message: str) -> None:
     with pytest.raises(InvalidArgumentError) as info:
         OpenAIRequest.parse(body, chat)
     assert info.value.message == message
+
+
+def test_n_and_echo_with_logprobs_become_sampling_fields() -> None:
+    req = OpenAIRequest.parse({"prompt": "x", "echo": True, "logprobs": 2, "n": 3}, chat=False)
+    assert (req.n, req.echo, req.logprobs) == (3, True, 2)
+    assert req.input.sampling["n"] == 3 and req.input.sampling["prompt_logprobs"] == 2
+    plain = OpenAIRequest.parse({"prompt": "x", "logprobs": 2}, chat=False)
+    assert "prompt_logprobs" not in plain.input.sampling and "n" not in plain.input.sampling
 
 
 def test_neutral_values_are_accepted() -> None:

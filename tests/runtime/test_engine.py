@@ -287,10 +287,3 @@ def test_batched_sampling_features_match_one_at_a_time_and_keep_logprobs(
         assert all(lp is not None and len(lp.top) == p.logprobs for lp in final.logprobs)
         pieces = [lp for out in streams[request_id] for lp in out.delta_logprobs]
         assert pieces == final.logprobs
-
-
-def test_n_is_one_request_per_sample(tiny_runner):
-    engine = LLMEngine(runner=tiny_runner)
-    with pytest.raises(ValueError, match="n=2: a request is one sample here"):
-        engine.add_request([5, 6, 7], SamplingParams(n=2))
-    assert not engine.has_unfinished()

@@ -57,7 +57,9 @@ class GenerationServicer:
     """
 
     def Generate(self, request, context):
-        """Streams the new tokens of one request; the last message carries `final`.
+        """Streams the new tokens of one request; the last message carries `final`. With n > 1
+        each message's tokens belong to sample `index`, and each sample's last message has
+        its `finish_reason`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
