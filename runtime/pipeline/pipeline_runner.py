@@ -20,6 +20,7 @@ from runtime.pipeline.stage_kv_cache import StageKVCache
 from runtime.pipeline.stage_runner import StageRunner
 from runtime.pipeline.stage_spec import StageSpec, split_layers
 from runtime.pipeline.stage_step import StageStep
+from runtime.prompt_logprobs import prompt_spans
 from runtime.sequence import Sequence
 from runtime.tokenizer import Tokenizer
 from runtime.weights import resolve_model
@@ -127,6 +128,8 @@ class PipelineRunner:
     def submit(
         self, seqs: list[Sequence], num_new_tokens: list[int], pad_to: Shape | None = None
     ) -> Microbatch:
+        if prompt_spans(seqs, num_new_tokens):
+            pad_to = None  # the extra logits rows of prompt logprobs run unpadded, as in one stage
         step = StageStep(next(self._ids), list(seqs), list(num_new_tokens), pad_to)
         with self._lock:
             if self._in_flight == 0:
@@ -145,7 +148,10 @@ class PipelineRunner:
 
     def result(self, microbatch: Microbatch) -> list[int | None]:
         try:
-            return self.stages[-1].result(microbatch.handles[-1])
+            tokens, prompt_logprobs = self.stages[-1].result(microbatch.handles[-1])
+            for row, logprobs in prompt_logprobs.items():
+                microbatch.step.seqs[row].prompt_logprobs.update(logprobs)
+            return tokens
         finally:
             with self._lock:
                 self._in_flight -= 1

@@ -9,12 +9,14 @@ import torch
 
 from runtime.device import Device
 from runtime.kv_cache import KVCache
+from runtime.logprobs import TokenLogprob
 from runtime.model_config import ModelConfig
 from runtime.model_runner import ModelRunner, ModelRunnerConfig
 from runtime.pipeline.stage_clock import StageClock
 from runtime.pipeline.stage_model import StageModel
 from runtime.pipeline.stage_spec import StageSpec
 from runtime.pipeline.stage_step import StageStep
+from runtime.prompt_logprobs import prompt_spans, record_prompt_logprobs
 from runtime.sampler import Sampler
 from runtime.sequence import Sequence
 from runtime.tokenizer import Tokenizer
@@ -22,7 +24,8 @@ from runtime.weights import iter_safetensors, resolve_model
 
 logger = logging.getLogger(__name__)
 
-StageOutput = torch.Tensor | list[int | None]  # hidden states, or the last stage's tokens
+# hidden states, or the last stage's tokens and the prompt logprobs it computed (by row)
+StageOutput = torch.Tensor | tuple[list[int | None], dict[int, dict[int, TokenLogprob]]]
 
 
 class StageRunner(ModelRunner):
@@ -90,14 +93,19 @@ class StageRunner(ModelRunner):
     def _run_stage(self, step: StageStep, hidden: torch.Tensor | None) -> StageOutput:
         seqs, counts = step.seqs, step.num_new_tokens
         pad_to = None if step.pad_to is None else self._check_shape(step.pad_to)
-        inputs = self._prepare(seqs, counts, pad_to)
+        spans = prompt_spans(seqs, counts) if self.spec.is_last else []
+        inputs = self._prepare(seqs, counts, pad_to, spans or None)
         if hidden is not None:
             hidden = hidden.to(self.device.torch_device, non_blocking=True)
         out = self.model(inputs.input_ids, hidden, inputs.positions, self.kv_cache, inputs.metadata)
         if not self.spec.is_last:
             return out
-        logits = self.model.compute_logits(out, inputs.logits_rows)[: inputs.num_seqs]
-        return self._sample(seqs, counts, logits)
+        logits = self.model.compute_logits(out, inputs.logits_rows)
+        prompt_logprobs: dict[int, dict[int, TokenLogprob]] = {}
+        if spans:  # the head's sequences are not these (over Ray), so they travel back
+            record_prompt_logprobs(seqs, spans, logits[inputs.num_seqs :])
+            prompt_logprobs = {s.row: seqs[s.row].prompt_logprobs for s in spans}
+        return self._sample(seqs, counts, logits[: inputs.num_seqs]), prompt_logprobs
 
     def _sample(
         self, seqs: list[Sequence], counts: list[int], logits: torch.Tensor

@@ -153,3 +153,24 @@ def test_bad_pipeline_options_are_refused(tiny_model_dir):
     runner = ModelRunner(ModelRunnerConfig(model=str(tiny_model_dir), num_kv_blocks=8))
     with pytest.raises(ValueError, match="pass either it or an existing runner"):
         LLMEngine.from_kwargs(runner=runner, pipeline_parallel_size=2)
+
+
+def test_samples_of_one_prompt_and_prompt_logprobs_through_two_stages(five_layers):
+    prompt = token_prompts(1, seed=11)[0]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=3, prompt_logprobs=0)
+    finals = {}
+    for pp in (1, 2):
+        eng = engine(five_layers, pp)
+        eng.add_request(prompt, params)
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.finished:
+                    finals[pp] = out
+        assert eng.block_manager.num_free_blocks == 64
+        eng.close()
+    assert [o.token_ids for o in finals[2].outputs] == [o.token_ids for o in finals[1].outputs]
+    assert finals[2].prompt_logprobs is not None
+    for a, b in zip(finals[1].prompt_logprobs, finals[2].prompt_logprobs, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
