@@ -54,12 +54,12 @@ TARGET = 1.15  # disaggregated wall time / engine wall time
 
 def controller_config(args: argparse.Namespace, mode: str, max_model_len: int) -> Any:
     from controller.config import ControllerConfig, PlacementConfig
-    from controller.service_limits import default_buckets
+    from controller.service_limits import ServiceLimits
     from runtime.model_runner import ModelRunnerConfig
     from runtime.scheduler import SchedulerConfig
 
     runner = ModelRunnerConfig(args.model, dtype="float32", device="cpu")
-    buckets = default_buckets(max_model_len, runner.block_size, args.max_num_seqs)
+    buckets = ServiceLimits.default_buckets(max_model_len, runner.block_size, args.max_num_seqs)
     batching = dataclasses.replace(buckets.batching, max_batched_tokens=args.max_batched_tokens)
     return ControllerConfig(
         runner=runner,

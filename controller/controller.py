@@ -5,26 +5,23 @@
     async for delta in controller.submit(request):  # StreamDelta, the last one finished
         ...
 
-Method groups: lifecycle (start, shutdown, drain, stats), the request table (submit,
-abort), dispatch (the PDScheduler's choices, one Handoff per batch, acting on its
-outcomes), the output pump (decode step messages through the OutputProcessor to the
-RequestStreams), the fault policy (requeue, put back, judge failures, revive) and bounds
-from the pools the workers got. Counting is the ServiceMonitor's.
+One job per method group: lifecycle (start, shutdown, drain, stats), the request table
+(submit, abort, deliver, finish), the output pump (decode step messages through the
+OutputProcessor to the RequestStreams) and the fault policy (judge failures, revive, re-queue
+a dead worker's requests). Dispatch is the Dispatcher's (`dispatcher.py`), counting the
+ServiceMonitor's, lengths and bounds the ServiceLimits'.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Coroutine
 from typing import Any
 
 from bucket_manager.bucket_manager import BucketManager
-from bucket_manager.prefill_batch import PrefillBatch
 from controller.config import ControllerConfig
-from controller.handoff import Admitted, Handoff
-from controller.pd_scheduler import PDScheduler, subset
+from controller.dispatcher import Dispatcher
 from controller.request_state import RequestState
 from controller.request_stream import RequestStream
 from controller.service_limits import ServiceLimits
@@ -37,7 +34,6 @@ from kv_transfer.transport import TransferError
 from kv_worker.messages import (
     ModelInfo,
     NoWorkersError,
-    PrefillResult,
     QueueFullError,
     ServeRequest,
     ServiceStats,
@@ -56,7 +52,7 @@ _POLL_S = 0.5  # a decode worker's long-poll for step messages
 class Controller:
     """Runs the P/D pipeline over P prefill and D decode workers (Ray actors or local).
 
-    Requests queue in the BucketManager. The dispatcher takes a batch sized
+    Requests queue in the BucketManager. The Dispatcher takes a batch sized
     for the decode worker with the most room, has that worker *reserve* the
     blocks its KV needs (a lease), sends the batch to the least busy prefill
     worker, streams the first tokens, and admits the prefilled sequences on
@@ -70,15 +66,17 @@ class Controller:
         self.config = config = config or ControllerConfig()
         self.limits = limits = ServiceLimits(config)
         self.block_size = limits.block_size
-        self.buckets = BucketManager(limits.buckets)
         self.pool = WorkerPool(config, limits.buckets)
-        self.pd = PDScheduler(config.num_decode, limits.block_size)
+        self.monitor = ServiceMonitor()
+        self.dispatcher = Dispatcher(self, config, limits, self.pool, self.monitor)
         self.outputs = OutputProcessor(limits.model.tokenizer)  # text and stop strings
         self._requests: dict[str, RequestState] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._wake: asyncio.Event | None = None
         self._state = "new"
-        self.monitor = ServiceMonitor()
+
+    @property
+    def buckets(self) -> BucketManager:
+        return self.dispatcher.buckets
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -91,7 +89,6 @@ class Controller:
         if self._state != "new":
             raise RuntimeError(f"start() runs once; the controller is {self._state}")
         self._state = "starting"
-        self._wake = asyncio.Event()
         try:
             await self.pool.start()
         except BaseException:
@@ -100,10 +97,10 @@ class Controller:
             raise
         self._bound_by_pools()
         self._state = "running"
-        self._spawn(self._dispatch_loop())
-        self._spawn(self._monitor_loop())
+        self.spawn(self.dispatcher.run())
+        self.spawn(self._monitor_loop())
         for handle in self.pool.role("decode"):
-            self._spawn(self._pump(handle))
+            self.spawn(self._pump(handle))
 
     async def shutdown(self) -> None:
         """End every live request (final delta with an error), stop the workers."""
@@ -111,7 +108,7 @@ class Controller:
             return
         self._state = "stopping"
         for state in list(self._requests.values()):
-            self._finish(state, "error", "the service is shutting down")
+            self.finish(state, "error", "the service is shutting down")
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -146,14 +143,13 @@ class Controller:
         if not self.pool.serving():
             raise NoWorkersError("no live prefill or decode worker; retry once they restart")
         state = RequestState(request, RequestStream(request.request_id, self.abort))
-        self.buckets.add(state.bucket_request(self._max_tokens_hint(state)))
+        self.dispatcher.queue(state)
         params = request.sampling_params
         for i in range(state.n):
             sample = params if state.n == 1 else params.sample(i)
             self.outputs.add(state.key(i), request.prompt_token_ids, sample)
         self._requests[request.request_id] = state
         self.monitor.submitted()
-        self._wake_dispatcher()
         return state.stream
 
     async def abort(self, request_id: str) -> bool:
@@ -163,7 +159,7 @@ class Controller:
         if state is None or state.done:
             return False
         phase, worker = state.phase, state.decode_worker
-        self._finish(state, "cancelled")
+        self.finish(state, "cancelled")
         if phase == "decode":
             handle = self.pool.by_name(worker)
             try:
@@ -199,166 +195,15 @@ class Controller:
         return self._state == "running" and self.pool.serving()
 
     async def refresh_stats(self) -> None:
-        self._judge(await self.pool.refresh())
+        self.judge(await self.pool.refresh())
 
     async def kill_worker(self, name: str) -> None:
         """Fault drill: kill a worker as a crash would (Ray restarts it, local rebuilds it)."""
         await self.pool.by_name(name).kill()
 
-    # -- dispatch ----------------------------------------------------------------------------
-
-    async def _dispatch_loop(self) -> None:
-        assert self._wake is not None
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            self._dispatch()
-
-    def _dispatch(self) -> None:
-        """Form and send batches while a prefill worker has a free slot and a decode worker
-        has room for the next batch; the PDScheduler makes each choice."""
-        if self.config.colocated:
-            self._dispatch_colocated()
-            return
-        pd = self.pd
-        while len(self.buckets):
-            prefills = self.pool.role("prefill", alive=True)
-            p = pd.pick_prefill(
-                [h.free_blocks for h in prefills],
-                [h.inflight for h in prefills],
-                self.config.max_batches_per_prefill,
-            )
-            decode = self.pick_decode()
-            if p is None or decode is None:
-                return
-            prefill = prefills[p]
-            batch = self.buckets.next_batch(decode.free_blocks, self.block_size, time.monotonic())
-            if batch is None:
-                return
-            batch, rest = pd.split_for_pool(batch, prefill.free_blocks)
-            if rest is not None:
-                self.buckets.requeue(rest)
-            if batch is None:  # wait for handoffs to be acknowledged
-                return
-            states = self._take(batch, decode, "prefill")
-            handoff = Handoff(
-                prefill, decode, pd.need(batch), self.config.lease_ttl_s, pd.fork_blocks(batch)
-            )
-            self._spawn(self._handoff(handoff, batch, states))
-
-    def _dispatch_colocated(self) -> None:
-        """Colocated shape: each batch goes straight to the engine of the decode worker with
-        the most room, which prefills it within its decode steps."""
-        while len(self.buckets):
-            decode = self.pick_decode()
-            if decode is None:
-                return
-            batch = self.buckets.next_batch(decode.free_blocks, self.block_size, time.monotonic())
-            if batch is None:
-                return
-            states = self._take(batch, decode, "decode")
-            blocks = sum(n for _, n in self.pd.need(batch)) + self.pd.fork_blocks(batch)
-            self._spawn(self._colocate(decode, states, blocks))
-
-    def _take(self, batch: PrefillBatch, decode: WorkerHandle, phase: str) -> list[RequestState]:
-        """The batch's requests, now in `phase` on their way to `decode`."""
-        states = [self._requests[r.request_id] for r in batch.requests]
-        now = time.monotonic()
-        for state in states:
-            state.phase, state.decode_worker = phase, decode.name
-            state.dispatched_at = state.dispatched_at or now
-            state.request_bucket, state.shape_bucket = batch.bucket, batch.shape
-        return states
-
-    async def _colocate(
-        self, decode: WorkerHandle, states: list[RequestState], blocks: int
-    ) -> None:
-        """Add a batch to `decode`'s engine; its blocks count as taken until the worker's
-        answer (whose stats count them among its waiting requests' needs)."""
-        epoch = decode.epoch
-        decode.pending_blocks += blocks
-        try:
-            result = await decode.call("add_requests", [s.handoff() for s in states])
-        except Exception as exc:
-            for state in states:
-                self._requeue(state, f"{decode.name} failed: {exc}")
-            self._on_failure(decode, exc, epoch)
-            return
-        finally:
-            if decode.epoch == epoch:
-                decode.pending_blocks -= blocks
-            self._wake_dispatcher()
-        if result.stats is not None:
-            decode.stats = result.stats
-        for state in states:
-            if state.request_id in result.rejected:
-                self._finish(state, "error", result.rejected[state.request_id])
-            elif state.done:  # cancelled while it was being added
-                await self._abort_on(decode, state.request_id)
-
     def pick_decode(self) -> WorkerHandle | None:
-        """The decode worker the next batch reserves blocks on: the PDScheduler's choice over
-        every live decode worker's room and load as last reported."""
-        decodes = self.pool.role("decode")
-        for i, handle in enumerate(decodes):
-            if handle.alive:
-                self.pd.update(i, handle.free_blocks, handle.load)
-            else:
-                self.pd.remove(i)
-        i = self.pd.pick_decode()
-        return None if i is None else decodes[i]
-
-    async def _handoff(
-        self, handoff: Handoff, batch: PrefillBatch, states: list[RequestState]
-    ) -> None:
-        """Drive `handoff` and act on each outcome it returns."""
-        try:
-            requests = [s.handoff() for s in states]
-            prefilled = await handoff.run_prefill(batch, requests, self.limits.max_seq_len)
-            if prefilled.result is None:
-                if prefilled.put_back:
-                    self._put_back(batch, prefilled.count)
-                self._judge(prefilled.failures)
-                if prefilled.poll is not None:
-                    self._judge(await self.pool.poll(prefilled.poll))
-                return
-            self._prefilled(states, prefilled.result)
-            live = [s for s in states if s.phase == "prefill"]
-            admitted = await handoff.admit([s.handoff() for s in live])
-            await self._admitted(handoff.decode, live, admitted)
-        finally:
-            handoff.close()
-            self._wake_dispatcher()
-
-    def _prefilled(self, states: list[RequestState], result: PrefillResult) -> None:
-        self.monitor.sent(result.kv_bytes, result.send_s)
-        for state, first in zip(states, result.first, strict=True):
-            state.prefill_s += result.compute_s
-            state.transfer_s += result.send_s
-            if not state.done:
-                self._deliver(state, first)
-
-    async def _admitted(
-        self, decode: WorkerHandle, live: list[RequestState], admitted: Admitted
-    ) -> None:
-        ack = admitted.ack
-        if ack is None:
-            for state in live:
-                self._requeue(state, admitted.why)
-        self._judge(admitted.failures)
-        if ack is None:
-            return
-        self.monitor.received(ack.receive_s)
-        for state in live:
-            state.transfer_s += ack.receive_s
-            if state.request_id in ack.rejected:
-                self._finish(state, "error", ack.rejected[state.request_id])
-            elif state.done:  # cancelled while it was handed over
-                await self._abort_on(decode, state.request_id)
-            else:
-                state.phase = "decode"
-                if state.n > 1 and state.ended[0]:  # a stop string ended sample 0 at prefill
-                    await self._abort_on(decode, state.request_id, 0)
+        """The decode worker the next batch would reserve blocks on (the PDScheduler's)."""
+        return self.dispatcher.pick_decode()
 
     # -- outputs -----------------------------------------------------------------------------
 
@@ -372,7 +217,7 @@ class Controller:
             try:
                 messages = await decode.call("next_outputs", _POLL_S)
             except Exception as exc:
-                self._on_failure(decode, exc, epoch)
+                self.on_failure(decode, exc, epoch)
                 await asyncio.sleep(0.05)
                 continue
             if decode.epoch == epoch:
@@ -386,10 +231,11 @@ class Controller:
         for delta in message.deltas:
             state = self._requests.get(delta.request_id)
             if state is not None and state.decode_worker == decode.name and not state.done:
-                self._deliver(state, delta)
-        self._wake_dispatcher()
+                self.deliver(state, delta)
+        self.dispatcher.wake()
 
-    def _deliver(self, state: RequestState, delta: TokenDelta) -> None:
+    def deliver(self, state: RequestState, delta: TokenDelta) -> None:
+        """A worker's tokens through the output processor onto the request's stream."""
         phase = state.phase
         out = state.accept(delta, self.outputs)
         if out is None:
@@ -402,9 +248,10 @@ class Controller:
         if phase == "decode" and not delta.finished:  # a stop string: the worker runs it still
             decode = self.pool.by_name(state.decode_worker)
             index = None if out.finished else out.index
-            self._spawn(self._abort_on(decode, state.request_id, index))
+            self.spawn(self.abort_on(decode, state.request_id, index))
 
-    def _finish(self, state: RequestState, reason: str, error: str | None = None) -> None:
+    def finish(self, state: RequestState, reason: str, error: str | None = None) -> None:
+        """End a request now: its final delta says `reason`."""
         if state.phase == "queued":
             self.buckets.remove(state.request_id)
         for delta in state.finals(reason, error):
@@ -419,46 +266,13 @@ class Controller:
 
     # -- faults ------------------------------------------------------------------------------
 
-    def _requeue(self, state: RequestState, why: str) -> None:
-        """Queue a request again for a re-prefill of everything it has so far."""
-        if state.done:
-            return
-        if state.n > 1 and any(state.samples):
-            self._finish(state, "error", f"{why}; a request of n > 1 samples is not re-prefilled")
-            return
-        state.requeues += 1
-        self.monitor.requeued()
-        if state.requeues > self.config.max_requeues:
-            self._finish(state, "error", f"gave up after {state.requeues - 1} re-prefills: {why}")
-            return
-        logger.warning("re-queuing %s: %s", state.request_id, why)
-        state.phase, state.decode_worker = "queued", None
-        self.buckets.add(state.bucket_request(self._max_tokens_hint(state)))
-        self._wake_dispatcher()
-
-    def _put_back(self, batch: PrefillBatch, count: bool) -> None:
-        """A batch that never reached prefill goes back where its requests were."""
-        keep = []
-        for i, request in enumerate(batch.requests):
-            state = self._requests.get(request.request_id)
-            if state is None or state.done:
-                continue
-            state.phase, state.decode_worker = "queued", None
-            if count:
-                state.requeues += 1
-                if state.requeues > self.config.max_requeues:
-                    self._finish(state, "error", "its prefill failed too often")
-                    continue
-            keep.append(i)
-        if keep:
-            self.buckets.requeue(subset(batch, keep))
-        self._wake_dispatcher()
-
-    def _judge(self, failures: list[Failure]) -> None:
+    def judge(self, failures: list[Failure]) -> None:
         for failure in failures:
-            self._on_failure(failure.handle, failure.error, failure.epoch)
+            self.on_failure(failure.handle, failure.error, failure.epoch)
 
-    def _on_failure(self, handle: WorkerHandle, exc: BaseException, epoch: int) -> None:
+    def on_failure(self, handle: WorkerHandle, exc: BaseException, epoch: int) -> None:
+        """A call to `handle` (in its life `epoch`) failed: a death restarts the worker and
+        re-queues its decoding requests for a re-prefill; anything else is logged."""
         if not isinstance(exc, _DEATHS):
             if not isinstance(exc, (LeaseError, TransferError, PrefillCapacityError)):
                 logger.error("%s failed a call: %r", handle.name, exc)
@@ -469,9 +283,9 @@ class Controller:
         if handle.role == "decode":
             for state in list(self._requests.values()):
                 if state.decode_worker == handle.name and state.phase == "decode":
-                    self._requeue(state, f"{handle.name} died")
+                    self.dispatcher.requeue(state, f"{handle.name} died")
         hung_or_failed = isinstance(exc, (WorkerFailedError, WorkerHungError))
-        self._spawn(self._revive(handle, kill_first=hung_or_failed))
+        self.spawn(self._revive(handle, kill_first=hung_or_failed))
 
     async def _revive(self, handle: WorkerHandle, kill_first: bool) -> None:
         try:
@@ -482,25 +296,26 @@ class Controller:
             logger.exception("%s could not be restarted", handle.name)
             if not self.pool.role(handle.role, alive=True):
                 for state in list(self._requests.values()):
-                    self._finish(state, "error", f"no live {handle.role} worker is left")
-        self._wake_dispatcher()
+                    self.finish(state, "error", f"no live {handle.role} worker is left")
+        self.dispatcher.wake()
 
-    # -- helpers -----------------------------------------------------------------------------
-
-    async def _abort_on(
+    async def abort_on(
         self, decode: WorkerHandle, request_id: str, index: int | None = None
     ) -> None:
+        """Abort the request (or only its sample `index`) on `decode`."""
         try:
             await decode.call("abort", request_id, index)
         except Exception as exc:
-            self._on_failure(decode, exc, decode.epoch)
+            self.on_failure(decode, exc, decode.epoch)
+
+    # -- helpers -----------------------------------------------------------------------------
 
     async def _monitor_loop(self) -> None:
         """The global monitor: fresh worker reports, and deaths of idle workers noticed."""
         while True:
             await asyncio.sleep(self.config.stats_interval_s)
             await self.refresh_stats()
-            self._wake_dispatcher()
+            self.dispatcher.wake()
 
     def _bound_by_pools(self) -> None:
         """Bounds from the pools the workers got; prefill workers that run every batch at its
@@ -514,19 +329,10 @@ class Controller:
         infos = self.pool.infos
         padded = any(infos[h.name].get("padding", True) for h in self.pool.role("prefill"))
         if self.config.colocated or not padded:
-            self.buckets = BucketManager(self.buckets.config, self.buckets.shapes, padded=False)
+            buckets = self.buckets
+            self.dispatcher.buckets = BucketManager(buckets.config, buckets.shapes, padded=False)
 
-    def _max_tokens_hint(self, state: RequestState) -> int:
-        """Per sample: n samples' growth must fit the pool together."""
-        left = state.request.sampling_params.max_tokens - len(state.output_token_ids)
-        hint = self.limits.max_tokens_hint(left, state.num_tokens)
-        return hint if state.n == 1 else max(1, hint // state.n)
-
-    def _wake_dispatcher(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)

@@ -68,24 +68,16 @@ class RequestState:
         return len(self.request.prompt_token_ids) + len(self.output_token_ids)
 
     def handoff(self) -> HandoffRequest:
-        return HandoffRequest(
-            self.request_id,
-            list(self.request.prompt_token_ids),
-            list(self.output_token_ids),
-            self.request.sampling_params,
-        )
+        """The request as the workers get it: itself, and a snapshot of the tokens so far."""
+        return HandoffRequest(self.request, list(self.output_token_ids))
 
     def bucket_request(self, max_tokens: int) -> BucketRequest:
-        """What the bucket manager queues: the tokens so far as the prompt to prefill."""
+        """What the bucket manager queues: this state (as the payload) under the request's
+        id, its tokens so far as the prompt to prefill."""
         r = self.request
         return BucketRequest(
-            r.request_id,
-            self.num_tokens,
-            max_tokens,
-            r.tenant,
-            r.arrival_time,
-            r.priority,
-            samples=self.n,
+            r.request_id, self.num_tokens, max_tokens, r.tenant, r.arrival_time, r.priority,
+            payload=self, samples=self.n,
         )
 
     def accept(self, delta: TokenDelta, outputs: OutputProcessor) -> StreamDelta | None:

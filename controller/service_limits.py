@@ -1,6 +1,7 @@
 """The lengths, block counts and bucket ranges every part of the service plans with, derived
 in one place: from the config and the model at construction, then from the pools the
-workers got."""
+workers got. The service config (`deploy/serve_config.py`) asks the static methods here for
+the same values before a controller exists."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from runtime.model_config import ModelConfig
 from runtime.tokenizer import Tokenizer
 from runtime.weights import resolve_model
 
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
 
 class ServiceLimits:
     """`model`: what the gateway admits against (its `max_prompt_len` tightens once the
@@ -33,6 +36,56 @@ class ServiceLimits:
         self.block_size = self.model.block_size
         self.max_seq_len = self.model.max_model_len
         self.decode_capacity = 0
+
+    @staticmethod
+    def max_model_len(config: ControllerConfig, model: ModelConfig) -> int:
+        """The longest sequence served: `runner.max_model_len`, else the model's length.
+        ValueError beyond the model's length."""
+        limit, name = model.max_position_embeddings, config.runner.model
+        wanted = config.runner.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(
+                f"{wanted} is beyond the model's length: allowed 2..{limit} "
+                f"(max_position_embeddings of {name or 'the embedded ' + DEFAULT_MODEL})"
+            )
+        return wanted
+
+    @staticmethod
+    def bucket_config(config: ControllerConfig, max_model_len: int) -> BucketManagerConfig:
+        """`config.buckets` sized for the model (the default buckets when it has none), so
+        every admitted prompt has a request bucket and the shapes use the pool's blocks."""
+        block_size = config.runner.block_size
+        if config.buckets is None:
+            max_num_seqs = config.scheduler.max_num_seqs
+            return ServiceLimits.default_buckets(max_model_len, block_size, max_num_seqs)
+        return _size_for_model(config.buckets, max_model_len, block_size)
+
+    @staticmethod
+    def default_buckets(
+        max_model_len: int, block_size: int, max_num_seqs: int
+    ) -> BucketManagerConfig:
+        """Request buckets over the model's length; prompt shapes of batch 1..16 and query
+        block_size..max_model_len (fresh prompts only: no context blocks); decode shapes of
+        batch 1..max_num_seqs and blocks up to one max_model_len sequence; prefill batches
+        of at most max_num_seqs, the decode batch they join."""
+        return _size_for_model(
+            BucketManagerConfig(
+                batching=BatchingConfig(max_num_seqs=max_num_seqs),
+                shape_buckets=ShapeBucketConfig(
+                    prompt=PromptShapeConfig(
+                        bs=BucketRange(1, 1, 16, 5),
+                        query=_doubling(block_size, max_model_len),
+                        ctx=BucketRange(0, 1, 0, 1),
+                    ),
+                    decode=DecodeShapeConfig(
+                        bs=_doubling(1, max_num_seqs),
+                        blocks=_doubling(1, -(-max_model_len // block_size)),
+                    ),
+                ),
+            ),
+            max_model_len,
+            block_size,
+        )
 
     def bound_by_pools(self, decode_blocks: int, prefill_blocks: int, safe_blocks: int) -> None:
         """Tighten the bounds to the smallest decode and prefill pools the workers got;
@@ -59,59 +112,26 @@ def describe_model(config: ControllerConfig) -> tuple[ModelInfo, BucketManagerCo
     """The served model's limits and tokenizer, and the bucket config sized for them."""
     model_dir = resolve_model(config.runner.model)
     model_config = ModelConfig.from_dir(model_dir)
-    max_model_len = config.runner.max_model_len or model_config.max_position_embeddings
-    if max_model_len > model_config.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-            f"{model_config.max_position_embeddings}"
-        )
-    block_size = config.runner.block_size
-    buckets = (
-        default_buckets(max_model_len, block_size, config.scheduler.max_num_seqs)
-        if config.buckets is None
-        else size_for_model(config.buckets, max_model_len, block_size)
-    )
+    try:
+        max_model_len = ServiceLimits.max_model_len(config, model_config)
+    except ValueError as exc:
+        raise ValueError(f"max_model_len {exc}") from None
     tokenizer = Tokenizer.from_dir(model_dir)
     eos = {*model_config.eos_token_ids, tokenizer.eos_token_id} - {None}
     info = ModelInfo(
-        name=config.runner.model or "SmolLM2-135M-Instruct",
+        name=config.runner.model or DEFAULT_MODEL,
         path=model_dir,
         max_model_len=max_model_len,
         max_prompt_len=max_model_len - 1,
-        block_size=block_size,
+        block_size=config.runner.block_size,
         vocab_size=model_config.vocab_size,
         eos_token_ids=frozenset(eos),
         tokenizer=tokenizer,
     )
-    return info, buckets
+    return info, ServiceLimits.bucket_config(config, max_model_len)
 
 
-def default_buckets(max_model_len: int, block_size: int, max_num_seqs: int) -> BucketManagerConfig:
-    """Request buckets over the model's length; prompt shapes of batch 1..16 and query
-    block_size..max_model_len (fresh prompts only: no context blocks); decode shapes of
-    batch 1..max_num_seqs and blocks up to one max_model_len sequence; prefill batches of
-    at most max_num_seqs, the decode batch they join."""
-    return size_for_model(
-        BucketManagerConfig(
-            batching=BatchingConfig(max_num_seqs=max_num_seqs),
-            shape_buckets=ShapeBucketConfig(
-                prompt=PromptShapeConfig(
-                    bs=BucketRange(1, 1, 16, 5),
-                    query=_doubling(block_size, max_model_len),
-                    ctx=BucketRange(0, 1, 0, 1),
-                ),
-                decode=DecodeShapeConfig(
-                    bs=_doubling(1, max_num_seqs),
-                    blocks=_doubling(1, -(-max_model_len // block_size)),
-                ),
-            ),
-        ),
-        max_model_len,
-        block_size,
-    )
-
-
-def size_for_model(
+def _size_for_model(
     config: BucketManagerConfig, max_model_len: int, block_size: int
 ) -> BucketManagerConfig:
     """`config` with its shape buckets' block size and length, and its request buckets'

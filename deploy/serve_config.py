@@ -27,7 +27,7 @@ from bucket_manager.config import (
     TenantConfig,
 )
 from controller.config import ControllerConfig, PlacementConfig
-from controller.service_limits import default_buckets
+from controller.service_limits import ServiceLimits
 from deploy.serve_config_error import ServeConfigError
 from deploy.serve_config_schema import FIELDS, TARGETS, ServeConfigSchema, check_type
 from gateway.gateway_config import GatewayConfig
@@ -36,7 +36,6 @@ from runtime.device import DTYPES
 
 DEVICES = ("auto", "cpu", "cuda", "cuda:<i>", "hpu")
 _CARD_DEVICES = {"hpu": "hpu", "cuda": "gpu"}  # model.device -> the card its workers need
-_DEFAULT_MODEL = "embedded SmolLM2-135M-Instruct"
 
 
 @dataclass(frozen=True)
@@ -199,39 +198,34 @@ class ServeConfig:
         """The ControllerConfig with request and shape buckets for the model and the
         tenants' policies. Reads the model's length unless `max_len` is given
         (ServeConfigError when L_max or max_model_len exceed it, or a named file is missing)."""
-        runner = self.controller.runner
         max_len = max_len or self.model_len()
         shape = self.shape_buckets
         bucket_file = shape.get("file")
         if shape.get("strategy") == "file" and bucket_file and not Path(bucket_file).is_file():
             raise self._error("buckets.file", f"{bucket_file} is not a file")
-        base = default_buckets(max_len, runner.block_size, self.controller.scheduler.max_num_seqs)
+        base = ServiceLimits.bucket_config(self.controller, max_len)  # the derived defaults
         buckets = BucketManagerConfig(
-            request_buckets=dataclasses.replace(self.request_buckets, max_len=max_len),
+            request_buckets=self.request_buckets,
             shape_buckets=dataclasses.replace(base.shape_buckets, **shape),
             batching=self.batching,
         )
         config = dataclasses.replace(self.controller, buckets=buckets)
+        config = dataclasses.replace(config, buckets=ServiceLimits.bucket_config(config, max_len))
         return with_tenants(config, self.tenants.bucket_configs())
 
     def model_len(self, convert: bool = True) -> int:
         """The longest sequence served: max_model_len (or L_max), at most the model's.
         `convert=False` reads a GGUF's metadata instead of converting it (and caching the
         conversion, which serving needs anyway)."""
-        runner = self.controller.runner
         try:
-            limit = _model_config(runner.model, convert).max_position_embeddings
+            model = _model_config(self.controller.runner.model, convert)
         except ValueError as exc:
             raise self._error("model.path", str(exc)) from None
-        wanted = runner.max_model_len or limit
-        if wanted > limit:
+        try:
+            return ServiceLimits.max_model_len(self.controller, model)
+        except ValueError as exc:
             key = "buckets.max_len" if self.max_len is not None else "model.max_model_len"
-            raise self._error(
-                key,
-                f"{wanted} is beyond the model's length: allowed 2..{limit} "
-                f"(max_position_embeddings of {runner.model or _DEFAULT_MODEL})",
-            )
-        return wanted
+            raise self._error(key, str(exc)) from None
 
     def _error(self, path: str, message: str) -> ServeConfigError:
         return ServeConfigError(path, message, self.flags.get(path, self.source))
@@ -248,8 +242,7 @@ def with_tenants(config: ControllerConfig, tenants: Sequence[TenantConfig]) -> C
     base = config.buckets
     if base is None:
         model = ModelConfig.from_dir(resolve_model(config.runner.model))
-        max_len = config.runner.max_model_len or model.max_position_embeddings
-        base = default_buckets(max_len, config.runner.block_size, config.scheduler.max_num_seqs)
+        base = ServiceLimits.bucket_config(config, ServiceLimits.max_model_len(config, model))
     return dataclasses.replace(config, buckets=dataclasses.replace(base, tenants=tuple(tenants)))
 
 

@@ -4,7 +4,9 @@ picklable).
 gateway -> controller: ServeRequest; controller -> gateway: StreamDelta (with RequestTimings),
 ModelInfo, ServiceStats, and the admission errors. controller <-> prefill worker: PrefillTask,
 PrefillResult. controller <-> decode worker: Reservation, AdmitResult, StepOutput. Both
-workers: HandoffRequest (a request's tokens so far), TokenDelta, WorkerStats.
+workers: HandoffRequest (the ServeRequest with its tokens so far), TokenDelta, WorkerStats.
+A ServeRequest is made once, at admission; the controller, the bucket manager's queue and
+the workers refer to that one object rather than copying its fields.
 """
 
 from __future__ import annotations
@@ -148,21 +150,31 @@ class ServiceStats:
 
 @dataclass
 class HandoffRequest:
-    """A request's tokens so far: what a prefill computes and a decode worker continues.
-
-    `output_token_ids` are generated tokens: none for a fresh prompt going to
-    prefill; on admission to decode, everything generated, ending with the
-    token the prefill just sampled.
+    """The admitted request itself with its tokens so far: what a prefill computes and a
+    decode worker continues. `request` is the ServeRequest admission made (shared, never
+    copied or changed); `output_token_ids` is a snapshot of the generated tokens: none for a
+    fresh prompt going to prefill; on admission to decode, everything generated, ending with
+    the token the prefill just sampled.
     """
 
-    request_id: str
-    prompt_token_ids: list[int]
+    request: ServeRequest
     output_token_ids: list[int]
-    sampling_params: SamplingParams
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.request.sampling_params
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
 
 
 @dataclass

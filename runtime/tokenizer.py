@@ -54,11 +54,9 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        ids = list(ids)
-        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are not in [0, {self.vocab_size})")
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        """Ids are trusted: the edge (gateway admission, `LLMEngine.add_request`) checked
+        those a user sent; the rest the model sampled."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
         self,

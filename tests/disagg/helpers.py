@@ -94,9 +94,9 @@ async def serve_and_drain(controller: Any, work: list, tag: str) -> tuple[list[l
 def small_batches(max_num_seqs: int = 4) -> Any:
     """Default buckets for the tiny model with prefill batches of at most `max_num_seqs`, so
     the 16 requests spread over several batches (and workers)."""
-    from controller.service_limits import default_buckets
+    from controller.service_limits import ServiceLimits
 
-    buckets = default_buckets(512, BLOCK_SIZE, 64)
+    buckets = ServiceLimits.default_buckets(512, BLOCK_SIZE, 64)
     return dataclasses.replace(
         buckets, batching=dataclasses.replace(buckets.batching, max_num_seqs=max_num_seqs)
     )

@@ -42,6 +42,31 @@ def test_worker_messages_carry_token_ids_and_no_text() -> None:
     }
 
 
+def test_the_admitted_request_is_one_object_from_the_controller_to_the_workers() -> None:
+    """Nothing after admission copies a ServeRequest's fields: the controller's state holds
+    it, the bucket manager's entry carries that state, a HandoffRequest carries it."""
+    from controller.request_state import RequestState
+    from controller.request_stream import RequestStream
+    from kv_worker.messages import ServeRequest
+    from runtime.sampling_params import SamplingParams
+
+    async def abort(request_id: str) -> bool:
+        return False
+
+    request = ServeRequest("r", [1, 2, 3], SamplingParams(max_tokens=4), tenant="t")
+    state = RequestState(request, RequestStream("r", abort))
+    state.output_token_ids += [7]
+    handoff = state.handoff()
+    assert handoff.request is request and handoff.prompt_token_ids is request.prompt_token_ids
+    assert (handoff.request_id, handoff.sampling_params) == ("r", request.sampling_params)
+    assert handoff.output_token_ids == [7] and handoff.num_tokens == 4
+    state.output_token_ids += [8]  # a snapshot: later tokens are the next handoff's
+    assert handoff.output_token_ids == [7]
+    entry = state.bucket_request(max_tokens=3)
+    assert entry.payload is state
+    assert (entry.request_id, entry.prompt_len, entry.tenant) == ("r", 5, "t")
+
+
 def test_bookkeeping_modules_import_without_torch() -> None:
     code = f"import sys; import {', '.join(TORCH_FREE)}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

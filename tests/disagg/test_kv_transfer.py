@@ -14,7 +14,7 @@ from decode_worker.decode_worker import DecodeWorker
 from kv_transfer.inprocess import InProcessTransport
 from kv_transfer.kv_format import KVFormat
 from kv_transfer.ray_store import from_wire, to_wire
-from kv_worker.messages import HandoffRequest, PrefillTask, ReservationError
+from kv_worker.messages import HandoffRequest, PrefillTask, ReservationError, ServeRequest
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.prefill_worker import PrefillWorker
 from runtime.engine_config import EngineConfig
@@ -87,7 +87,10 @@ def test_kv_moves_layer_by_layer_into_the_reserved_blocks(
     log = LayerLog(decode, prefill)
     transport.register(decode.name, log)
     try:
-        requests = [HandoffRequest(f"r{i}", list(p), [], s) for i, (p, s) in enumerate(work[:3])]
+        requests = [
+            HandoffRequest(ServeRequest(f"r{i}", list(p), s), [])
+            for i, (p, s) in enumerate(work[:3])
+        ]
         need = [(r.request_id, -(-len(r.prompt_token_ids) // BLOCK_SIZE)) for r in requests]
         with pytest.raises(ValueError, match="distinct ids"):
             decode.reserve([("r0", 1), ("r0", 1)])

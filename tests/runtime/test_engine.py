@@ -220,7 +220,7 @@ def test_bad_requests_are_rejected_without_a_trace(tiny_runner):
     engine = LLMEngine.from_kwargs(runner=tiny_runner)
     engine.add_request([5, 6], GREEDY, request_id="taken")
     cases = [
-        (([1, 49152],), "not integers in"),
+        (([1, 49152],), r"token ids \[49152\] are not integers in \[0, 49152\)"),
         (([],), "at least one token"),
         (([1] * 384,), r"within 384 \(max_model_len 512, KV pool of 96 blocks"),
         ((3.5,), "must be a str or a list"),
@@ -251,6 +251,9 @@ def test_llm_generate_and_chat_keep_input_order(tiny_runner):
     assert chat[0].prompt_token_ids == llm.tokenizer.encode(chat[0].prompt, False)
     with pytest.raises(ValueError, match="got 2 SamplingParams for 4 prompts"):
         llm.generate(prompts, params[:2], use_tqdm=False)
+    bad = r"token ids \[-1, 49152\] are not integers in \[0, 49152\)"
+    with pytest.raises(ValueError, match=bad):
+        llm.generate([prompts[0], [5, -1, 49152]], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="unknown engine option"):
         LLM(runner=tiny_runner, max_num_seq=2)
     with pytest.raises(ValueError, match="not both"):

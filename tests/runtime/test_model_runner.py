@@ -195,10 +195,6 @@ def test_bad_steps_raise_and_change_nothing(runner):
     seq.block_table = [1, NUM_BLOCKS]
     with pytest.raises(ValueError, match=r"block ids must be in \[0, 48\)"):
         runner.execute([seq], [5])
-    bad_token = new_seqs([[5, 49152]])[0]
-    bad_token.block_table = [0]
-    with pytest.raises(ValueError, match=r"token ids must be in \[0, 49152\)"):
-        runner.execute([bad_token], [2])
     assert torch.equal(runner.kv_cache.kv, pool)
 
 

@@ -94,8 +94,6 @@ def test_bad_input_errors(tok):
         tok.apply_chat_template("hello")
     with pytest.raises(ValueError, match="must be a str"):
         tok.encode(["not", "a", "string"])
-    with pytest.raises(ValueError, match=r"token ids \[49152\] are not in \[0, 49152\)"):
-        tok.decode([5, 49152])
     bare = Tokenizer(tok.backend)
     with pytest.raises(ValueError, match="no chat_template"):
         bare.apply_chat_template(CHATS[0])
