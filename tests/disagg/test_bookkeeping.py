@@ -55,12 +55,12 @@ def test_the_admitted_request_is_one_object_from_the_controller_to_the_workers()
 
     request = ServeRequest("r", [1, 2, 3], SamplingParams(max_tokens=4), tenant="t")
     state = RequestState(request, RequestStream("r", abort))
-    state.output_token_ids += [7]
+    state.output_token_ids.extend([7])
     handoff = state.handoff()
     assert handoff.request is request and handoff.prompt_token_ids is request.prompt_token_ids
     assert (handoff.request_id, handoff.sampling_params) == ("r", request.sampling_params)
     assert handoff.output_token_ids == [7] and handoff.num_tokens == 4
-    state.output_token_ids += [8]  # a snapshot: later tokens are the next handoff's
+    state.output_token_ids.extend([8])  # a snapshot: later tokens are the next handoff's
     assert handoff.output_token_ids == [7]
     entry = state.bucket_request(max_tokens=3)
     assert entry.payload is state
