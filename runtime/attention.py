@@ -27,15 +27,22 @@ class AttentionGroup:
     attn_mask: torch.Tensor | None = None  # set by prepare()
 
     def prepare(self, block_size: int, num_queries_per_kv: int, dtype: torch.dtype) -> None:
-        keys = torch.arange(
-            self.block_tables.shape[1] * block_size, device=self.block_tables.device
-        )
-        # Row order matches the query layout in _attend: group-major.
-        positions = self.query_positions.repeat(1, num_queries_per_kv)
-        allowed = (keys <= positions.unsqueeze(-1)).unsqueeze(1)
-        # Additive float mask: SDPA's CPU kernel is about 2x faster with it than with a bool one.
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        self.attn_mask = mask.masked_fill_(~allowed, float("-inf"))
+        num_keys = self.block_tables.shape[1] * block_size
+        self.attn_mask = rect_mask(self.query_positions, num_keys, num_queries_per_kv, dtype)
+
+
+def rect_mask(
+    query_positions: torch.Tensor, num_keys: int, num_queries_per_kv: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The additive mask `[R, 1, per_kv * Q, keys]` of a padded rectangle: query i of row r
+    sees keys 0..query_positions[r, i]."""
+    keys = torch.arange(num_keys, device=query_positions.device)
+    # Row order matches the query layout in attend_rect: group-major.
+    positions = query_positions.repeat(1, num_queries_per_kv)
+    allowed = (keys <= positions.unsqueeze(-1)).unsqueeze(1)
+    # Additive float mask: SDPA's CPU kernel is about 2x faster with it than with a bool one.
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill(~allowed, float("-inf"))
 
 
 @dataclass
@@ -78,9 +85,20 @@ def write_kv(
     metadata: AttentionMetadata,
 ) -> None:
     """Store the step's K/V `[T, kv_heads, head_dim]` into their pool slots."""
+    write_slots(k, v, k_cache, v_cache, metadata.write_slots)
+
+
+def write_slots(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """In place into the layer's own cache tensors (graph-capturable: they are inputs)."""
     heads, dim = k.shape[1], k.shape[2]
-    k_cache.view(heads, -1, dim).index_copy_(1, metadata.write_slots, k.transpose(0, 1))
-    v_cache.view(heads, -1, dim).index_copy_(1, metadata.write_slots, v.transpose(0, 1))
+    k_cache.view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
 
 
 def paged_attention(
@@ -118,16 +136,29 @@ def _attend(
     """One rectangle: gather each row's blocks (one index_select per tensor, each head's
     keys contiguous), then SDPA with the queries of a KV head stacked, so grouped-query
     attention repeats no K/V."""
-    rows, queries = group.query_positions.shape
+    return attend_rect(q, k_cache, v_cache, group.block_tables, group.attn_mask, scale)
+
+
+def attend_rect(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    attn_mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`_attend` from tensors alone: queries `[R * Q, heads, dim]`, tables `[R, NB]`."""
+    rows = block_tables.shape[0]
+    queries = q.shape[0] // rows
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[0]
     per_kv = heads // kv_heads
     q = q.view(rows, queries, kv_heads, per_kv, dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(rows, kv_heads, per_kv * queries, dim)
-    blocks = group.block_tables.view(-1)
+    blocks = block_tables.reshape(-1)
     k = k_cache.index_select(1, blocks).view(kv_heads, rows, -1, dim).transpose(0, 1)
     v = v_cache.index_select(1, blocks).view(kv_heads, rows, -1, dim).transpose(0, 1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.attn_mask, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
     out = out.view(rows, kv_heads, per_kv, queries, dim).permute(0, 3, 1, 2, 4)
     return out.reshape(rows * queries, heads, dim)
 
