@@ -34,6 +34,7 @@ class PlacementConfig:
     makes idle OpenMP threads sleep rather than spin). `cpus` pins each actor
     to those core ids (and sizes its pool to them unless `torch_threads` says
     otherwise): disjoint lists partition one machine between the roles.
+    `execution` ("eager" | "graphs" | "auto") overrides the model runner's for this role.
     """
 
     accelerator: str = "auto"
@@ -41,6 +42,7 @@ class PlacementConfig:
     resources: dict[str, float] = field(default_factory=dict)
     torch_threads: int | None = None
     cpus: list[int] | None = None
+    execution: str | None = None
 
     def __post_init__(self) -> None:
         if self.accelerator not in ACCELERATORS:
@@ -58,6 +60,11 @@ class PlacementConfig:
             )
         check_worker_options("placement", "auto", "auto", self.torch_threads)
         check_cpus("placement.cpus", self.cpus)
+        if self.execution not in (None, "auto", "eager", "graphs"):
+            raise ValueError(
+                "placement.execution must be null, 'auto', 'eager' or 'graphs'; "
+                f"got {self.execution!r}"
+            )
 
 
 @dataclass
@@ -152,9 +159,17 @@ class ControllerConfig:
         return "inprocess" if self.mode == "local" else "ray"
 
     def prefill_runner(self) -> ModelRunnerConfig:
+        runner = self.role_runner("prefill")
         if self.prefill_kv_blocks is None:
+            return runner
+        return dataclasses.replace(runner, num_kv_blocks=self.prefill_kv_blocks)
+
+    def role_runner(self, role: str) -> ModelRunnerConfig:
+        """The runner config of one role: its placement's `execution` over the model's."""
+        placement = self.prefill_placement if role == "prefill" else self.decode_placement
+        if placement.execution is None:
             return self.runner
-        return dataclasses.replace(self.runner, num_kv_blocks=self.prefill_kv_blocks)
+        return dataclasses.replace(self.runner, execution=placement.execution)
 
     def torch_threads(self, role: str) -> int | None:
         """Per-actor intra-op threads; None in local mode (one process shares one pool)."""

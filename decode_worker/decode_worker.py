@@ -226,7 +226,7 @@ class DecodeWorker(KVWorker):
                 running=len(sched.running),
                 waiting=len(sched.waiting),
                 preemptions=sched.num_preemptions,
-                graph_misses=self.shapes.graph_misses + self._unbucketed_steps,
+                graph_misses=self.graph_misses(self.shapes.graph_misses + self._unbucketed_steps),
                 boot_id=self.boot_id,
                 transport=self.transport_name,
                 alive=self._failure is None,
@@ -235,6 +235,7 @@ class DecodeWorker(KVWorker):
                 reserved_blocks=bm.num_reserved_blocks,
                 blocks_to_come=self._blocks_to_come(),
                 batches=self._steps,
+                **self.graph_fields(),
             )
 
     def shutdown(self) -> None:

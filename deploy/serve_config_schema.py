@@ -31,7 +31,7 @@ TARGETS: dict[str, type] = {
     "request_buckets": RequestBucketConfig,
     "batching": BatchingConfig,
 }
-_PLACEMENT = ("accelerator", "num_cpus", "resources", "torch_threads", "cpus")
+_PLACEMENT = ("accelerator", "num_cpus", "resources", "torch_threads", "cpus", "execution")
 _CONTROLLER = (
     "shape", "mode", "ray_address", "transport", "max_restarts", "lease_ttl_s",
     "worker_timeout_s", "max_queued_requests", "max_requeues", "stats_interval_s",
@@ -46,6 +46,7 @@ def _fields() -> dict[str, tuple[str, str]]:
         "model.device": ("runner", "device"),
         "model.max_model_len": ("runner", "max_model_len"),
         "model.seed": ("runner", "seed"),
+        "model.execution": ("runner", "execution"),
         "kv_cache.block_size": ("runner", "block_size"),
         "kv_cache.memory_fraction": ("runner", "kv_memory_fraction"),
         "kv_cache.num_blocks": ("runner", "num_kv_blocks"),

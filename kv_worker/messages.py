@@ -197,6 +197,11 @@ class WorkerStats:
     batches: int = 0  # prefill batches run, or decode steps taken
     kv_bytes_sent: int = 0
     transport: str = ""  # the KV transport in use
+    execution: str = ""  # eager | graphs
+    graphs: int = 0  # compiled step graphs held (graphs mode)
+    graph_compile_s: float = 0.0  # warm-up's compile seconds
+    graph_miss_compile_s: float = 0.0  # compile seconds of shapes met while serving
+    kv_export: str = ""  # graphs mode: per_layer, or after_graph where a graph runs whole
 
 
 @dataclass

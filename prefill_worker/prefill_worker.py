@@ -115,13 +115,14 @@ class PrefillWorker(KVWorker):
                 num_free_blocks=bm.num_free_blocks,
                 num_total_blocks=bm.num_total_blocks,
                 running=held,
-                graph_misses=self._graph_misses,
+                graph_misses=self.graph_misses(self._graph_misses),
                 boot_id=self.boot_id,
                 transport=self.transport_name,
                 leases_open=len(self.leases),
                 leases_expired=self.leases.counts.expired,
                 batches=self._batches,
                 kv_bytes_sent=self._kv_bytes,
+                **self.graph_fields(),
             )
 
     def shutdown(self) -> None:

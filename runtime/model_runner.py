@@ -265,7 +265,7 @@ class ModelRunner:
             for rows in (np.flatnonzero(counts == 1), np.flatnonzero(counts > 1)):
                 if len(rows):
                     need = self.inputs.need([seqs[i] for i in rows], counts[rows].tolist())
-                    parts.append((rows, self.graphs.fit(need) or need))
+                    parts.append((rows, self.graphs.fit(need) or self._miss_shape(need)))
         hook = on_layer if len(parts) == 1 else None
         logits = None
         for rows, shape in parts:
@@ -281,6 +281,13 @@ class ModelRunner:
         for layer in range(self.kv_cache.num_layers if on_layer else 0):
             on_layer(layer)
         return logits
+
+    def _miss_shape(self, need: Shape) -> Shape:
+        """The shape a step no warmed graph holds compiles: each dimension rounded up to a
+        power of two (the blocks capped at max_model_len's), so misses stay few."""
+        cap = -(-self.max_model_len // self.block_size)
+        b, q, nb = (1 << (x - 1).bit_length() for x in need)
+        return (b, q, max(min(nb, cap), need[2]))
 
 
 def resolve_execution(setting: str, device_type: str) -> str:
