@@ -173,3 +173,36 @@ def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     v = v.transpose(0, 1).repeat_interleave(per_kv, dim=0).unsqueeze(0)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     return out[0].transpose(0, 1)
+
+
+def attend_flat(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_list: torch.Tensor,
+    block_rows: torch.Tensor,
+    block_valid: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode rows (one query each, `q [R, heads, dim]`) over the flat list of their blocks
+    (vllm-gaudi's layout): `block_list [NB]` the batch's blocks, `block_rows [NB]` whose
+    each is, `block_valid [NB, block_size]` which slots hold context. Scores per block,
+    a softmax per row across its blocks, so a ragged batch pads only its total block
+    count; padding blocks (no valid slot) and rows without blocks add nothing."""
+    rows, heads, dim = q.shape
+    kv_heads = k_cache.shape[0]
+    per_kv = heads // kv_heads
+    k = k_cache.index_select(1, block_list)  # [kv_heads, NB, block_size, dim]
+    v = v_cache.index_select(1, block_list)
+    qb = q.view(rows, kv_heads, per_kv, dim).index_select(0, block_rows)
+    scores = torch.einsum("nkpd,knsd->nkps", qb, k) * scale
+    scores = scores.masked_fill(~block_valid[:, None, None, :], float("-inf"))
+    row_max = torch.full((rows, kv_heads, per_kv), float("-inf"), dtype=q.dtype, device=q.device)
+    row_max = row_max.index_reduce(0, block_rows, scores.amax(-1), "amax")
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    p = torch.exp(scores - row_max.index_select(0, block_rows).unsqueeze(-1))
+    total = torch.zeros_like(row_max).index_add(0, block_rows, p.sum(-1))
+    out = torch.zeros((rows, kv_heads, per_kv, dim), dtype=q.dtype, device=q.device)
+    out = out.index_add(0, block_rows, torch.einsum("nkps,knsd->nkpd", p, v))
+    out = out / total.clamp_min(torch.finfo(q.dtype).tiny).unsqueeze(-1)
+    return out.reshape(rows, heads, dim)

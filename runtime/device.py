@@ -38,34 +38,66 @@ _ONEDNN_DTYPES = {torch.float32} | (
 
 
 def _onednn(x: torch.Tensor) -> bool:
-    """oneDNN's fused ops run eagerly only: a compiler traces the plain ops (they have no
-    fake-tensor kernels) and does its own fusing."""
-    return (
-        _USE_ONEDNN
-        and x.device.type == "cpu"
-        and x.dtype in _ONEDNN_DTYPES
-        and not torch.compiler.is_compiling()
-    )
+    return _USE_ONEDNN and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES
+
+
+# The fused oneDNN GEMMs as custom ops with fake kernels, so a compiled graph (graphs mode)
+# keeps calling them (inductor's own CPU GEMM is MKL's, the slow path here) while it fuses
+# the elementwise work between them.
+@torch.library.custom_op("bucketserve::onednn_linear", mutates_args=())
+def _onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, attr: str
+) -> torch.Tensor:
+    return _ONEDNN_LINEAR(x, weight, bias, attr, [], "")
+
+
+@_onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, attr: str):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("bucketserve::onednn_linear_binary", mutates_args=())
+def _onednn_binary(
+    x: torch.Tensor, other: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: str
+) -> torch.Tensor:
+    return _ONEDNN_LINEAR.binary(x, other, weight, bias, op)
+
+
+@_onednn_binary.register_fake
+def _(x, other, weight, bias, op):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _pointwise(x, weight, bias, attr):
+    if torch.compiler.is_compiling():
+        return _onednn_linear(x, weight, bias, attr)
+    return _ONEDNN_LINEAR(x, weight, bias, attr, [], "")
+
+
+def _binary(x, other, weight, bias, op):
+    if torch.compiler.is_compiling():
+        return _onednn_binary(x, other, weight, bias, op)
+    return _ONEDNN_LINEAR.binary(x, other, weight, bias, op)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, through oneDNN on CPU."""
     if _onednn(x):
-        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+        return _pointwise(x, weight, bias, "none")
     return F.linear(x, weight, bias)
 
 
 def linear_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`silu(x @ weight.T)`, one fused GEMM on CPU."""
     if _onednn(x):
-        return _ONEDNN_LINEAR(x, weight, None, "swish", [], "")
+        return _pointwise(x, weight, None, "swish")
     return F.silu(F.linear(x, weight))
 
 
 def linear_mul(x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """`(x @ weight.T) * other`, one fused GEMM on CPU."""
     if _onednn(x):
-        return _ONEDNN_LINEAR.binary(x, other, weight, None, "mul")
+        return _binary(x, other, weight, None, "mul")
     return F.linear(x, weight).mul_(other)
 
 
@@ -74,7 +106,7 @@ def linear_add(
 ) -> torch.Tensor:
     """`x @ weight.T + bias + other` (a residual), one fused GEMM on CPU."""
     if _onednn(x):
-        return _ONEDNN_LINEAR.binary(x, other, weight, bias, "add")
+        return _binary(x, other, weight, bias, "add")
     return F.linear(x, weight, bias).add_(other)
 
 

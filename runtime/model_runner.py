@@ -126,6 +126,8 @@ class ModelRunner:
             if self.execution == "graphs"
             else None
         )
+        # eager steps padded to a decode shape read its flat block list, uncompiled
+        self._flat = CompiledGraphs(self.model, self.kv_cache, self.device, compiled=False)
 
     @property
     def graph_stats(self) -> GraphStats | None:
@@ -215,12 +217,15 @@ class ModelRunner:
         seconds = {}
         for shape in shapes:
             shape = self.inputs.check_shape(shape)
-            inputs = self.inputs.prepare([], [], shape)
+            inputs = self._prepare([], [], shape)
             if self.graphs is not None:
                 seconds[shape] = self.graphs.warm(shape, inputs.graph_args())
                 continue
             start = time.perf_counter()
-            self._forward(inputs)
+            if inputs.flat is not None:
+                self._flat.run(shape, inputs.flat)
+            else:
+                self._forward(inputs)
             seconds[shape] = time.perf_counter() - start
         self.device.synchronize()
         return seconds
@@ -235,6 +240,9 @@ class ModelRunner:
         pad_to = None if pad_to is None else self.inputs.check_shape(pad_to)
         if self.graphs is not None:
             return self._run_graphs(seqs, num_new_tokens, pad_to, on_layer)
+        if pad_to is not None and pad_to[1] == 1:
+            flat = self._prepare(seqs, num_new_tokens, pad_to)
+            return self._flat.run(pad_to, flat.graph_args(), on_layer)[: len(seqs)]
         inputs = self.inputs.prepare(seqs, num_new_tokens, pad_to)
         logits = self._forward(inputs, on_layer)
         if on_layer is not None:
@@ -262,14 +270,22 @@ class ModelRunner:
         else:
             counts = np.asarray(num_new_tokens)
             parts = []
-            for rows in (np.flatnonzero(counts == 1), np.flatnonzero(counts > 1)):
+            # decode rows together; prefill rows grouped by query length (a power of two),
+            # so a short prompt never pads to a long chunk
+            levels = np.where(counts == 1, 0, np.ceil(np.log2(np.maximum(counts, 2))))
+            for level in np.unique(levels):
+                rows = np.flatnonzero(levels == level)
                 if len(rows):
                     need = self.inputs.need([seqs[i] for i in rows], counts[rows].tolist())
                     parts.append((rows, self.graphs.fit(need) or self._miss_shape(need)))
         hook = on_layer if len(parts) == 1 else None
         logits = None
+        stats = self.graphs.stats
         for rows, shape in parts:
-            part = self.inputs.prepare(
+            if shape[1] > 1:
+                stats.prompt_tokens += sum(num_new_tokens[i] for i in rows)
+                stats.prompt_padded_tokens += shape[0] * shape[1]
+            part = self._prepare(
                 [seqs[i] for i in rows], [num_new_tokens[i] for i in rows], shape
             )
             out = self.graphs.run(shape, part.graph_args(), hook)[: len(rows)]
@@ -282,10 +298,16 @@ class ModelRunner:
             on_layer(layer)
         return logits
 
+    def _prepare(self, seqs: list[Sequence], counts: list[int], shape: Shape) -> StepInputs:
+        """A padded step's inputs: decode shapes `(batch, 1, blocks)` as a flat block list."""
+        if shape[1] == 1:
+            return self.inputs.prepare_flat(seqs, counts, shape)
+        return self.inputs.prepare(seqs, counts, shape)
+
     def _miss_shape(self, need: Shape) -> Shape:
         """The shape a step no warmed graph holds compiles: each dimension rounded up to a
         power of two (the blocks capped at max_model_len's), so misses stay few."""
-        cap = -(-self.max_model_len // self.block_size)
+        cap = -(-self.max_model_len // self.block_size) * (need[0] if need[1] == 1 else 1)
         b, q, nb = (1 << (x - 1).bit_length() for x in need)
         return (b, q, max(min(nb, cap), need[2]))
 

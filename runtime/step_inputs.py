@@ -23,12 +23,16 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     logits_rows: torch.Tensor
-    metadata: AttentionMetadata
+    metadata: AttentionMetadata | None
     num_seqs: int
     write_slots: torch.Tensor | None = None  # padded steps: padding writes the null block
+    flat: tuple[torch.Tensor, ...] | None = None  # a flat decode step's graph args
 
     def graph_args(self) -> tuple[torch.Tensor, ...]:
-        """A padded (one-rectangle) step's tensors, in `CompiledGraphs.step`'s order."""
+        """A padded step's tensors, in `CompiledGraphs.step` (or `step_flat`) order."""
+        if self.flat is not None:
+            return self.flat
+        assert self.metadata is not None
         group = self.metadata.groups[0]
         return (
             self.input_ids,
@@ -71,16 +75,21 @@ class InputBuilder:
             raise ValueError(
                 f"shape must be (batch, query_len, num_blocks) of ints >= 1, got {shape!r}"
             )
-        if shape[2] * self.block_size > self.max_model_len + self.block_size - 1:
+        per_row = shape[2] // shape[0] if shape[1] == 1 else shape[2]  # decode: the total
+        if per_row * self.block_size > self.max_model_len + self.block_size - 1:
             raise ValueError(
                 f"shape {tuple(shape)} has more blocks than max_model_len {self.max_model_len}"
             )
         return (int(shape[0]), int(shape[1]), int(shape[2]))
 
     def need(self, seqs: list[Sequence], num_new_tokens: list[int]) -> Shape:
-        """The unpadded shape of a step: rows, longest chunk, widest block table."""
+        """The unpadded shape of a step: rows, longest chunk, widest block table (a decode
+        step: the batch's total blocks)."""
         ends = [s.num_computed_tokens + n for s, n in zip(seqs, num_new_tokens, strict=True)]
-        return (len(seqs), max(num_new_tokens), -(-max(ends) // self.block_size))
+        blocks = [-(-e // self.block_size) for e in ends]
+        if max(num_new_tokens) == 1:
+            return (len(seqs), 1, sum(blocks))
+        return (len(seqs), max(num_new_tokens), max(blocks))
 
     def validate(self, seqs: list[Sequence], num_new_tokens: list[int]) -> None:
         if len(seqs) != len(num_new_tokens):
@@ -177,6 +186,44 @@ class InputBuilder:
         if pad_to is not None:
             write = t(np.where(slots >= 0, slots, self.null_block * self.block_size))
         return StepInputs(t(input_ids), t(positions), t(logits_rows), metadata, b.n, write)
+
+    def prepare_flat(
+        self, seqs: list[Sequence], num_new_tokens: list[int], pad_to: Shape
+    ) -> StepInputs:
+        """A decode step at `pad_to = (B, 1, NB)`, NB the batch's total blocks as
+        vllm-gaudi counts them: the flat list of every row's blocks, each with its row and
+        the slots that hold context (`attend_flat`)."""
+        self.validate(seqs, num_new_tokens)
+        if any(n != 1 for n in num_new_tokens):
+            raise ValueError("a decode shape (batch, 1, blocks) takes one new token per row")
+        b = _Batch(seqs, num_new_tokens, self.block_size)
+        rows, _, total = pad_to
+        if rows < b.n or total < int(b.nblocks.sum()):
+            raise ValueError(
+                f"pad_to {pad_to} is smaller than the step (batch {b.n}, "
+                f"{int(b.nblocks.sum())} blocks in all)"
+            )
+        bs = self.block_size
+        block_list = np.full(total, self.null_block, dtype=np.int64)
+        block_rows = np.zeros(total, dtype=np.int64)
+        valid = np.zeros((total, bs), dtype=bool)
+        slots = np.full(rows, self.null_block * bs, dtype=np.int64)
+        at = 0
+        for i, seq in enumerate(seqs):
+            n, pos = int(b.nblocks[i]), int(b.pos[i])
+            block_list[at : at + n] = seq.block_table[:n]
+            block_rows[at : at + n] = i
+            valid[at : at + n] = (np.arange(n * bs) <= pos).reshape(n, bs)
+            slots[i] = seq.block_table[pos // bs] * bs + pos % bs
+            at += n
+        input_ids = np.zeros(rows, dtype=np.int64)
+        input_ids[: b.n] = b.token_ids()
+        positions = np.zeros(rows, dtype=np.int64)
+        positions[: b.n] = b.pos
+        t = self.to_device
+        arrays = (input_ids, positions, slots, block_list, block_rows, valid, np.arange(rows))
+        flat = tuple(t(a) for a in arrays)
+        return StepInputs(flat[0], flat[1], flat[-1], None, b.n, flat[2], flat)
 
     def _group(
         self,

@@ -11,6 +11,7 @@ from torch import nn
 
 from runtime.attention import (
     AttentionMetadata,
+    attend_flat,
     attend_rect,
     paged_attention,
     rect_mask,
@@ -221,12 +222,15 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        query_positions: torch.Tensor,
-        num_keys: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Embeddings, rope table rows and the rectangle's mask of a padded step."""
+        query_positions: torch.Tensor | None = None,
+        num_keys: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Embeddings, rope table rows and the rectangle's mask of a padded step (no mask
+        for a flat decode step)."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.model.rotary_emb(positions, x.dtype)
+        if query_positions is None:
+            return x, cos_sin, None
         mask = rect_mask(query_positions, num_keys, self.config.num_queries_per_kv, x.dtype)
         return x, cos_sin, mask
 
@@ -324,5 +328,25 @@ def graph_layer(
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         write_slots(k, v, k_cache, v_cache, slots)
         return attend_rect(q, k_cache, v_cache, block_tables, mask, scale)
+
+    return layer(x, cos_sin, attend)
+
+
+def graph_decode_layer(
+    layer: LlamaDecoderLayer,
+    x: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    block_list: torch.Tensor,
+    block_rows: torch.Tensor,
+    block_valid: torch.Tensor,
+) -> torch.Tensor:
+    """`graph_layer` of a decode step over its flat block list (`attend_flat`)."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        write_slots(k, v, k_cache, v_cache, slots)
+        return attend_flat(q, k_cache, v_cache, block_list, block_rows, block_valid, scale)
 
     return layer(x, cos_sin, attend)

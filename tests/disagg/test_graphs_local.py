@@ -16,17 +16,22 @@ from controller.controller import Controller
 from gateway.metrics import _service_metrics
 from tests.disagg.helpers import controller_config, serve_and_drain, small_batches
 
+# the decode batch's total blocks: 128 holds a batch of one full 512-token sequence
+BUCKET_BLOCKS = BucketRange(128, 128, 128, 1)
+
 
 def few_buckets():
-    """3 prompt buckets (batch 1, 2, 4 x query 64) and 5 decode buckets (batch 1..16 x 32
-    blocks): the workload's batches all fit, and warm-up stays short."""
+    """3 prompt buckets (batch 1, 2, 4 x query 64) and 5 decode buckets (batch 1..16 x 128
+    blocks in all): the workload's batches all fit, and warm-up stays short."""
     buckets = small_batches(4)
     shapes = dataclasses.replace(
         buckets.shape_buckets,
         prompt=PromptShapeConfig(
-            bs=BucketRange(1, 1, 4, 3), query=BucketRange(64, 64, 64, 1), ctx=BucketRange(0, 1, 0, 1)
+            bs=BucketRange(1, 1, 4, 3),
+            query=BucketRange(64, 64, 64, 1),
+            ctx=BucketRange(0, 1, 0, 1),
         ),
-        decode=DecodeShapeConfig(bs=BucketRange(1, 1, 16, 5), blocks=BucketRange(32, 32, 32, 1)),
+        decode=DecodeShapeConfig(bs=BucketRange(1, 1, 16, 5), blocks=BUCKET_BLOCKS),
     )
     return dataclasses.replace(buckets, shape_buckets=shapes)
 

@@ -14,8 +14,8 @@ from runtime.model_runner import ModelRunner, ModelRunnerConfig
 from runtime.sampling_params import SamplingParams
 from tests.runtime.test_model_runner import BLOCK, NUM_BLOCKS, Blocks, generate, new_seqs, prompts
 
-# prompt buckets (batch, query, table width) and decode buckets (batch, 1, blocks per row)
-BUCKETS = [(1, 16, 4), (2, 16, 4), (4, 16, 4), (1, 1, 8), (2, 1, 8), (4, 1, 8)]
+# prompt buckets (batch, query, table width) and decode buckets (batch, 1, the batch's blocks)
+BUCKETS = [(1, 16, 4), (2, 16, 4), (4, 16, 4), (1, 1, 8), (2, 1, 16), (4, 1, 32)]
 
 
 def compiled_graphs() -> int:
@@ -96,7 +96,7 @@ def test_offline_llm_in_graphs_mode_matches_eager(tiny_model_dir):
     options = {"block_size": BLOCK, "num_kv_blocks": NUM_BLOCKS, "max_num_seqs": 4}
     graphs = LLM(str(tiny_model_dir), execution="graphs", **options)
     assert graphs.engine.runner.execution == "graphs"
-    graphs.warmup([(4, 16, 4), (4, 1, 8)])
+    graphs.warmup([(4, 16, 4), (4, 1, 32)])
     got = [o.token_ids for o in graphs.generate(token_lists, params, use_tqdm=False)]
     ref = LLM(str(tiny_model_dir), execution="eager", **options)
     assert ref.engine.runner.graphs is None
@@ -117,3 +117,24 @@ def test_execution_mode_and_graph_backend_per_device():
     assert hpu_lazy_mode({"PT_HPU_LAZY_MODE": "1"})
     assert graph_backend_for("hpu", lazy=False) == "hpu_backend"
     assert graph_backend_for("hpu", lazy=True) == "hpu_graphs"
+
+
+def test_eager_decode_padded_to_total_blocks_matches_unpadded(tiny_model_dir):
+    """A decode shape's blocks are the batch's total (vllm-gaudi's meaning): a ragged batch
+    padded to (4, 1, 32) reads one flat block list, with the same tokens as unpadded."""
+    runner = eager(tiny_model_dir)
+    token_lists = [p * 3 for p in prompts(3, seed=8)]  # ragged: 9..33 tokens
+    plain = generate(runner, new_seqs(token_lists), 4, Blocks(seed=6))
+    seqs, blocks = new_seqs(token_lists), Blocks(seed=7)
+    for s in seqs:
+        blocks.cover(s, len(s))
+    for step in range(4):
+        counts = [1] * 3 if step else [len(s) for s in seqs]
+        out = runner.execute(seqs, counts, pad_to=(4, 1, 32) if step else None)
+        for s, token in zip(seqs, out, strict=True):
+            s.num_computed_tokens = len(s)
+            s.append_token(token)
+            blocks.cover(s, len(s))
+    tables = [len(s.block_table) for s in seqs]
+    assert sum(tables) <= 32 and len(set(tables)) == 3  # ragged rows, 32 blocks in all
+    assert [s.output_token_ids for s in seqs] == plain
