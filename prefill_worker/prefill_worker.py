@@ -70,9 +70,11 @@ class PrefillWorker(KVWorker):
 
     def runner_shape(self, bucket: tuple[int, int, int]) -> tuple[int, int, int]:
         """A prompt bucket (batch, query, context blocks) as the runner's (batch, query,
-        block-table width): the query's own blocks come on top of the context."""
+        block-table width): the query's own blocks come on top of the context. A query of
+        one token is a decode shape to the runner, its blocks the batch's total."""
         bs, query, ctx = bucket
-        return (bs, query, ctx + self.block_manager.blocks_needed(query))
+        width = ctx + self.block_manager.blocks_needed(query)
+        return (bs, query, bs * width if query == 1 else width)  # query 1: a decode shape
 
     # -- serving -----------------------------------------------------------------------------
 
