@@ -16,13 +16,14 @@ from controller.controller import Controller
 from gateway.metrics import _service_metrics
 from tests.disagg.helpers import controller_config, serve_and_drain, small_batches
 
-# the decode batch's total blocks: 128 holds a batch of one full 512-token sequence
-BUCKET_BLOCKS = BucketRange(128, 128, 128, 1)
+# the decode batch's blocks in all: 128 (one full 512-token sequence) and 384 (16 rows of
+# the workload's longest, 84 tokens); a row holds at most 128, so (1|2, 1, 384) are not warmed
+BUCKET_BLOCKS = BucketRange(128, 128, 384, 2)
 
 
 def few_buckets():
-    """3 prompt buckets (batch 1, 2, 4 x query 64) and 5 decode buckets (batch 1..16 x 128
-    blocks in all): the workload's batches all fit, and warm-up stays short."""
+    """3 prompt buckets (batch 1, 2, 4 x query 64) and 8 decode buckets (batch 1..16 x 128
+    or 384 blocks in all): the workload's batches all fit, and warm-up stays short."""
     buckets = small_batches(4)
     shapes = dataclasses.replace(
         buckets.shape_buckets,
@@ -49,17 +50,17 @@ def test_graphs_mode_1p1d_matches_the_engine(
         await controller.start()
         infos = controller.pool.infos
         assert infos["prefill-0"]["execution"] == "graphs" and infos["prefill-0"]["padding"]
-        assert len(infos["prefill-0"]["shapes"]) == 3 and len(infos["decode-0"]["shapes"]) == 5
+        assert len(infos["prefill-0"]["shapes"]) == 3 and len(infos["decode-0"]["shapes"]) == 8
         warmed = counters["stats"]["unique_graphs"]
         outputs, stats = await serve_and_drain(controller, work, "graphs")
         assert outputs == reference
         assert counters["stats"]["unique_graphs"] == warmed  # nothing compiled while serving
         for w in stats.workers:
             assert (w.execution, w.graph_misses, w.kv_export) == ("graphs", 0, "per_layer")
-            assert w.graphs == (3 if w.role == "prefill" else 5) and w.graph_compile_s > 0
+            assert w.graphs == (3 if w.role == "prefill" else 8) and w.graph_compile_s > 0
         text = "\n".join(str(m) for m in _service_metrics(stats))
         assert "bucketserve:graph_compile_seconds" in text
 
     asyncio.run(main())
     assert "prefill-0: [warm-up][prompt][3/3]" in caplog.text
-    assert "decode-0: warmed 5 of 5 decode shapes" in caplog.text
+    assert "decode-0: warmed 8 of 8 decode shapes" in caplog.text
