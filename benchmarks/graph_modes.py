@@ -10,11 +10,12 @@ same machine finds its graphs in the cache and compiles far faster).
   In graphs mode a first pass compiles the step shapes it meets (powers of two, see
   `ModelRunner._miss_shape`); the timed pass after it compiles nothing.
 - decode step: one decode step of `b` sequences with `--decode-context` tokens each,
-  median of `--iters`; graphs mode at its decode bucket (b, 1, blocks).
+  median of `--iters`; graphs mode at its decode bucket (b, 1, the batch's blocks).
 - warm-up: the default shape buckets for `--warmup-max-model-len` (ServiceLimits' grid);
   `--warmup-sample` buckets spread over it are compiled and timed, and the total is that
   median times the bucket count (`--warmup-sample 0`: all of them, measured).
-- miss: the compile seconds of a decode batch beyond every warmed bucket.
+- miss: the compile seconds of a decode batch beyond every warmed bucket (2 x
+  `--max-num-seqs` rows).
 
     flock /tmp/bench.lock python -m benchmarks.graph_modes \\
         --out benchmarks/results/graph_modes.json
@@ -44,7 +45,7 @@ def decode_step_ms(runner, batch: int, context: int, iters: int, graphs: bool) -
         seq.block_table = list(range(i * blocks, (i + 1) * blocks))
         seq.num_computed_tokens = context
         seqs.append(seq)
-    shape = (batch, 1, 1 << (blocks - 1).bit_length()) if graphs else None
+    shape = (batch, 1, batch * blocks) if graphs else None  # decode blocks: the batch's
     if graphs:
         runner.warmup([shape])
     for _ in range(3):
@@ -77,7 +78,8 @@ def warmup_set(args: argparse.Namespace, block_size: int) -> list[tuple[int, int
     config = default_buckets(args.warmup_max_model_len, block_size, args.max_num_seqs)
     shapes = ShapeBuckets(config.shape_buckets, log=False)
     prompt = [(b, q, c + -(-q // block_size)) for b, q, c in shapes.prompt]
-    return prompt + list(shapes.decode)
+    per_seq = -(-args.warmup_max_model_len // block_size)
+    return prompt + [d for d in shapes.decode if d[2] <= d[0] * per_seq]  # as DecodeWorker
 
 
 def run_mode(mode: str, args: argparse.Namespace, prompts) -> dict[str, Any]:
@@ -124,7 +126,10 @@ def warmup_and_miss(args: argparse.Namespace, runner) -> dict[str, Any]:
     measured = args.warmup_sample == 0
     stats = runner.graph_stats
     before = stats.miss_compile_s
-    decode_step_ms(runner, 48, args.decode_context, 1, graphs=False)  # batch 48: a miss
+    misses = stats.misses
+    # a decode batch of 2 x max_num_seqs rows: beyond every bucket, the offline pass's too
+    decode_step_ms(runner, 2 * args.max_num_seqs, args.decode_context, 1, graphs=False)
+    assert stats.misses == misses + 1
     return {
         "warmup_buckets": len(buckets),
         "warmup_compiled": len(chosen),
