@@ -55,6 +55,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print("\n".join(shapes.describe()))
+    per_seq = -(-config.max_model_len // config.block_size)
+    reachable = [b for b in shapes.decode if b[2] <= b[0] * per_seq]
+    print(
+        f"Decode blocks count the batch's KV blocks in all; {len(reachable)} of "
+        f"{len(shapes.decode)} decode buckets are reachable (blocks <= batch x {per_seq}, "
+        "a full-length sequence per row) and warmed",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -90,5 +98,17 @@ def load_section(path: Path) -> dict[str, Any]:
         raise ValueError(f"config {path} is not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"config {path} must be a mapping")
-    data = data.get("buckets", data)
-    return data.get("shape_buckets", data)
+    if "buckets" not in data:
+        return data.get("shape_buckets", data)
+    # a service YAML: its shape keys, with the model's length and the pool's block size
+    section = data["buckets"] or {}
+    if "shape_buckets" in section:
+        return section["shape_buckets"]
+    shapes = {k: section[k] for k in ("strategy", "file", "prompt", "decode") if k in section}
+    block_size = (data.get("kv_cache") or {}).get("block_size")
+    max_model_len = (data.get("model") or {}).get("max_model_len")
+    if block_size is not None:
+        shapes["block_size"] = block_size
+    if max_model_len is not None:
+        shapes["max_model_len"] = max_model_len
+    return shapes

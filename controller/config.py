@@ -39,6 +39,7 @@ class PlacementConfig:
     actors, one card each, packed by a Ray placement group with `stage_packing` ("PACK":
     on one node where possible; "STRICT_PACK": only on one node) next to the worker's own
     actor, which holds the scheduler and no card.
+    `execution` ("eager" | "graphs" | "auto") overrides the model runner's for this role.
     """
 
     accelerator: str = "auto"
@@ -48,6 +49,7 @@ class PlacementConfig:
     cpus: list[int] | None = None
     pipeline_parallel_size: int = 1
     stage_packing: str = "PACK"
+    execution: str | None = None
 
     def __post_init__(self) -> None:
         pp = self.pipeline_parallel_size
@@ -73,6 +75,11 @@ class PlacementConfig:
             )
         check_worker_options("placement", "auto", "auto", self.torch_threads)
         check_cpus("placement.cpus", self.cpus)
+        if self.execution not in (None, "auto", "eager", "graphs"):
+            raise ValueError(
+                "placement.execution must be null, 'auto', 'eager' or 'graphs'; "
+                f"got {self.execution!r}"
+            )
 
 
 @dataclass
@@ -181,9 +188,17 @@ class ControllerConfig:
         return "inprocess" if self.mode == "local" else "ray"
 
     def prefill_runner(self) -> ModelRunnerConfig:
+        runner = self.role_runner("prefill")
         if self.prefill_kv_blocks is None:
+            return runner
+        return dataclasses.replace(runner, num_kv_blocks=self.prefill_kv_blocks)
+
+    def role_runner(self, role: str) -> ModelRunnerConfig:
+        """The runner config of one role: its placement's `execution` over the model's."""
+        placement = self.prefill_placement if role == "prefill" else self.decode_placement
+        if placement.execution is None:
             return self.runner
-        return dataclasses.replace(self.runner, num_kv_blocks=self.prefill_kv_blocks)
+        return dataclasses.replace(self.runner, execution=placement.execution)
 
     def torch_threads(self, role: str) -> int | None:
         """Per-actor intra-op threads; None in local mode (one process shares one pool)."""

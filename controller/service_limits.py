@@ -66,7 +66,8 @@ class ServiceLimits:
     ) -> BucketManagerConfig:
         """Request buckets over the model's length; prompt shapes of batch 1..16 and query
         block_size..max_model_len (fresh prompts only: no context blocks); decode shapes of
-        batch 1..max_num_seqs and blocks up to one max_model_len sequence; prefill batches
+        batch 1..max_num_seqs and blocks (the batch's total) up to max_num_seqs max_model_len
+        sequences; prefill batches
         of at most max_num_seqs, the decode batch they join."""
         return _size_for_model(
             BucketManagerConfig(
@@ -79,7 +80,8 @@ class ServiceLimits:
                     ),
                     decode=DecodeShapeConfig(
                         bs=_doubling(1, max_num_seqs),
-                        blocks=_doubling(1, -(-max_model_len // block_size)),
+                        # the batch's blocks in all: up to max_num_seqs full-length sequences
+                        blocks=_doubling(1, max_num_seqs * -(-max_model_len // block_size)),
                     ),
                 ),
             ),

@@ -166,7 +166,7 @@ class WorkerPool:
     def decode_config(self, index: int) -> DecodeWorkerConfig:
         c = self.config
         return DecodeWorkerConfig(
-            engine=EngineConfig(c.runner, c.scheduler, c.pipeline_depth),
+            engine=EngineConfig(c.role_runner("decode"), c.scheduler, c.pipeline_depth),
             **self._shared("decode", index),
             admit_delay_s=c.admit_delay_s,
             admit_delay_count=c.admit_delay_count,

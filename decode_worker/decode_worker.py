@@ -44,7 +44,8 @@ class DecodeWorker(KVWorker):
     reserve, admit and abort; each step's token deltas, for every sequence
     that advanced, become one StepOutput message fetched by `next_outputs`.
     Pure decode microbatches look up their decode shape bucket `(batch, 1,
-    blocks)` and pad to it when padding is on.
+    blocks)`, blocks counting the whole batch's KV blocks (the flat block list its
+    attention reads, as vllm-gaudi counts them), and pad to it when padding is on.
     """
 
     role = "decode"
@@ -83,8 +84,9 @@ class DecodeWorker(KVWorker):
 
     def warmup(self) -> dict:
         """Every decode shape once (when padding; see DecodeWorkerConfig.warmup)."""
+        # blocks are the batch's total (vllm-gaudi's meaning): at most a full sequence a row
         limit = self.block_manager.blocks_needed(self.runner.max_model_len)
-        buckets = [b for b in self.shapes.decode if b[2] <= limit]
+        buckets = [b for b in self.shapes.decode if b[2] <= b[0] * limit]
         return self._warmup("decode", self.config.warmup, buckets, lambda b: b)
 
     # -- handoff -----------------------------------------------------------------------------
@@ -232,7 +234,7 @@ class DecodeWorker(KVWorker):
                 running=len(sched.running),
                 waiting=len(sched.waiting),
                 preemptions=sched.num_preemptions,
-                graph_misses=self.shapes.graph_misses + self._unbucketed_steps,
+                graph_misses=self.graph_misses(self.shapes.graph_misses + self._unbucketed_steps),
                 boot_id=self.boot_id,
                 transport=self.transport_name,
                 alive=self._failure is None,
@@ -242,6 +244,7 @@ class DecodeWorker(KVWorker):
                 blocks_to_come=self._blocks_to_come(),
                 batches=self._steps,
                 **self.pipeline_stats(),
+                **self.graph_fields(),
             )
 
     def shutdown(self) -> None:
@@ -299,7 +302,7 @@ class DecodeWorker(KVWorker):
         if any(n != 1 for n in counts):
             self._unbucketed_steps += 1
             return None
-        blocks = max(self.block_manager.blocks_needed(s.num_computed_tokens + 1) for s in seqs)
+        blocks = sum(self.block_manager.blocks_needed(s.num_computed_tokens + 1) for s in seqs)
         shape, miss = self.shapes.pad_decode(len(seqs), blocks)
         return shape if self.padding and not miss else None
 

@@ -33,7 +33,7 @@ TARGETS: dict[str, type] = {
 }
 _PLACEMENT = (
     "accelerator", "num_cpus", "resources", "torch_threads", "cpus", "pipeline_parallel_size",
-    "stage_packing",
+    "stage_packing", "execution",
 )
 _CONTROLLER = (
     "shape", "mode", "ray_address", "transport", "max_restarts", "lease_ttl_s",
@@ -49,6 +49,7 @@ def _fields() -> dict[str, tuple[str, str]]:
         "model.device": ("runner", "device"),
         "model.max_model_len": ("runner", "max_model_len"),
         "model.seed": ("runner", "seed"),
+        "model.execution": ("runner", "execution"),
         "kv_cache.block_size": ("runner", "block_size"),
         "kv_cache.memory_fraction": ("runner", "kv_memory_fraction"),
         "kv_cache.num_blocks": ("runner", "num_kv_blocks"),

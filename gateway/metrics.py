@@ -162,16 +162,25 @@ def _service_metrics(stats: Any) -> Iterator[Metric]:
         "Microbatches in the worker's stage group now.",
         labels=["worker", "role"],
     )
+    compile_s = GaugeMetricFamily(
+        P + "graph_compile_seconds",
+        "Seconds spent compiling step graphs (graphs mode): at warm-up, and for shapes "
+        "first met while serving (misses).",
+        labels=["worker", "role", "phase"],
+    )
     for w in workers:
         used = 1.0 - w.num_free_blocks / w.num_total_blocks if w.num_total_blocks else 0.0
         usage.add_metric([w.name, w.role], used)
         misses.add_metric([w.name, w.role], w.graph_misses)
         bubble.add_metric([w.name, w.role], w.bubble_fraction)
         in_flight.add_metric([w.name, w.role], w.microbatches_in_flight)
+        compile_s.add_metric([w.name, w.role, "warmup"], w.graph_compile_s)
+        compile_s.add_metric([w.name, w.role, "miss"], w.graph_miss_compile_s)
     yield usage
     yield misses
     yield bubble
     yield in_flight
+    yield compile_s
     yield counter(
         "num_preemptions", "Sequences preempted.", sum(w.preemptions for w in workers)
     )

@@ -60,12 +60,16 @@ class KVWorker:
         )
         self.tokenizer = self.runner.tokenizer
         self.shapes = ShapeBuckets(shape_config, log=False)
-        self.padding = resolve_padding(padding, self.runner.device.type)
+        # graphs mode runs every step at a shape bucket, so it always pads
+        self.padding = self.runner.graphs is not None or resolve_padding(
+            padding, self.runner.device.type
+        )
         self.kv_format = KVFormat.of(self.runner.kv_cache)
         self.transport = transport or default_transport(transport_name)
         self.node_id = node_id()
         self.warmed: list[Shape] = []
         self.warmup_s = 0.0
+        self.graph_compile_s = 0.0  # warm-up's compiles (graphs mode)
 
     def init_collective(
         self, host: str, port: int, pairs: list[PairSpec], timeout_s: float
@@ -133,22 +137,56 @@ class KVWorker:
         for line in self.shapes.describe():
             logger.info("%s: %s", self.name, line)
         chosen = warmup_selection(mode, self.padding, list(buckets))
+        execution = self.runner.execution
         start = time.perf_counter()
-        for bucket in tqdm(chosen, desc=f"{self.name} warm-up", unit="shape", leave=False):
+        bar = tqdm(chosen, desc=f"{self.name} {kind} graphs", unit="graph", leave=False)
+        for i, bucket in enumerate(bar, 1):
             shape = runner_shape(bucket)
-            self.runner.warmup([shape])
+            seconds = self.runner.warmup([shape])[shape]
             self.warmed.append(shape)
+            logger.info(
+                "%s: [warm-up][%s][%d/%d] %s as %s in %.2f s (%s)",
+                self.name, kind, i, len(chosen), bucket, shape, seconds, execution,
+            )  # fmt: skip
         self.warmup_s = time.perf_counter() - start
+        if self.runner.graphs is not None:
+            self.graph_compile_s = self.runner.graphs.stats.total_compile_s
         logger.info(
-            "%s: warmed %d of %d %s shapes in %.2f s (padding %s)",
+            "%s: warmed %d of %d %s shapes in %.2f s (%s, padding %s)",
             self.name,
             len(chosen),
             len(buckets),
             kind,
             self.warmup_s,
+            execution,
             "on" if self.padding else "off",
         )
-        return {"shapes": list(self.warmed), "seconds": self.warmup_s, "padding": self.padding}
+        return {
+            "shapes": list(self.warmed),
+            "seconds": self.warmup_s,
+            "padding": self.padding,
+            "execution": execution,
+        }
+
+    def graph_misses(self, unpadded_batches: int) -> int:
+        """Graphs mode: shapes compiled while serving, each counted once; eager: the batches
+        that ran unpadded because no bucket held them."""
+        stats = self.runner.graph_stats
+        return unpadded_batches if stats is None else stats.misses
+
+    def graph_fields(self) -> dict:
+        """The WorkerStats fields of graphs mode: compile seconds (warm-up, misses), and
+        whether layer-wise KV leaves during the step or after its graph."""
+        stats = self.runner.graph_stats
+        if stats is None:
+            return {"execution": self.runner.execution}
+        return {
+            "execution": self.runner.execution,
+            "graph_compile_s": sum(stats.compile_s.values()),
+            "graph_miss_compile_s": stats.miss_compile_s,
+            "graphs": len(stats.compile_s) + stats.misses,
+            "kv_export": stats.kv_export,
+        }
 
 
 def default_transport(name: str) -> KVTransport | None:

@@ -220,6 +220,11 @@ class WorkerStats:
     pipeline_stages: int = 1  # stages of the worker's group (one card each)
     microbatches_in_flight: int = 0
     bubble_fraction: float = 0.0  # stage time idle while the group had work, since start
+    execution: str = ""  # eager | graphs
+    graphs: int = 0  # compiled step graphs held (graphs mode)
+    graph_compile_s: float = 0.0  # warm-up's compile seconds
+    graph_miss_compile_s: float = 0.0  # compile seconds of shapes met while serving
+    kv_export: str = ""  # graphs mode: per_layer, or after_graph where a graph runs whole
 
 
 @dataclass

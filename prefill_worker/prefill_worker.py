@@ -74,9 +74,11 @@ class PrefillWorker(KVWorker):
 
     def runner_shape(self, bucket: tuple[int, int, int]) -> tuple[int, int, int]:
         """A prompt bucket (batch, query, context blocks) as the runner's (batch, query,
-        block-table width): the query's own blocks come on top of the context."""
+        block-table width): the query's own blocks come on top of the context. A query of
+        one token is a decode shape to the runner, its blocks the batch's total."""
         bs, query, ctx = bucket
-        return (bs, query, ctx + self.block_manager.blocks_needed(query))
+        width = ctx + self.block_manager.blocks_needed(query)
+        return (bs, query, bs * width if query == 1 else width)  # query 1: a decode shape
 
     # -- serving -----------------------------------------------------------------------------
 
@@ -132,7 +134,7 @@ class PrefillWorker(KVWorker):
                 num_free_blocks=bm.num_free_blocks,
                 num_total_blocks=bm.num_total_blocks,
                 running=held,
-                graph_misses=self._graph_misses,
+                graph_misses=self.graph_misses(self._graph_misses),
                 boot_id=self.boot_id,
                 transport=self.transport_name,
                 leases_open=len(self.leases),
@@ -140,6 +142,7 @@ class PrefillWorker(KVWorker):
                 batches=self._batches,
                 kv_bytes_sent=self._kv_bytes,
                 **self.pipeline_stats(),
+                **self.graph_fields(),
             )
 
     def shutdown(self) -> None:

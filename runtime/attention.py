@@ -27,15 +27,22 @@ class AttentionGroup:
     attn_mask: torch.Tensor | None = None  # set by prepare()
 
     def prepare(self, block_size: int, num_queries_per_kv: int, dtype: torch.dtype) -> None:
-        keys = torch.arange(
-            self.block_tables.shape[1] * block_size, device=self.block_tables.device
-        )
-        # Row order matches the query layout in _attend: group-major.
-        positions = self.query_positions.repeat(1, num_queries_per_kv)
-        allowed = (keys <= positions.unsqueeze(-1)).unsqueeze(1)
-        # Additive float mask: SDPA's CPU kernel is about 2x faster with it than with a bool one.
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        self.attn_mask = mask.masked_fill_(~allowed, float("-inf"))
+        num_keys = self.block_tables.shape[1] * block_size
+        self.attn_mask = rect_mask(self.query_positions, num_keys, num_queries_per_kv, dtype)
+
+
+def rect_mask(
+    query_positions: torch.Tensor, num_keys: int, num_queries_per_kv: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The additive mask `[R, 1, per_kv * Q, keys]` of a padded rectangle: query i of row r
+    sees keys 0..query_positions[r, i]."""
+    keys = torch.arange(num_keys, device=query_positions.device)
+    # Row order matches the query layout in attend_rect: group-major.
+    positions = query_positions.repeat(1, num_queries_per_kv)
+    allowed = (keys <= positions.unsqueeze(-1)).unsqueeze(1)
+    # Additive float mask: SDPA's CPU kernel is about 2x faster with it than with a bool one.
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill(~allowed, float("-inf"))
 
 
 @dataclass
@@ -78,9 +85,20 @@ def write_kv(
     metadata: AttentionMetadata,
 ) -> None:
     """Store the step's K/V `[T, kv_heads, head_dim]` into their pool slots."""
+    write_slots(k, v, k_cache, v_cache, metadata.write_slots)
+
+
+def write_slots(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """In place into the layer's own cache tensors (graph-capturable: they are inputs)."""
     heads, dim = k.shape[1], k.shape[2]
-    k_cache.view(heads, -1, dim).index_copy_(1, metadata.write_slots, k.transpose(0, 1))
-    v_cache.view(heads, -1, dim).index_copy_(1, metadata.write_slots, v.transpose(0, 1))
+    k_cache.view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
 
 
 def paged_attention(
@@ -118,16 +136,29 @@ def _attend(
     """One rectangle: gather each row's blocks (one index_select per tensor, each head's
     keys contiguous), then SDPA with the queries of a KV head stacked, so grouped-query
     attention repeats no K/V."""
-    rows, queries = group.query_positions.shape
+    return attend_rect(q, k_cache, v_cache, group.block_tables, group.attn_mask, scale)
+
+
+def attend_rect(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    attn_mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`_attend` from tensors alone: queries `[R * Q, heads, dim]`, tables `[R, NB]`."""
+    rows = block_tables.shape[0]
+    queries = q.shape[0] // rows
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[0]
     per_kv = heads // kv_heads
     q = q.view(rows, queries, kv_heads, per_kv, dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(rows, kv_heads, per_kv * queries, dim)
-    blocks = group.block_tables.view(-1)
+    blocks = block_tables.reshape(-1)
     k = k_cache.index_select(1, blocks).view(kv_heads, rows, -1, dim).transpose(0, 1)
     v = v_cache.index_select(1, blocks).view(kv_heads, rows, -1, dim).transpose(0, 1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.attn_mask, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
     out = out.view(rows, kv_heads, per_kv, queries, dim).permute(0, 3, 1, 2, 4)
     return out.reshape(rows * queries, heads, dim)
 
@@ -142,3 +173,36 @@ def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     v = v.transpose(0, 1).repeat_interleave(per_kv, dim=0).unsqueeze(0)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     return out[0].transpose(0, 1)
+
+
+def attend_flat(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_list: torch.Tensor,
+    block_rows: torch.Tensor,
+    block_valid: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode rows (one query each, `q [R, heads, dim]`) over the flat list of their blocks
+    (vllm-gaudi's layout): `block_list [NB]` the batch's blocks, `block_rows [NB]` whose
+    each is, `block_valid [NB, block_size]` which slots hold context. Scores per block,
+    a softmax per row across its blocks, so a ragged batch pads only its total block
+    count; padding blocks (no valid slot) and rows without blocks add nothing."""
+    rows, heads, dim = q.shape
+    kv_heads = k_cache.shape[0]
+    per_kv = heads // kv_heads
+    k = k_cache.index_select(1, block_list)  # [kv_heads, NB, block_size, dim]
+    v = v_cache.index_select(1, block_list)
+    qb = q.view(rows, kv_heads, per_kv, dim).index_select(0, block_rows)
+    scores = torch.einsum("nkpd,knsd->nkps", qb, k) * scale
+    scores = scores.masked_fill(~block_valid[:, None, None, :], float("-inf"))
+    row_max = torch.full((rows, kv_heads, per_kv), float("-inf"), dtype=q.dtype, device=q.device)
+    row_max = row_max.index_reduce(0, block_rows, scores.amax(-1), "amax")
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    p = torch.exp(scores - row_max.index_select(0, block_rows).unsqueeze(-1))
+    total = torch.zeros_like(row_max).index_add(0, block_rows, p.sum(-1))
+    out = torch.zeros((rows, kv_heads, per_kv, dim), dtype=q.dtype, device=q.device)
+    out = out.index_add(0, block_rows, torch.einsum("nkps,knsd->nkpd", p, v))
+    out = out / total.clamp_min(torch.finfo(q.dtype).tiny).unsqueeze(-1)
+    return out.reshape(rows, heads, dim)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 from collections.abc import Callable
 
@@ -21,6 +22,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 GraphFn = Callable[..., torch.Tensor]
+EXECUTION_MODES = ("eager", "graphs")
+# how `graphs` mode compiles, per device: see Device.graph_backend
+GRAPH_BACKENDS = ("inductor", "hpu_backend", "hpu_graphs", "cuda_graphs")
 _CUDA_CAPTURE = threading.Lock()  # entering a capture syncs the device: one at a time
 
 # oneDNN's fp32 GEMM is ~2x MKL's on the AMD CPUs we run on (MKL picks a slow path there).
@@ -37,24 +41,63 @@ def _onednn(x: torch.Tensor) -> bool:
     return _USE_ONEDNN and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES
 
 
+# The fused oneDNN GEMMs as custom ops with fake kernels, so a compiled graph (graphs mode)
+# keeps calling them (inductor's own CPU GEMM is MKL's, the slow path here) while it fuses
+# the elementwise work between them.
+@torch.library.custom_op("bucketserve::onednn_linear", mutates_args=())
+def _onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, attr: str
+) -> torch.Tensor:
+    return _ONEDNN_LINEAR(x, weight, bias, attr, [], "")
+
+
+@_onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, attr: str):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("bucketserve::onednn_linear_binary", mutates_args=())
+def _onednn_binary(
+    x: torch.Tensor, other: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: str
+) -> torch.Tensor:
+    return _ONEDNN_LINEAR.binary(x, other, weight, bias, op)
+
+
+@_onednn_binary.register_fake
+def _(x, other, weight, bias, op):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _pointwise(x, weight, bias, attr):
+    if torch.compiler.is_compiling():
+        return _onednn_linear(x, weight, bias, attr)
+    return _ONEDNN_LINEAR(x, weight, bias, attr, [], "")
+
+
+def _binary(x, other, weight, bias, op):
+    if torch.compiler.is_compiling():
+        return _onednn_binary(x, other, weight, bias, op)
+    return _ONEDNN_LINEAR.binary(x, other, weight, bias, op)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, through oneDNN on CPU."""
     if _onednn(x):
-        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+        return _pointwise(x, weight, bias, "none")
     return F.linear(x, weight, bias)
 
 
 def linear_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`silu(x @ weight.T)`, one fused GEMM on CPU."""
     if _onednn(x):
-        return _ONEDNN_LINEAR(x, weight, None, "swish", [], "")
+        return _pointwise(x, weight, None, "swish")
     return F.silu(F.linear(x, weight))
 
 
 def linear_mul(x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """`(x @ weight.T) * other`, one fused GEMM on CPU."""
     if _onednn(x):
-        return _ONEDNN_LINEAR.binary(x, other, weight, None, "mul")
+        return _binary(x, other, weight, None, "mul")
     return F.linear(x, weight).mul_(other)
 
 
@@ -63,7 +106,7 @@ def linear_add(
 ) -> torch.Tensor:
     """`x @ weight.T + bias + other` (a residual), one fused GEMM on CPU."""
     if _onednn(x):
-        return _ONEDNN_LINEAR.binary(x, other, weight, bias, "add")
+        return _binary(x, other, weight, bias, "add")
     return F.linear(x, weight, bias).add_(other)
 
 
@@ -73,6 +116,31 @@ def _habana():
         return importlib.import_module("habana_frameworks.torch")
     except ImportError:
         return None
+
+
+def hpu_lazy_mode(env: dict[str, str] | None = None) -> bool:
+    """Whether the HPU bridge runs in lazy mode, as vllm-gaudi decides it: habana's own
+    `is_lazy()` where it imports, else `PT_HPU_LAZY_MODE` (unset means eager, the default
+    since Gaudi software 1.21)."""
+    if env is None and _habana() is not None:
+        return bool(importlib.import_module("habana_frameworks.torch.utils.internal").is_lazy())
+    return (os.environ if env is None else env).get("PT_HPU_LAZY_MODE", "0") == "1"
+
+
+def graph_backend_for(device_type: str, lazy: bool = False) -> str:
+    """cpu: inductor; cuda: CUDA graphs; hpu: `torch.compile(backend="hpu_backend")` in
+    eager mode, HPU graphs (`wrap_in_hpu_graph` + `mark_step`) in lazy mode."""
+    if device_type == "hpu":
+        return "hpu_graphs" if lazy else "hpu_backend"
+    return "cuda_graphs" if device_type == "cuda" else "inductor"
+
+
+def _raise_recompile_limits() -> None:
+    """Dynamo keeps one cache entry per static shape of a code object: a compiled region
+    holds one per shape bucket, more than dynamo's default limit of 8."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 4096)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1 << 16)
 
 
 class Device:
@@ -159,19 +227,53 @@ class Device:
         elif self.type == "hpu":
             importlib.import_module("habana_frameworks.torch.hpu").synchronize()
 
+    @property
+    def graph_backend(self) -> str:
+        """How `graphs` mode compiles here (one of GRAPH_BACKENDS)."""
+        return graph_backend_for(self.type, self.type == "hpu" and hpu_lazy_mode())
+
+    @property
+    def captures_whole_step(self) -> bool:
+        """A step's graph runs whole (CUDA graphs, HPU graphs): nothing can run between its
+        layers, so layer-wise KV export happens after it."""
+        return self.graph_backend in ("cuda_graphs", "hpu_graphs")
+
+    def compile(self, fn: GraphFn) -> GraphFn:
+        """`fn` compiled for static shapes (one specialization per input shape): inductor on
+        cpu, hpu_backend on hpu in eager mode; where a captured graph is the compiled form
+        (cuda, hpu lazy) `fn` itself, captured per shape by `graph`."""
+        backend = self.graph_backend
+        if backend not in ("inductor", "hpu_backend"):
+            return fn
+        _raise_recompile_limits()
+        return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
+
     def graph(self, fn: GraphFn, example_args: tuple[torch.Tensor, ...]) -> GraphFn:
         """A callable equivalent to `fn` for args shaped like `example_args`.
 
         cuda: a captured CUDA graph replayed on copies of the args (its output
-        buffer is reused by the next replay, so consume it first); hpu:
-        `wrap_in_hpu_graph`, which caches one graph per input shape; cpu: `fn`.
+        buffer is reused by the next replay, so consume it first); hpu in lazy
+        mode: `wrap_in_hpu_graph` without its tensor cache, each call ended by a
+        `mark_step`; else `fn` (already compiled by `compile`).
         """
         if self.type == "cuda":
             return self._cuda_graph(fn, example_args)
-        if self.type == "hpu":
-            hpu_graphs = importlib.import_module("habana_frameworks.torch.hpu")
-            return hpu_graphs.wrap_in_hpu_graph(_FnModule(fn))
+        if self.graph_backend == "hpu_graphs":
+            hpu = importlib.import_module("habana_frameworks.torch.hpu")
+            graph = hpu.wrap_in_hpu_graph(_FnModule(fn), disable_tensor_cache=True)
+
+            def replay(*args: torch.Tensor) -> torch.Tensor:
+                out = graph(*args)
+                self.mark_step()
+                return out
+
+            return replay
         return fn
+
+    def mark_step(self) -> None:
+        """Lazy mode's graph boundary (hpu); nothing elsewhere."""
+        if self.type == "hpu" and hpu_lazy_mode():
+            importlib.import_module("habana_frameworks.torch.core").mark_step()
 
     def _cuda_graph(self, fn: GraphFn, example_args: tuple[torch.Tensor, ...]) -> GraphFn:
         with _CUDA_CAPTURE:

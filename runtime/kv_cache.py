@@ -1,4 +1,4 @@
-"""The paged KV pool: one tensor holding every layer's K and V blocks."""
+"""The paged KV pool: one K and one V tensor per layer."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch
 
 
 class KVCache:
-    """Layout: `kv[layer, 0 or 1 (K or V), kv_head, block, slot_in_block, head_dim]`.
-
-    A layer's K (or V) is then `[num_kv_heads, num_blocks + 1, block_size,
-    head_dim]`: gathering a row's blocks gives each head its keys as one
+    """Layout: per layer, `k[layer]` and `v[layer]`, each `[kv_head, block, slot_in_block,
+    head_dim]` (`num_blocks + 1` blocks). Separate tensors, not views of one pool, so a
+    compiled graph or HPU graph takes a layer's cache as its own input and writes it in
+    place (as vllm-gaudi keeps them). Gathering a row's blocks gives each head its keys as one
     contiguous `[tokens, head_dim]` run, the layout SDPA's CPU kernel reads
     fastest. Export and import speak the wire layout of `kv_transfer`
     (`[K/V, block, slot, kv_head, head_dim]`), so pools need not share one.
@@ -41,16 +41,22 @@ class KVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        shape = (num_layers, 2, num_kv_heads, num_blocks + 1, block_size, head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (num_kv_heads, num_blocks + 1, block_size, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.kv.dtype
+        return self.k[0].dtype
 
     @property
     def device(self) -> torch.device:
-        return self.kv.device
+        return self.k[0].device
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """A stacked copy `[layer, K/V, kv_head, block, slot, head_dim]` (for inspection)."""
+        return torch.stack([torch.stack(kv) for kv in zip(self.k, self.v, strict=True)])
 
     @property
     def null_block(self) -> int:
@@ -76,13 +82,17 @@ class KVCache:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) views of one layer."""
-        return self.kv[layer, 0], self.kv[layer, 1]
+        return self.k[layer], self.v[layer]
 
     def export_blocks(self, layer: int, block_ids: Sequence[int]) -> torch.Tensor:
         """A copy of one layer's blocks: `[2, len(block_ids), block_size, heads, head_dim]`."""
         self._check_layer(layer)
-        data = self.kv[layer].index_select(2, self._index(block_ids))
-        return data.permute(0, 2, 3, 1, 4).contiguous()
+        index = self._index(block_ids)
+        shape = (2, len(block_ids), *self.block_shape)
+        out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for i, cache in enumerate((self.k[layer], self.v[layer])):
+            out[i].copy_(cache.index_select(1, index).permute(1, 2, 0, 3))
+        return out
 
     def import_blocks(self, layer: int, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Write `export_blocks`-shaped data into one layer's blocks (any dtype/device)."""
@@ -90,17 +100,20 @@ class KVCache:
         index = self._index(block_ids, unique=True)
         self._check_data(data, (2, len(block_ids), *self.block_shape))
         data = data.to(self.device, self.dtype).permute(0, 3, 1, 2, 4)
-        self.kv[layer].index_copy_(2, index, data)
+        self.k[layer].index_copy_(1, index, data[0])
+        self.v[layer].index_copy_(1, index, data[1])
 
     def export_all(self, block_ids: Sequence[int]) -> torch.Tensor:
         """All layers: `[num_layers, 2, len(block_ids), block_size, heads, head_dim]`."""
-        data = self.kv.index_select(3, self._index(block_ids))
-        return data.permute(0, 1, 3, 4, 2, 5).contiguous()
+        return torch.stack([self.export_blocks(i, block_ids) for i in range(self.num_layers)])
 
     def import_all(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         index = self._index(block_ids, unique=True)
         self._check_data(data, (self.num_layers, 2, len(block_ids), *self.block_shape))
-        self.kv.index_copy_(3, index, data.to(self.device, self.dtype).permute(0, 1, 4, 2, 3, 5))
+        data = data.to(self.device, self.dtype).permute(0, 1, 4, 2, 3, 5)
+        for layer in range(self.num_layers):
+            self.k[layer].index_copy_(1, index, data[layer, 0])
+            self.v[layer].index_copy_(1, index, data[layer, 1])
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:

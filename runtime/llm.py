@@ -35,6 +35,12 @@ class LLM:
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def warmup(self, shapes: Sequence[tuple[int, int, int]]) -> dict:
+        """Compile these step shapes `(batch, query, blocks)` now (`execution="graphs"`);
+        a step later pads to the smallest that holds it, or compiles its own (a miss).
+        Returns each shape's seconds."""
+        return self.engine.runner.warmup(shapes)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

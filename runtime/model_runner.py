@@ -2,30 +2,28 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
+import time
 from collections.abc import Callable, Iterable
-from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
-from numbers import Integral
 
 import numpy as np
 import torch
 
-from runtime.attention import AttentionGroup, AttentionMetadata
-from runtime.device import Device, GraphFn
+from runtime.compiled_graphs import CompiledGraphs, GraphStats
+from runtime.device import EXECUTION_MODES, Device
 from runtime.kv_cache import KVCache
 from runtime.model_config import ModelConfig
 from runtime.models import MODEL_REGISTRY
-from runtime.prompt_logprobs import PromptSpan, prompt_spans, record_prompt_logprobs, span_rows
+from runtime.prompt_logprobs import PromptSpan, prompt_spans, record_prompt_logprobs
 from runtime.sampler import Sampler
 from runtime.sequence import Sequence
+from runtime.step_inputs import InputBuilder, Shape, StepInputs
 from runtime.tokenizer import Tokenizer
 from runtime.weights import iter_safetensors, resolve_model
 
 logger = logging.getLogger(__name__)
 
-Shape = tuple[int, int, int]  # (batch, query_len, num_blocks)
 LayerHook = Callable[[int], None]
 
 
@@ -35,7 +33,10 @@ class ModelRunnerConfig:
 
     The KV pool holds `num_kv_blocks` blocks if given, else
     `kv_memory_fraction` of the memory free after loading the model (on CPU
-    at most `cpu_kv_cache_bytes`).
+    at most `cpu_kv_cache_bytes`). `execution`: "eager" runs each step as it
+    comes; "graphs" runs every step padded to a shape bucket, one static-shape
+    compiled graph per bucket (`CompiledGraphs`); "auto" is graphs on hpu and
+    cuda, eager on cpu (measured faster there: README).
     """
 
     model: str | None = None
@@ -47,8 +48,13 @@ class ModelRunnerConfig:
     cpu_kv_cache_bytes: int = 1 << 30
     max_model_len: int | None = None
     seed: int = 0
+    execution: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.execution not in ("auto", *EXECUTION_MODES):
+            raise ValueError(
+                f"execution must be 'auto', 'eager' or 'graphs', got {self.execution!r}"
+            )
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
         if self.num_kv_blocks is not None and (
@@ -67,31 +73,6 @@ class ModelRunnerConfig:
             raise ValueError(f"max_model_len must be None or >= 1, got {self.max_model_len!r}")
 
 
-@dataclass
-class StepInputs:
-    """One step's device tensors; `logits_rows` picks each row's last new token."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    logits_rows: torch.Tensor
-    metadata: AttentionMetadata
-    num_seqs: int
-
-    def padded_args(self) -> tuple[torch.Tensor, ...]:
-        """`_padded_forward`'s arguments (a `pad_to` step has one group)."""
-        md = self.metadata
-        return (
-            self.input_ids,
-            self.positions,
-            self.logits_rows,
-            md.slot_mapping,
-            md.query_start_loc,
-            md.context_lens,
-            md.block_tables,
-            md.groups[0].query_positions,
-        )
-
-
 class ModelRunner:
     """Owns the model, its tokenizer and the KV pool; computes scheduled chunks.
 
@@ -100,8 +81,8 @@ class ModelRunner:
     K/V into the blocks of `seq.block_table`, and returns the sampled next
     token when the chunk reaches the end of the sequence (else None). It
     never mutates a Sequence's tokens or counters; it records the prompt logprobs of those
-    that ask in `seq.prompt_logprobs` (such a step runs unpadded). `on_layer(i)` is
-    called as soon as layer i's K/V of the step is written (while later layers still
+    that ask in `seq.prompt_logprobs` (such a step runs unpadded and eager). `on_layer(i)`
+    is called as soon as layer i's K/V of the step is written (while later layers still
     compute), so a prefill can ship its KV layer by layer.
     """
 
@@ -133,7 +114,25 @@ class ModelRunner:
             self.device.torch_device,
         )
         self.sampler = Sampler(config.seed, self.eos_token_ids)
-        self._graphs: dict[Shape, GraphFn] = {}
+        self.inputs = InputBuilder(
+            self.block_size,
+            self.kv_cache.num_blocks,
+            self.kv_cache.null_block,
+            self.max_model_len,
+            self.device.torch_device,
+        )
+        self.execution = resolve_execution(config.execution, self.device.type)
+        self.graphs = (
+            CompiledGraphs(self.model, self.kv_cache, self.device)
+            if self.execution == "graphs"
+            else None
+        )
+        # eager steps padded to a decode shape read its flat block list, uncompiled
+        self._flat = CompiledGraphs(self.model, self.kv_cache, self.device, compiled=False)
+
+    @property
+    def graph_stats(self) -> GraphStats | None:
+        return None if self.graphs is None else self.graphs.stats
 
     @property
     def num_kv_blocks(self) -> int:
@@ -186,10 +185,12 @@ class ModelRunner:
     ) -> list[int | None]:
         """Run one step; returns each sequence's sampled token, or None for a partial chunk."""
         spans = prompt_spans(seqs, num_new_tokens)
-        logits = self._run(seqs, num_new_tokens, None if spans else pad_to, on_layer, spans)
         if spans:
+            logits = self._run_eager(seqs, num_new_tokens, None, on_layer, spans)
             record_prompt_logprobs(seqs, spans, logits[len(seqs) :])
             logits = logits[: len(seqs)]
+        else:
+            logits = self._run(seqs, num_new_tokens, pad_to, on_layer)
         rows = [
             i for i, s in enumerate(seqs) if s.num_computed_tokens + num_new_tokens[i] == len(s)
         ]
@@ -217,16 +218,24 @@ class ModelRunner:
         return self._run(seqs, num_new_tokens, pad_to).cpu()
 
     @torch.inference_mode()
-    def warmup(self, shapes: Iterable[Shape]) -> None:
-        """Run every (batch, query_len, num_blocks) shape once on dummy rows, capturing
-        a graph per shape where the device has graphs."""
+    def warmup(self, shapes: Iterable[Shape]) -> dict[Shape, float]:
+        """Run every (batch, query_len, num_blocks) shape once on dummy rows; in graphs mode
+        that compiles its graph. Returns the seconds each took."""
+        seconds = {}
         for shape in shapes:
-            args = self._prepare([], [], self._check_shape(shape)).padded_args()
-            if self.device.type == "cpu":
-                self._padded_forward(*args)
-            elif shape not in self._graphs:
-                self._graphs[shape] = self.device.graph(self._padded_forward, args)
+            shape = self.inputs.check_shape(shape)
+            inputs = self._prepare([], [], shape)
+            if self.graphs is not None:
+                seconds[shape] = self.graphs.warm(shape, inputs.graph_args())
+                continue
+            start = time.perf_counter()
+            if inputs.flat is not None:
+                self._flat.run(shape, inputs.flat)
+            else:
+                self._forward(inputs)
+            seconds[shape] = time.perf_counter() - start
         self.device.synchronize()
+        return seconds
 
     def _run(
         self,
@@ -234,204 +243,98 @@ class ModelRunner:
         num_new_tokens: list[int],
         pad_to: Shape | None,
         on_layer: LayerHook | None = None,
-        spans: list[PromptSpan] | None = None,
-    ):
-        """Logits of each sequence's last new token, then those of the `spans` (unpadded)."""
-        pad_to = None if pad_to is None else self._check_shape(pad_to)
-        inputs = self._prepare(seqs, num_new_tokens, pad_to, spans)
-        if pad_to in self._graphs:
-            logits = self._graphs[pad_to](*inputs.padded_args())[: inputs.num_seqs]
-            for layer in range(self.kv_cache.num_layers if on_layer else 0):
-                on_layer(layer)  # a replayed graph cannot stop between layers
-            return logits
-        cache = self.kv_cache if on_layer is None else _LayerWatch(self.kv_cache, on_layer)
-        logits = self._forward(
-            inputs.input_ids, inputs.positions, inputs.logits_rows, inputs.metadata, cache
-        )
-        if on_layer is not None:
-            on_layer(self.kv_cache.num_layers - 1)
-        return logits if spans else logits[: inputs.num_seqs]
-
-    def _forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        logits_rows: torch.Tensor,
-        metadata: AttentionMetadata,
-        kv_cache: KVCache | _LayerWatch | None = None,
     ) -> torch.Tensor:
-        hidden = self.model(input_ids, positions, kv_cache or self.kv_cache, metadata)
-        return self.model.compute_logits(hidden, logits_rows)
+        pad_to = None if pad_to is None else self.inputs.check_shape(pad_to)
+        if self.graphs is not None:
+            return self._run_graphs(seqs, num_new_tokens, pad_to, on_layer)
+        if pad_to is not None and pad_to[1] == 1:
+            flat = self._prepare(seqs, num_new_tokens, pad_to)
+            return self._flat.run(pad_to, flat.graph_args(), on_layer)[: len(seqs)]
+        return self._run_eager(seqs, num_new_tokens, pad_to, on_layer)[: len(seqs)]
 
-    def _padded_forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        logits_rows: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        context_lens: torch.Tensor,
-        block_tables: torch.Tensor,
-        query_positions: torch.Tensor,
-    ) -> torch.Tensor:
-        """`_forward` of a `pad_to` step from tensors only, as graph capture needs."""
-        metadata = self._metadata(
-            slot_mapping,
-            query_start_loc,
-            context_lens,
-            block_tables,
-            [AttentionGroup(block_tables, query_positions)],
-        )
-        return self._forward(input_ids, positions, logits_rows, metadata)
-
-    def _metadata(self, slot_mapping, query_start_loc, context_lens, block_tables, groups):
-        return AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_start_loc=query_start_loc,
-            context_lens=context_lens,
-            block_tables=block_tables,
-            block_size=self.block_size,
-            null_block=self.kv_cache.null_block,
-            groups=groups,
-        )
-
-    def _check_shape(self, shape: Sequence_[int]) -> Shape:
-        ok = (
-            isinstance(shape, (tuple, list))
-            and len(shape) == 3
-            and all(isinstance(x, Integral) and x >= 1 for x in shape)
-        )
-        if not ok:
-            raise ValueError(
-                f"shape must be (batch, query_len, num_blocks) of ints >= 1, got {shape!r}"
-            )
-        if shape[2] * self.block_size > self.max_model_len + self.block_size - 1:
-            raise ValueError(
-                f"shape {tuple(shape)} has more blocks than max_model_len {self.max_model_len}"
-            )
-        return (int(shape[0]), int(shape[1]), int(shape[2]))
-
-    def _validate(self, seqs: list[Sequence], num_new_tokens: list[int]) -> None:
-        if len(seqs) != len(num_new_tokens):
-            raise ValueError(f"{len(seqs)} sequences but {len(num_new_tokens)} num_new_tokens")
-        for seq, n in zip(seqs, num_new_tokens, strict=True):
-            start = seq.num_computed_tokens
-            if not isinstance(n, Integral) or not 1 <= n <= len(seq) - start:
-                raise ValueError(
-                    f"seq {seq.seq_id}: num_new_tokens {n!r} must be in [1, {len(seq) - start}]"
-                )
-            end = start + n
-            if end > self.max_model_len:
-                raise ValueError(
-                    f"seq {seq.seq_id}: {end} tokens exceed max_model_len {self.max_model_len}"
-                )
-            needed = -(-end // self.block_size)
-            table = seq.block_table[:needed]
-            if len(table) < needed:
-                raise ValueError(
-                    f"seq {seq.seq_id}: block_table has {len(seq.block_table)} blocks, "
-                    f"{needed} are needed for {end} tokens"
-                )
-            if any(not 0 <= b < self.num_kv_blocks for b in table):
-                raise ValueError(
-                    f"seq {seq.seq_id}: block ids must be in [0, {self.num_kv_blocks})"
-                )
-
-    def _prepare(
+    def _run_eager(
         self,
         seqs: list[Sequence],
         num_new_tokens: list[int],
         pad_to: Shape | None,
+        on_layer: LayerHook | None = None,
         spans: list[PromptSpan] | None = None,
-    ) -> StepInputs:
-        """Device tensors for a step. Tokens are flat; with `pad_to=(B, Q, NB)` they are laid
-        out `[B, Q]`, padding tokens write nowhere, dummy rows fill the batch and block
-        tables have NB columns, so the step has exactly that shape."""
-        self._validate(seqs, num_new_tokens)
-        if not seqs and pad_to is None:
-            raise ValueError("execute needs at least one sequence")
-        b = _Batch(seqs, num_new_tokens, self.block_size)
-        rows, max_q, max_blocks = b.n, int(b.qlens.max(initial=1)), int(b.nblocks.max(initial=1))
-        if pad_to is not None:
-            if pad_to[0] < rows or pad_to[1] < max_q or pad_to[2] < max_blocks:
-                raise ValueError(
-                    f"pad_to {pad_to} is smaller than the step (batch {rows}, "
-                    f"query_len {max_q}, num_blocks {max_blocks})"
-                )
-            rows, max_q, max_blocks = pad_to
-        # Prompt chunks with no earlier context attend to themselves alone (not in a graph).
-        fresh = (b.starts == 0) & (b.qlens > 1) & (pad_to is None)
-        rectangular = pad_to is not None or bool((b.qlens == max_q).all() and not fresh.any())
-        qlens = np.zeros(rows, dtype=np.int64)
-        qlens[: b.n] = b.qlens
-        row_start = np.arange(rows) * max_q if rectangular else np.cumsum(qlens) - qlens
-        num_tokens = rows * max_q if rectangular else int(b.qlens.sum())
-        flat = row_start[b.seq_idx] + b.within
+    ) -> torch.Tensor:
+        """Logits of each sequence's last new token, then those of the `spans`."""
+        inputs = self.inputs.prepare(seqs, num_new_tokens, pad_to, spans)
+        logits = self._forward(inputs, on_layer)
+        if on_layer is not None:
+            on_layer(self.kv_cache.num_layers - 1)
+        return logits
 
-        tables = np.full((rows, max_blocks), self.kv_cache.null_block, dtype=np.int64)
-        for i, seq in enumerate(seqs):
-            tables[i, : b.nblocks[i]] = seq.block_table[: b.nblocks[i]]
-        input_ids = np.zeros(num_tokens, dtype=np.int64)
-        input_ids[flat] = b.token_ids()
-        positions = np.zeros(num_tokens, dtype=np.int64)
-        positions[flat] = b.pos
-        slots = np.full(num_tokens, -1, dtype=np.int64)
-        slots[flat] = tables[b.seq_idx, b.pos // self.block_size] * self.block_size
-        slots[flat] += b.pos % self.block_size
-        context_lens = np.zeros(rows, dtype=np.int32)
-        context_lens[: b.n] = b.starts + b.qlens
-        query_start_loc = np.append(row_start, num_tokens).astype(np.int32)
-        logits_rows = row_start + np.maximum(qlens - 1, 0)
-        if spans:
-            logits_rows = np.concatenate([logits_rows, span_rows(spans, row_start)])
+    def _forward(self, inputs: StepInputs, on_layer: LayerHook | None = None) -> torch.Tensor:
+        cache = self.kv_cache if on_layer is None else _LayerWatch(self.kv_cache, on_layer)
+        hidden = self.model(inputs.input_ids, inputs.positions, cache, inputs.metadata)
+        return self.model.compute_logits(hidden, inputs.logits_rows)
 
-        t = self._to_device
-        if rectangular:
-            qpos = np.zeros((rows, max_q), dtype=np.int64)
-            qpos[b.seq_idx, b.within] = b.pos
-            groups = [AttentionGroup(t(tables), t(qpos))]
-        else:
-            groups = [
-                self._group(b, rows_in, tables, row_start, flat)
-                for rows_in in _split_rows(b.qlens, ~fresh)
-            ]
-        metadata = self._metadata(t(slots), t(query_start_loc), t(context_lens), t(tables), groups)
-        metadata.causal_spans = [
-            (int(row_start[i]), int(row_start[i] + b.qlens[i])) for i in np.flatnonzero(fresh)
-        ]
-        return StepInputs(t(input_ids), t(positions), t(logits_rows), metadata, b.n)
-
-    def _group(
+    def _run_graphs(
         self,
-        b: _Batch,
-        rows: np.ndarray,
-        tables: np.ndarray,
-        row_start: np.ndarray,
-        flat: np.ndarray,
-    ) -> AttentionGroup:
-        """An AttentionGroup for some rows of a flat (non-rectangular) step."""
-        qlens = b.qlens[rows]
-        max_q, max_blocks = int(qlens.max()), int(b.nblocks[rows].max())
-        local = np.full(b.n, -1, dtype=np.int64)
-        local[rows] = np.arange(len(rows))
-        mine = local[b.seq_idx] >= 0
-        slot = local[b.seq_idx[mine]] * max_q + b.within[mine]
-        qpos = np.zeros(len(rows) * max_q, dtype=np.int64)
-        qpos[slot] = b.pos[mine]
-        last = np.maximum(qlens - 1, 0)[:, None]
-        gather = row_start[rows][:, None] + np.minimum(np.arange(max_q), last)
-        t = self._to_device
-        full = bool((qlens == max_q).all())
-        return AttentionGroup(
-            block_tables=t(tables[rows, :max_blocks]),
-            query_positions=t(qpos.reshape(len(rows), max_q)),
-            gather_index=t(gather.reshape(-1)),
-            valid_slots=None if full else t(slot),
-            tokens=t(gather.reshape(-1) if full else flat[mine]),
-        )
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        pad_to: Shape | None,
+        on_layer: LayerHook | None,
+    ) -> torch.Tensor:
+        """Every step padded to a shape: `pad_to`, else the smallest warmed one, decode rows
+        apart from prefill rows; a part no warmed shape fits compiles its own (a miss)."""
+        assert self.graphs is not None
+        self.inputs.validate(seqs, num_new_tokens)
+        if pad_to is not None:
+            parts = [(np.arange(len(seqs)), pad_to)]
+        else:
+            counts = np.asarray(num_new_tokens)
+            parts = []
+            # decode rows together; prefill rows grouped by query length (a power of two),
+            # so a short prompt never pads to a long chunk
+            levels = np.where(counts == 1, 0, np.ceil(np.log2(np.maximum(counts, 2))))
+            for level in np.unique(levels):
+                rows = np.flatnonzero(levels == level)
+                if len(rows):
+                    need = self.inputs.need([seqs[i] for i in rows], counts[rows].tolist())
+                    parts.append((rows, self.graphs.fit(need) or self._miss_shape(need)))
+        hook = on_layer if len(parts) == 1 else None
+        logits = None
+        stats = self.graphs.stats
+        for rows, shape in parts:
+            if shape[1] > 1:
+                stats.prompt_tokens += sum(num_new_tokens[i] for i in rows)
+                stats.prompt_padded_tokens += shape[0] * shape[1]
+            part = self._prepare(
+                [seqs[i] for i in rows], [num_new_tokens[i] for i in rows], shape
+            )
+            out = self.graphs.run(shape, part.graph_args(), hook)[: len(rows)]
+            if len(parts) == 1:
+                return out
+            if logits is None:
+                logits = out.new_empty((len(seqs), out.shape[1]))
+            logits[torch.from_numpy(rows)] = out
+        for layer in range(self.kv_cache.num_layers if on_layer else 0):
+            on_layer(layer)
+        return logits
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device.torch_device)
+    def _prepare(self, seqs: list[Sequence], counts: list[int], shape: Shape) -> StepInputs:
+        """A padded step's inputs: decode shapes `(batch, 1, blocks)` as a flat block list."""
+        if shape[1] == 1:
+            return self.inputs.prepare_flat(seqs, counts, shape)
+        return self.inputs.prepare(seqs, counts, shape)
+
+    def _miss_shape(self, need: Shape) -> Shape:
+        """The shape a step no warmed graph holds compiles: each dimension rounded up to a
+        power of two (the blocks capped at max_model_len's), so misses stay few."""
+        cap = -(-self.max_model_len // self.block_size) * (need[0] if need[1] == 1 else 1)
+        b, q, nb = (1 << (x - 1).bit_length() for x in need)
+        return (b, q, max(min(nb, cap), need[2]))
+
+
+def resolve_execution(setting: str, device_type: str) -> str:
+    """`auto`: graphs where a graph compiler pays (hpu, cuda), eager on cpu."""
+    if setting == "auto":
+        return "eager" if device_type == "cpu" else "graphs"
+    return setting
 
 
 class _LayerWatch:
@@ -448,34 +351,3 @@ class _LayerWatch:
         return self.cache.layer(layer)
 
 
-class _Batch:
-    """Per-token bookkeeping of a step's real sequences (numpy, host side)."""
-
-    def __init__(self, seqs: list[Sequence], num_new_tokens: list[int], block_size: int) -> None:
-        self.seqs = seqs
-        self.n = len(seqs)
-        self.qlens = np.asarray(num_new_tokens, dtype=np.int64)
-        self.starts = np.asarray([s.num_computed_tokens for s in seqs], dtype=np.int64)
-        self.nblocks = -(-(self.starts + self.qlens) // block_size)
-        self.seq_idx = np.repeat(np.arange(self.n), self.qlens)
-        self.within = np.arange(len(self.seq_idx)) - np.repeat(
-            np.cumsum(self.qlens) - self.qlens, self.qlens
-        )
-        self.pos = self.starts[self.seq_idx] + self.within
-
-    def token_ids(self) -> np.ndarray:
-        chunks = (
-            s.token_ids[a : a + q]
-            for s, a, q in zip(self.seqs, self.starts.tolist(), self.qlens.tolist(), strict=True)
-        )
-        return np.fromiter(
-            itertools.chain.from_iterable(chunks), dtype=np.int64, count=len(self.pos)
-        )
-
-
-def _split_rows(qlens: np.ndarray, paged: np.ndarray) -> list[np.ndarray]:
-    """The `paged` rows in groups: decode rows (one new token) apart from prefill rows, so
-    neither pads to the other."""
-    decode = qlens == 1
-    groups = (np.flatnonzero(paged & decode), np.flatnonzero(paged & ~decode))
-    return [rows for rows in groups if len(rows)]

@@ -18,6 +18,7 @@ def load(spec: dict[str, Any]) -> tuple[Generate, str]:
         max_num_seqs=spec["max_num_seqs"],
         max_num_batched_tokens=spec["max_num_batched_tokens"],
         max_model_len=spec["max_model_len"],
+        execution=spec.get("execution", "eager"),
     )
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

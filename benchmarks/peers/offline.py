@@ -74,6 +74,7 @@ def start_workers(args: argparse.Namespace, model: str, warmup: list[list[int]])
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "warmup_prompts": warmup,
+        "execution": args.execution,
     }
     scripts = {
         "vllm": (peer_python(), PEERS_DIR / "vllm_offline.py"),
@@ -140,6 +141,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--execution", default="eager", choices=["eager", "graphs"],
+                        help="bucketserve's execution mode (graphs: compiled per shape)")
     parser.add_argument("--out", default=None, help="default: peers_offline_<dtype>.json")
     args = parser.parse_args()
 

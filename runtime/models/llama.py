@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.attention import AttentionMetadata, paged_attention, write_kv
+from runtime.attention import (
+    AttentionMetadata,
+    attend_flat,
+    attend_rect,
+    paged_attention,
+    rect_mask,
+    write_kv,
+    write_slots,
+)
 from runtime.device import linear, linear_add, linear_mul, linear_silu
 from runtime.kv_cache import KVCache
 from runtime.model_config import ModelConfig, RopeScaling
+
+# (q [T, heads, dim], k, v [T, kv_heads, dim], scale) -> attention output [T, heads, dim]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 # checkpoint name fragment -> (our fused parameter, shard index)
 STACKED_PARAMS = {
@@ -107,17 +118,15 @@ class LlamaAttention(nn.Module):
         x: torch.Tensor,
         residual: torch.Tensor,
         cos_sin: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
+        attend: Attend,
     ) -> torch.Tensor:
-        """`residual + attention(x)`."""
+        """`residual + attention(x)`; `attend` writes K/V to the cache and attends."""
         tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = apply_rope(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        write_kv(k, v, kv[0], kv[1], metadata)
-        out = paged_attention(q, k, v, kv[0], kv[1], metadata, self.scale)
+        out = attend(q, k, v, self.scale)
         o_proj = self.o_proj
         return linear_add(out.reshape(tokens, self.q_size), o_proj.weight, residual, o_proj.bias)
 
@@ -147,10 +156,9 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         cos_sin: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
+        attend: Attend,
     ) -> torch.Tensor:
-        x = self.self_attn(self.input_layernorm(x), x, cos_sin, kv, metadata)
+        x = self.self_attn(self.input_layernorm(x), x, cos_sin, attend)
         return self.mlp(self.post_attention_layernorm(x), x)
 
 
@@ -205,8 +213,29 @@ class LlamaForCausalLM(nn.Module):
         metadata.prepare(self.config.num_queries_per_kv, x.dtype)
         cos_sin = self.model.rotary_emb(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos_sin, kv_cache.layer(i), metadata)
+            x = layer(x, cos_sin, _paged(*kv_cache.layer(i), metadata))
         return self.model.norm(x)
+
+    # -- the static-shape regions a graph compiler takes (runtime/compiled_graphs.py) ---------
+
+    def graph_head(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        query_positions: torch.Tensor | None = None,
+        num_keys: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Embeddings, rope table rows and the rectangle's mask of a padded step (no mask
+        for a flat decode step)."""
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self.model.rotary_emb(positions, x.dtype)
+        if query_positions is None:
+            return x, cos_sin, None
+        mask = rect_mask(query_positions, num_keys, self.config.num_queries_per_kv, x.dtype)
+        return x, cos_sin, mask
+
+    def graph_tail(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(self.model.norm(x), rows)
 
     def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """float32 logits `[len(rows), vocab]` for the given token rows of `hidden`."""
@@ -271,3 +300,53 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks weights for {missing[:5]} ({len(missing)} missing)")
+
+
+def _paged(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata
+) -> Attend:
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, metadata)
+        return paged_attention(q, k, v, k_cache, v_cache, metadata, scale)
+
+    return attend
+
+
+def graph_layer(
+    layer: LlamaDecoderLayer,
+    x: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """One decoder layer of a padded step from tensors alone: the region compiled once per
+    shape and reused by every layer (the layer's weights are inputs, not constants)."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        write_slots(k, v, k_cache, v_cache, slots)
+        return attend_rect(q, k_cache, v_cache, block_tables, mask, scale)
+
+    return layer(x, cos_sin, attend)
+
+
+def graph_decode_layer(
+    layer: LlamaDecoderLayer,
+    x: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    block_list: torch.Tensor,
+    block_rows: torch.Tensor,
+    block_valid: torch.Tensor,
+) -> torch.Tensor:
+    """`graph_layer` of a decode step over its flat block list (`attend_flat`)."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        write_slots(k, v, k_cache, v_cache, slots)
+        return attend_flat(q, k_cache, v_cache, block_list, block_rows, block_valid, scale)
+
+    return layer(x, cos_sin, attend)

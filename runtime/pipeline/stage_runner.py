@@ -19,6 +19,7 @@ from runtime.pipeline.stage_step import StageStep
 from runtime.prompt_logprobs import prompt_spans, record_prompt_logprobs
 from runtime.sampler import Sampler
 from runtime.sequence import Sequence
+from runtime.step_inputs import InputBuilder, Shape
 from runtime.tokenizer import Tokenizer
 from runtime.weights import iter_safetensors, resolve_model
 
@@ -65,7 +66,14 @@ class StageRunner(ModelRunner):
             self.device.torch_device,
         )
         self.sampler = Sampler(config.seed, self.eos_token_ids)
-        self._graphs = {}
+        self.inputs = InputBuilder(
+            self.block_size,
+            self.kv_cache.num_blocks,
+            self.kv_cache.null_block,
+            self.max_model_len,
+            self.device.torch_device,
+        )
+        self.execution, self.graphs = "eager", None
         self.clock = StageClock(spec.index)
 
     def _num_kv_blocks(self) -> int:
@@ -92,9 +100,8 @@ class StageRunner(ModelRunner):
 
     def _run_stage(self, step: StageStep, hidden: torch.Tensor | None) -> StageOutput:
         seqs, counts = step.seqs, step.num_new_tokens
-        pad_to = None if step.pad_to is None else self._check_shape(step.pad_to)
         spans = prompt_spans(seqs, counts) if self.spec.is_last else []
-        inputs = self._prepare(seqs, counts, pad_to, spans or None)
+        inputs = self.inputs.prepare(seqs, counts, self._stage_shape(step.pad_to), spans or None)
         if hidden is not None:
             hidden = hidden.to(self.device.torch_device, non_blocking=True)
         out = self.model(inputs.input_ids, hidden, inputs.positions, self.kv_cache, inputs.metadata)
@@ -123,13 +130,22 @@ class StageRunner(ModelRunner):
                 out[i] = token
         return out
 
+    def _stage_shape(self, pad_to: Shape | None) -> Shape | None:
+        """Stages run eagerly (no graphs across a stage yet): prompt shapes pad to their
+        rectangle; decode shapes, whose blocks are the batch's flat list, run unpadded."""
+        if pad_to is None or pad_to[1] == 1:
+            return None
+        return self.inputs.check_shape(pad_to)
+
     @torch.inference_mode()
     def warmup(self, shapes) -> None:
-        """Each shape once on dummy rows (stages run eagerly: no graphs across a stage yet)."""
+        """Each prompt shape once on dummy rows (decode steps run unpadded)."""
         hidden_size = self.model_config.hidden_size
         for shape in shapes:
-            shape = self._check_shape(shape)
-            inputs = self._prepare([], [], shape)
+            shape = self._stage_shape(shape)
+            if shape is None:
+                continue
+            inputs = self.inputs.prepare([], [], shape)
             hidden = None
             if not self.spec.is_first:
                 tokens = inputs.input_ids.shape[0]

@@ -58,3 +58,15 @@ def test_module_entry_point():
         check=True,
     )
     assert out.stdout.splitlines()[2].startswith("Generated 108 prompt buckets")
+
+
+def test_the_gaudi_config_yields_its_decode_buckets(capsys):
+    """serve-gaudi.yaml's decode blocks count the batch's total KV blocks (vllm-gaudi's
+    meaning): 32 (one 4096-token sequence of 128-token blocks) up to 128 x 32 = 4096."""
+    assert main(["buckets", "--config", "deploy/serve-gaudi.yaml"]) == 0
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
+    assert lines[1] == "Decode bucket config (min, step, max_warmup, limit) bs:[1, 2, 128, 8], " \
+        "block:[32, 32, 4096, 14]"
+    assert lines[3].startswith("Generated 112 decode buckets") and "(128, 1, 4096)" in lines[3]
+    assert "57 of 112 decode buckets are reachable (blocks <= batch x 32" in out.err

@@ -66,13 +66,13 @@ def test_padded_to_warmed_shape_buckets_matches_the_engine(
         prompt = infos["prefill-0"]
         assert prompt["padding"] and prompt["seconds"] > 0
         assert len(prompt["shapes"]) == 5 * 8  # batch 1..16 x query 4..512, all warmed
-        assert len(infos["decode-0"]["shapes"]) == 7 * 8  # batch 1..64 x blocks 1..128
+        assert len(infos["decode-0"]["shapes"]) == 77  # batch b in 1..64 x blocks 1..b * 128
         assert buckets.block_size == BLOCK_SIZE
 
     asyncio.run(main())
     text = caplog.text
     assert "prefill-0: warmed 40 of 40 prompt shapes" in text
-    assert "decode-0: warmed 56 of 56 decode shapes" in text
+    assert "decode-0: warmed 77 of 77 decode shapes" in text
 
 
 def test_expired_lease_frees_the_prefill_blocks_and_the_request_completes(

@@ -109,3 +109,13 @@ def test_matches_transformers_under_preemption(smollm_dir, prompts, reference):
     assert engine.stats.num_preemptions > 0
     assert_matches(got, reference)
     assert engine.block_manager.num_free_blocks == 12
+
+
+def test_graphs_mode_matches_transformers(smollm_dir, prompts, reference):
+    """The blog's eight prompts in graphs mode: every step padded to a compiled shape."""
+    graphs = runner(smollm_dir, num_kv_blocks=256, execution="graphs")
+    engine = LLMEngine.from_kwargs(runner=graphs, max_num_seqs=3)
+    got = drain_all(engine, prompts, [GREEDY] * len(prompts))
+    assert_matches(got, reference)
+    stats = graphs.graph_stats
+    assert stats.misses > 0 and stats.prompt_padded_tokens >= stats.prompt_tokens > 0

@@ -16,7 +16,8 @@ def make(dtype: torch.dtype = torch.float32, blocks: int = 6) -> KVCache:
 
 def fill(cache: KVCache, seed: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
-    cache.kv.copy_(torch.randn(cache.kv.shape, generator=gen))
+    for t in (*cache.k, *cache.v):
+        t.copy_(torch.randn(t.shape, generator=gen))
 
 
 def test_layout_and_sizes():
@@ -28,7 +29,10 @@ def test_layout_and_sizes():
     k, v = cache.layer(1)
     assert k.shape == (2, 7, 4, 8) and k.is_contiguous() and v.data_ptr() != k.data_ptr()
     k[0, 2, 1, 0] = 5.0
-    assert cache.kv[1, 0, 0, 2, 1, 0] == 5.0  # a view, not a copy
+    assert cache.k[1][0, 2, 1, 0] == 5.0  # the layer's own tensor, not a copy
+    # one K and one V tensor per layer, none a view of another (graph capture needs that)
+    ptrs = {t.untyped_storage().data_ptr() for t in (*cache.k, *cache.v)}
+    assert len(ptrs) == 6
 
 
 @pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -1,0 +1,143 @@
+"""Graphs mode: one compiled graph per shape bucket, the same greedy tokens as eager and as
+transformers, nothing compiled after warm-up while batches fit, one compile per miss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import AutoModelForCausalLM
+
+from runtime.device import Device, graph_backend_for, hpu_lazy_mode
+from runtime.llm import LLM
+from runtime.model_runner import ModelRunner, ModelRunnerConfig
+from runtime.sampling_params import SamplingParams
+from tests.runtime.test_model_runner import BLOCK, NUM_BLOCKS, Blocks, generate, new_seqs, prompts
+
+# prompt buckets (batch, query, table width) and decode buckets (batch, 1, the batch's blocks)
+BUCKETS = [(1, 16, 4), (2, 16, 4), (4, 16, 4), (1, 1, 8), (2, 1, 16), (4, 1, 32)]
+
+
+def compiled_graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module")
+def graphs_runner(tiny_model_dir) -> ModelRunner:
+    config = ModelRunnerConfig(
+        model=str(tiny_model_dir), block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, execution="graphs"
+    )
+    runner = ModelRunner(config)
+    # dynamo caches per code object, so graphs an earlier test compiled for the same shapes
+    # would be reused: start from none, so every bucket here compiles
+    torch._dynamo.reset()
+    before = compiled_graphs()
+    seconds = runner.warmup(BUCKETS)
+    # three regions (head, one decoder layer shared by both layers, tail) per bucket
+    assert compiled_graphs() - before == 3 * len(BUCKETS)
+    assert set(seconds) == set(BUCKETS) and all(s > 0 for s in seconds.values())
+    return runner
+
+
+def eager(tiny_model_dir) -> ModelRunner:
+    return ModelRunner(
+        ModelRunnerConfig(model=str(tiny_model_dir), block_size=BLOCK, num_kv_blocks=NUM_BLOCKS)
+    )
+
+
+def hf_greedy(model_dir, token_lists: list[list[int]], steps: int) -> list[list[int]]:
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for ids in token_lists:
+        ids = list(ids)
+        with torch.no_grad():
+            for _ in range(steps):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        out.append(ids[-steps:])
+    return out
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 4])
+def test_every_bucket_matches_eager_and_transformers(graphs_runner, tiny_model_dir, batch):
+    """Batches of 1..4 (3 pads a dummy row) through prompt and decode buckets, their context
+    padded to the buckets' table width: same tokens, and nothing compiled while serving."""
+    token_lists = prompts(batch, seed=batch)
+    before, misses = compiled_graphs(), graphs_runner.graph_stats.misses
+    got = generate(graphs_runner, new_seqs(token_lists), 5, Blocks(seed=batch))
+    assert compiled_graphs() == before and graphs_runner.graph_stats.misses == misses
+    assert got == generate(eager(tiny_model_dir), new_seqs(token_lists), 5, Blocks(seed=9))
+    assert got == hf_greedy(tiny_model_dir, token_lists, 5)
+
+
+def test_a_batch_beyond_the_largest_bucket_compiles_once_and_counts_once(graphs_runner):
+    token_lists = prompts(6, seed=7)
+    reference = generate(graphs_runner, new_seqs(token_lists[:3]), 3, Blocks(seed=1))
+    before, stats = compiled_graphs(), graphs_runner.graph_stats
+    misses, miss_s = stats.misses, stats.miss_compile_s
+    seqs = new_seqs(token_lists)  # 6 rows: beyond the largest bucket's 4
+    got = generate(graphs_runner, seqs, 3, Blocks(seed=2))
+    assert got[:3] == reference
+    # the prefill step and the decode steps each miss once: one compile each, reused after
+    assert stats.misses - misses == 2
+    assert compiled_graphs() - before == 3 * 2
+    assert stats.miss_compile_s > miss_s
+    again = generate(graphs_runner, new_seqs(token_lists), 3, Blocks(seed=3))
+    assert again == got and stats.misses - misses == 2 and compiled_graphs() - before == 6
+
+
+def test_layerwise_kv_is_reported_per_layer_on_cpu(graphs_runner):
+    seq = new_seqs(prompts(1, seed=11))[0]
+    Blocks(seed=4).cover(seq, len(seq))
+    seen: list[int] = []
+    graphs_runner.execute([seq], [len(seq)], pad_to=(1, 16, 4), on_layer=seen.append)
+    assert seen == [0, 1] and graphs_runner.graph_stats.kv_export == "per_layer"
+
+
+def test_offline_llm_in_graphs_mode_matches_eager(tiny_model_dir):
+    token_lists = prompts(3, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    options = {"block_size": BLOCK, "num_kv_blocks": NUM_BLOCKS, "max_num_seqs": 4}
+    graphs = LLM(str(tiny_model_dir), execution="graphs", **options)
+    assert graphs.engine.runner.execution == "graphs"
+    graphs.warmup([(4, 16, 4), (4, 1, 32)])
+    got = [o.token_ids for o in graphs.generate(token_lists, params, use_tqdm=False)]
+    ref = LLM(str(tiny_model_dir), execution="eager", **options)
+    assert ref.engine.runner.graphs is None
+    assert got == [o.token_ids for o in ref.generate(token_lists, params, use_tqdm=False)]
+    assert graphs.engine.runner.graph_stats.misses == 0
+
+
+def test_execution_mode_and_graph_backend_per_device():
+    assert ModelRunnerConfig().execution == "auto"
+    with pytest.raises(ValueError, match="execution must be"):
+        ModelRunnerConfig(execution="jit")
+    cpu = Device("cpu")
+    assert cpu.graph_backend == "inductor" and not cpu.captures_whole_step
+    assert graph_backend_for("cuda") == "cuda_graphs"
+    # Gaudi: eager mode (the default since software 1.21) compiles with hpu_backend; lazy
+    # mode captures HPU graphs, chosen from PT_HPU_LAZY_MODE as vllm-gaudi does
+    assert not hpu_lazy_mode({}) and not hpu_lazy_mode({"PT_HPU_LAZY_MODE": "0"})
+    assert hpu_lazy_mode({"PT_HPU_LAZY_MODE": "1"})
+    assert graph_backend_for("hpu", lazy=False) == "hpu_backend"
+    assert graph_backend_for("hpu", lazy=True) == "hpu_graphs"
+
+
+def test_eager_decode_padded_to_total_blocks_matches_unpadded(tiny_model_dir):
+    """A decode shape's blocks are the batch's total (vllm-gaudi's meaning): a ragged batch
+    padded to (4, 1, 32) reads one flat block list, with the same tokens as unpadded."""
+    runner = eager(tiny_model_dir)
+    token_lists = [p * 3 for p in prompts(3, seed=8)]  # ragged: 9..33 tokens
+    plain = generate(runner, new_seqs(token_lists), 4, Blocks(seed=6))
+    seqs, blocks = new_seqs(token_lists), Blocks(seed=7)
+    for s in seqs:
+        blocks.cover(s, len(s))
+    for step in range(4):
+        counts = [1] * 3 if step else [len(s) for s in seqs]
+        out = runner.execute(seqs, counts, pad_to=(4, 1, 32) if step else None)
+        for s, token in zip(seqs, out, strict=True):
+            s.num_computed_tokens = len(s)
+            s.append_token(token)
+            blocks.cover(s, len(s))
+    tables = [len(s.block_table) for s in seqs]
+    assert sum(tables) <= 32 and len(set(tables)) == 3  # ragged rows, 32 blocks in all
+    assert [s.output_token_ids for s in seqs] == plain
