@@ -213,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
         metadata.prepare(self.config.num_queries_per_kv, x.dtype)
         cos_sin = self.model.rotary_emb(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos_sin, _paged(*kv_cache.layer(i), metadata))
+            x = layer(x, cos_sin, paged_attend(*kv_cache.layer(i), metadata))
         return self.model.norm(x)
 
     # -- the static-shape regions a graph compiler takes (runtime/compiled_graphs.py) ---------
@@ -302,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks weights for {missing[:5]} ({len(missing)} missing)")
 
 
-def _paged(
+def paged_attend(
     k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata
 ) -> Attend:
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

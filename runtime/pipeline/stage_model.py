@@ -12,7 +12,7 @@ from torch import nn
 from runtime.attention import AttentionMetadata
 from runtime.kv_cache import KVCache
 from runtime.model_config import ModelConfig
-from runtime.models.llama import LlamaForCausalLM
+from runtime.models.llama import LlamaForCausalLM, paged_attend
 from runtime.pipeline.stage_spec import StageSpec
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -70,7 +70,7 @@ class StageModel(nn.Module):
         metadata.prepare(self.config.num_queries_per_kv, x.dtype)
         cos_sin = inner.rotary_emb(positions, x.dtype)
         for i, layer in enumerate(inner.layers):
-            x = layer(x, cos_sin, kv_cache.layer(i), metadata)
+            x = layer(x, cos_sin, paged_attend(*kv_cache.layer(i), metadata))
         return inner.norm(x) if self.spec.is_last else x
 
     def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
