@@ -6,22 +6,22 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from numbers import Integral
 from typing import Any
 
 from runtime.block_manager import BlockManager
 from runtime.engine_config import EngineConfig
+from runtime.engine_request import EngineRequest, SampleState
 from runtime.executor import ExecutionError
-from runtime.logprobs import TokenLogprob
 from runtime.model_runner import ModelRunner, ModelRunnerConfig
 from runtime.output_processor import OutputProcessor
-from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.outputs import RequestOutput
 from runtime.pipeline.pipeline_executor import PipelineExecutor, make_executor
 from runtime.pipeline.pipeline_runner import PipelineRunner
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerOutput
-from runtime.sequence import FinishReason, Sequence
+from runtime.sequence import Sequence
 
 Shape = tuple[int, int, int]
 PadFn = Callable[[list[Sequence], list[int]], "Shape | None"]
@@ -38,36 +38,6 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     num_finished: int = 0
-
-
-@dataclass
-class _Choice:
-    """One sample of a request and what its outputs have delivered of it."""
-
-    seq: Sequence
-    token_ids: list[int] = field(default_factory=list)  # output tokens delivered
-    text: str = ""
-    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # theirs, if asked
-    ended: bool = False  # its last output went out
-
-
-@dataclass
-class _Request:
-    """A prompt and its `n` samples: sample 0 computes the prompt, the others fork from it."""
-
-    request_id: str
-    prompt: str | None
-    choices: list[_Choice]
-    prompt_logprobs: bool = False  # computed here and wanted
-    prompt_logprob_list: list[TokenLogprob | None] | None = None  # once the prompt is done
-
-    @property
-    def seq(self) -> Sequence:
-        return self.choices[0].seq
-
-    @property
-    def finished(self) -> bool:
-        return all(c.ended for c in self.choices)
 
 
 class LLMEngine:
@@ -125,8 +95,8 @@ class LLMEngine:
         self._microbatch_seqs = -(-config.scheduler.max_num_seqs // self.executor.depth)
         self._arrival = threading.Event()  # a request came in: one of the loop's events
         self.stats = EngineStats()
-        self._requests: dict[str, _Request] = {}
-        self._owners: dict[int | str, _Request] = {}  # every sample's seq id -> its request
+        self._requests: dict[str, EngineRequest] = {}
+        self._owners: dict[int | str, EngineRequest] = {}  # every sample's seq id -> its request
         self._pending: list[RequestOutput] = []  # produced outside step(): aborts, handoffs
         self._ids = itertools.count()
 
@@ -155,7 +125,7 @@ class LLMEngine:
         with self.lock:
             request = self._prepare(prompt, sampling_params, request_id, prompt_text, arrival_time)
             if output_token_ids:
-                if len(request.choices) > 1:
+                if len(request.samples) > 1:
                     raise ValueError("a request resumed with its outputs has one sample (n=1)")
                 self._check_ids(list(output_token_ids))
                 request.seq.token_ids.extend(int(t) for t in output_token_ids)
@@ -186,7 +156,7 @@ class LLMEngine:
         request_id: str | None,
         prompt_text: str | None,
         arrival_time: float | None,
-    ) -> _Request:
+    ) -> EngineRequest:
         token_ids = self._encode(prompt)
         request = self._new_request(
             token_ids, sampling_params, request_id, arrival_time, prompt_text
@@ -198,17 +168,17 @@ class LLMEngine:
         request.prompt_logprobs = request.seq.sampling_params.prompt_logprobs is not None
         return request
 
-    def _admit(self, request: _Request) -> str:
-        seqs = [c.seq for c in request.choices]
+    def _admit(self, request: EngineRequest) -> str:
+        seqs = [s.seq for s in request.samples]
         self.scheduler.add(seqs[0], forks=seqs[1:])
         self._register(request)
         self._arrival.set()
         return request.request_id
 
-    def _register(self, request: _Request) -> None:
-        for choice in request.choices:
-            self._track(choice.seq)
-            self._owners[choice.seq.seq_id] = request
+    def _register(self, request: EngineRequest) -> None:
+        for sample in request.samples:
+            self._track(sample.seq)
+            self._owners[sample.seq.seq_id] = request
         self._requests[request.request_id] = request
 
     def _check_stop(self, params: SamplingParams) -> None:
@@ -241,12 +211,12 @@ class LLMEngine:
         with self.lock:  # the ids come from the controller, validated at its edge
             token_ids = [int(t) for t in prompt_token_ids]
             request = self._new_request(token_ids, sampling_params, request_id, arrival_time)
-            if output_token_ids and len(request.choices) > 1:
+            if output_token_ids and len(request.samples) > 1:
                 raise ValueError("a request resumed with its outputs has one sample (n=1)")
             seq = request.seq
             seq.token_ids.extend(int(t) for t in (*output_token_ids, first_token_id))
             seq.num_computed_tokens = len(seq) - 1
-            forks = [c.seq for c in request.choices[1:]]
+            forks = [s.seq for s in request.samples[1:]]
             self.scheduler.add_prefilled(seq, block_ids, forks=forks)
             self._register(request)
             self._arrival.set()
@@ -261,8 +231,8 @@ class LLMEngine:
             request = self._requests.get(request_id)
             if request is None:
                 return False
-            choices = request.choices if index is None else request.choices[index : index + 1]
-            live = [c.seq for c in choices if not c.seq.is_finished]
+            samples = request.samples if index is None else request.samples[index : index + 1]
+            live = [s.seq for s in samples if not s.seq.is_finished]
             if not live:
                 return False
             for seq in live:
@@ -337,88 +307,14 @@ class LLMEngine:
         stats.num_batched_tokens += batch.num_tokens
         stats.num_preemptions = self.scheduler.num_preemptions
 
-    def _output(self, request: _Request) -> RequestOutput:
-        """The request's output after its new tokens went through the output processor; a
-        stop string ends that sample on the scheduler at once (its blocks freed)."""
-        outputs = [self._completion(i, c) for i, c in enumerate(request.choices)]
-        seq, first = request.seq, outputs[0]
-        finished = request.finished
-        out = RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=first.text,
-            token_ids=first.token_ids,
-            delta_text=first.delta_text,
-            delta_token_ids=first.delta_token_ids,
-            finished=finished,
-            finish_reason=first.finish_reason if finished else None,
-            stop_reason=seq.stop_reason,
-            num_preemptions=seq.num_preemptions,
-            metrics=seq.metrics,
-            logprobs=first.logprobs,
-            delta_logprobs=first.delta_logprobs,
-            outputs=outputs,
-            prompt_logprobs=self._prompt_logprobs(request),
-        )
-        if finished:
+    def _output(self, request: EngineRequest) -> RequestOutput:
+        out = request.output(self.outputs, self.scheduler)
+        if out.finished:
             del self._requests[request.request_id]
-            for choice in request.choices:
-                del self._owners[choice.seq.seq_id]
+            for sample in request.samples:
+                del self._owners[sample.seq.seq_id]
             self.stats.num_finished += 1
         return out
-
-    def _completion(self, index: int, choice: _Choice) -> CompletionOutput:
-        seq = choice.seq
-        if choice.ended:
-            return CompletionOutput(
-                index, choice.text, list(choice.token_ids), finished=True,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs=None if seq.sampling_params.logprobs is None else list(choice.logprobs),
-                delta_logprobs=None if seq.sampling_params.logprobs is None else [],
-            )
-        reason = seq.finish_reason.value if seq.finish_reason is not None else None
-        new = seq.output_token_ids[len(choice.token_ids) :]
-        delta = self.outputs.process(seq.seq_id, new, reason)
-        if delta.stopped:
-            if not seq.is_finished:
-                self.scheduler.abort(seq.seq_id)
-            seq.finish_reason, seq.stop_reason = FinishReason.STOP, delta.stop_reason
-        start = len(choice.token_ids)
-        choice.token_ids += delta.token_ids
-        choice.text += delta.text
-        choice.ended = delta.finished
-        delta_logprobs = None
-        if seq.sampling_params.logprobs is not None:
-            delta_logprobs = [
-                seq.output_logprobs.get(i) for i in range(start, len(choice.token_ids))
-            ]
-            choice.logprobs += delta_logprobs
-        return CompletionOutput(
-            index=index,
-            text=choice.text,
-            token_ids=list(choice.token_ids),
-            delta_text=delta.text,
-            delta_token_ids=delta.token_ids,
-            finished=delta.finished,
-            finish_reason=seq.finish_reason if delta.finished else None,
-            stop_reason=seq.stop_reason,
-            changed=bool(delta.token_ids) or delta.finished,
-            logprobs=None if delta_logprobs is None else list(choice.logprobs),
-            delta_logprobs=delta_logprobs,
-        )
-
-    @staticmethod
-    def _prompt_logprobs(request: _Request) -> list[TokenLogprob | None] | None:
-        """The prompt's logprobs, once its K/V is all computed here (None for the first token,
-        OpenAI's convention)."""
-        seq = request.seq
-        if request.prompt_logprob_list is None:
-            if not request.prompt_logprobs or seq.num_computed_tokens < seq.num_prompt_tokens:
-                return None
-            rest = [seq.prompt_logprobs.get(i) for i in range(1, seq.num_prompt_tokens)]
-            request.prompt_logprob_list = [None, *rest]
-        return request.prompt_logprob_list
 
     def _new_request(
         self,
@@ -427,7 +323,7 @@ class LLMEngine:
         request_id: str | None,
         arrival_time: float | None,
         prompt_text: str | None = None,
-    ) -> _Request:
+    ) -> EngineRequest:
         """The request's `n` sample sequences: sample 0 named `request_id`, sample i
         `request_id#i`, each with its settings (`SamplingParams.sample(i)`)."""
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -442,12 +338,12 @@ class LLMEngine:
         for seq_id in ids:
             if seq_id in self._requests or seq_id in self._owners:
                 raise ValueError(f"request id {seq_id!r} is already in use")
-        samples = [params] if params.n == 1 else [params.sample(i) for i in range(params.n)]
-        choices = [
-            _Choice(self._new_seq(token_ids, p, seq_id, arrival_time))
-            for p, seq_id in zip(samples, ids, strict=True)
+        settings = [params] if params.n == 1 else [params.sample(i) for i in range(params.n)]
+        samples = [
+            SampleState(self._new_seq(token_ids, p, seq_id, arrival_time))
+            for p, seq_id in zip(settings, ids, strict=True)
         ]
-        return _Request(request_id, prompt_text, choices)
+        return EngineRequest(request_id, prompt_text, samples)
 
     @staticmethod
     def _new_seq(
