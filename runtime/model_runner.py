@@ -95,17 +95,10 @@ class ModelRunner:
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
-        model_cls = MODEL_REGISTRY[self.model_config.architecture]
-        self.model = model_cls.build(
-            self.model_config,
-            iter_safetensors(self.model_dir),
-            self.device.torch_device,
-            self.dtype,
-            self.max_model_len,
-        )
+        self.model = self._build_model()
         c = self.model_config
         self.kv_cache = KVCache(
-            c.num_hidden_layers,
+            self.num_layers,
             self._num_kv_blocks(),
             self.block_size,
             c.num_key_value_heads,
@@ -122,13 +115,30 @@ class ModelRunner:
             self.device.torch_device,
         )
         self.execution = resolve_execution(config.execution, self.device.type)
-        self.graphs = (
-            CompiledGraphs(self.model, self.kv_cache, self.device)
-            if self.execution == "graphs"
-            else None
+        self.graphs, self._flat = self._compiled_graphs()
+
+    @property
+    def num_layers(self) -> int:
+        """Layers whose K/V this runner's pool holds."""
+        return self.model_config.num_hidden_layers
+
+    def _build_model(self) -> torch.nn.Module:
+        model_cls = MODEL_REGISTRY[self.model_config.architecture]
+        return model_cls.build(
+            self.model_config,
+            iter_safetensors(self.model_dir),
+            self.device.torch_device,
+            self.dtype,
+            self.max_model_len,
         )
-        # eager steps padded to a decode shape read its flat block list, uncompiled
-        self._flat = CompiledGraphs(self.model, self.kv_cache, self.device, compiled=False)
+
+    def _compiled_graphs(self) -> tuple[CompiledGraphs | None, CompiledGraphs | None]:
+        """Graphs mode's compiled steps, and the uncompiled path eager steps padded to a
+        decode shape take (they read the batch's flat block list)."""
+        graphs = None
+        if self.execution == "graphs":
+            graphs = CompiledGraphs(self.model, self.kv_cache, self.device)
+        return graphs, CompiledGraphs(self.model, self.kv_cache, self.device, compiled=False)
 
     @property
     def graph_stats(self) -> GraphStats | None:
@@ -140,11 +150,7 @@ class ModelRunner:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        """The model's end-of-sequence ids, the tokenizer's included."""
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        return eos
+        return eos_token_ids(self.model_config, self.tokenizer)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -160,7 +166,7 @@ class ModelRunner:
             return self.config.num_kv_blocks
         c = self.model_config
         per_block = KVCache.block_bytes(
-            c.num_hidden_layers, self.block_size, c.num_key_value_heads, c.head_dim, self.dtype
+            self.num_layers, self.block_size, c.num_key_value_heads, c.head_dim, self.dtype
         )
         budget = self.device.free_memory() * self.config.kv_memory_fraction
         if self.device.type == "cpu":
@@ -191,9 +197,13 @@ class ModelRunner:
             logits = logits[: len(seqs)]
         else:
             logits = self._run(seqs, num_new_tokens, pad_to, on_layer)
-        rows = [
-            i for i, s in enumerate(seqs) if s.num_computed_tokens + num_new_tokens[i] == len(s)
-        ]
+        return self._sample(seqs, num_new_tokens, logits)
+
+    def _sample(
+        self, seqs: list[Sequence], counts: list[int], logits: torch.Tensor
+    ) -> list[int | None]:
+        """The next token of each sequence whose chunk reaches its end (else None)."""
+        rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + counts[i] == len(s)]
         out: list[int | None] = [None] * len(seqs)
         if rows:
             picked = self.sampler(
@@ -328,6 +338,14 @@ class ModelRunner:
         cap = -(-self.max_model_len // self.block_size) * (need[0] if need[1] == 1 else 1)
         b, q, nb = (1 << (x - 1).bit_length() for x in need)
         return (b, q, max(min(nb, cap), need[2]))
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer) -> set[int]:
+    """The model's end-of-sequence ids, the tokenizer's included."""
+    eos = set(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return eos
 
 
 def resolve_execution(setting: str, device_type: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from runtime.model_config import ModelConfig
-from runtime.model_runner import LayerHook, ModelRunnerConfig, Shape
+from runtime.model_runner import LayerHook, ModelRunnerConfig, Shape, eos_token_ids
 from runtime.pipeline.local_stage import LocalStage
 from runtime.pipeline.pipeline_stats import PipelineStats, handoff_seconds
 from runtime.pipeline.stage import Stage
@@ -118,10 +118,7 @@ class PipelineRunner:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        return eos
+        return eos_token_ids(self.model_config, self.tokenizer)
 
     # -- steps -------------------------------------------------------------------------------
 

@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
-from runtime.device import Device
-from runtime.kv_cache import KVCache
 from runtime.logprobs import TokenLogprob
-from runtime.model_config import ModelConfig
 from runtime.model_runner import ModelRunner, ModelRunnerConfig
 from runtime.pipeline.stage_clock import StageClock
 from runtime.pipeline.stage_model import StageModel
 from runtime.pipeline.stage_spec import StageSpec
 from runtime.pipeline.stage_step import StageStep
 from runtime.prompt_logprobs import prompt_spans, record_prompt_logprobs
-from runtime.sampler import Sampler
-from runtime.sequence import Sequence
-from runtime.step_inputs import InputBuilder, Shape
-from runtime.tokenizer import Tokenizer
-from runtime.weights import iter_safetensors, resolve_model
+from runtime.step_inputs import Shape
+from runtime.weights import iter_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -36,57 +31,26 @@ class StageRunner(ModelRunner):
     samples. Its KV pool holds its layers only, numbered from 0."""
 
     def __init__(self, config: ModelRunnerConfig, spec: StageSpec) -> None:
-        # Not ModelRunner.__init__: that loads every layer. The attributes are the ones
-        # ModelRunner's step-input code reads.
-        self.config = config
         self.spec = spec
-        self.device = Device(config.device)
-        self.dtype = self.device.resolve_dtype(config.dtype)
-        self.model_dir = resolve_model(config.model)
-        self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        self.max_model_len = self._max_model_len()
-        self.block_size = config.block_size
-        self.model = StageModel.build(
+        super().__init__(replace(config, execution="eager"))  # no graphs across a stage yet
+        self.clock = StageClock(spec.index)
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    def _build_model(self) -> torch.nn.Module:
+        return StageModel.build(
             self.model_config,
-            spec,
+            self.spec,
             iter_safetensors(self.model_dir),
             self.device.torch_device,
             self.dtype,
             self.max_model_len,
         )
-        c = self.model_config
-        self.kv_cache = KVCache(
-            spec.num_layers,
-            self._num_kv_blocks(),
-            self.block_size,
-            c.num_key_value_heads,
-            c.head_dim,
-            self.dtype,
-            self.device.torch_device,
-        )
-        self.sampler = Sampler(config.seed, self.eos_token_ids)
-        self.inputs = InputBuilder(
-            self.block_size,
-            self.kv_cache.num_blocks,
-            self.kv_cache.null_block,
-            self.max_model_len,
-            self.device.torch_device,
-        )
-        self.execution, self.graphs = "eager", None
-        self.clock = StageClock(spec.index)
 
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        c = self.model_config
-        per_block = KVCache.block_bytes(
-            self.spec.num_layers, self.block_size, c.num_key_value_heads, c.head_dim, self.dtype
-        )
-        budget = self.device.free_memory() * self.config.kv_memory_fraction
-        if self.device.type == "cpu":
-            budget = min(budget, self.config.cpu_kv_cache_bytes)
-        return max(1, int(budget // per_block))
+    def _compiled_graphs(self) -> tuple[None, None]:
+        return None, None
 
     @torch.inference_mode()
     def run(self, step: StageStep, hidden: torch.Tensor | None) -> StageOutput:
@@ -113,22 +77,6 @@ class StageRunner(ModelRunner):
             record_prompt_logprobs(seqs, spans, logits[inputs.num_seqs :])
             prompt_logprobs = {s.row: seqs[s.row].prompt_logprobs for s in spans}
         return self._sample(seqs, counts, logits[: inputs.num_seqs]), prompt_logprobs
-
-    def _sample(
-        self, seqs: list[Sequence], counts: list[int], logits: torch.Tensor
-    ) -> list[int | None]:
-        rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + counts[i] == len(s)]
-        out: list[int | None] = [None] * len(seqs)
-        if rows:
-            picked = self.sampler(
-                logits if len(rows) == len(seqs) else logits[rows],
-                [seqs[i].sampling_params for i in rows],
-                [seqs[i].num_output_tokens for i in rows],
-                [seqs[i] for i in rows],
-            )
-            for i, token in zip(rows, picked, strict=True):
-                out[i] = token
-        return out
 
     def _stage_shape(self, pad_to: Shape | None) -> Shape | None:
         """Stages run eagerly (no graphs across a stage yet): prompt shapes pad to their
