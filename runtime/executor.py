@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from runtime.scheduler import SchedulerOutput
 from runtime.sequence import Sequence
@@ -27,16 +28,20 @@ class Executor:
     Depth 1 is synchronous: `submit` runs the batch and `finish` returns it.
     With depth > 1 batches run one after another on a worker thread, so the
     engine can schedule and submit the next microbatch while one executes
-    (the pipeline-parallel RFC's two-stage loop).
+    (the pipeline-parallel RFC's two-stage loop). Subclasses start a batch
+    elsewhere (`_start`, `_result`); errors in `passthrough` are not a failed batch.
     """
 
-    def __init__(self, execute: ExecuteFn, depth: int = 1) -> None:
+    passthrough: tuple[type[BaseException], ...] = ()
+
+    def __init__(self, execute: ExecuteFn | None, depth: int = 1) -> None:
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"pipeline depth must be a positive integer, got {depth!r}")
         self.execute = execute
         self.depth = depth
-        self._queue: deque[tuple[SchedulerOutput, Future[list[int | None]]]] = deque()
-        self._worker = ThreadPoolExecutor(1, "executor") if depth > 1 else None
+        self._queue: deque[tuple[SchedulerOutput, Any]] = deque()
+        self._worker: ThreadPoolExecutor | None = None
+        self.peak_in_flight = 0
 
     @property
     def num_in_flight(self) -> int:
@@ -54,26 +59,37 @@ class Executor:
     def submit(self, batch: SchedulerOutput) -> None:
         if self.full:
             raise RuntimeError(f"microbatch queue is full ({self.depth}); finish() one first")
-        if self._worker is None:
-            future: Future[list[int | None]] = Future()
-            try:
-                future.set_result(self.execute(batch.seqs, batch.num_new_tokens))
-            except BaseException as exc:  # re-raised by finish(), like the threaded path
-                future.set_exception(exc)
-        else:
-            future = self._worker.submit(self.execute, batch.seqs, batch.num_new_tokens)
-        self._queue.append((batch, future))
+        self._queue.append((batch, self._start(batch)))
+        self.peak_in_flight = max(self.peak_in_flight, len(self._queue))
 
     def finish(self) -> tuple[SchedulerOutput, list[int | None]]:
         """Wait for the oldest in-flight microbatch; returns it with its sampled tokens."""
         if not self._queue:
             raise RuntimeError("no microbatch in flight")
-        batch, future = self._queue.popleft()
+        batch, handle = self._queue.popleft()
         try:
-            return batch, future.result()
+            return batch, self._result(handle)
+        except self.passthrough:
+            raise
         except Exception as exc:
             raise ExecutionError(batch, exc) from exc
 
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+
+    def _start(self, batch: SchedulerOutput) -> Future[list[int | None]]:
+        assert self.execute is not None
+        if self.depth == 1:
+            future: Future[list[int | None]] = Future()
+            try:
+                future.set_result(self.execute(batch.seqs, batch.num_new_tokens))
+            except BaseException as exc:  # re-raised by finish(), like the threaded path
+                future.set_exception(exc)
+            return future
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, "executor")
+        return self._worker.submit(self.execute, batch.seqs, batch.num_new_tokens)
+
+    def _result(self, handle: Future[list[int | None]]) -> list[int | None]:
+        return handle.result()

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable
 
-from runtime.executor import ExecutionError, Executor
+from runtime.executor import Executor
 from runtime.model_runner import Shape
 from runtime.pipeline.pipeline_runner import Microbatch, PipelineRunner
 from runtime.pipeline.stage import StageDeadError
@@ -16,40 +15,18 @@ from runtime.sequence import Sequence
 PadFn = Callable[[list[Sequence], list[int]], "Shape | None"]
 
 
-class PipelineExecutor:
-    """`Executor`'s interface over a PipelineRunner: `submit` returns as soon as the
-    microbatch is on its way down the stages, so up to `depth` (by default one per
-    stage) run at once; `finish` takes the oldest. A dead stage is not a failed batch:
-    StageDeadError goes through to the worker, whose whole group is restarted."""
+class PipelineExecutor(Executor):
+    """`Executor` over a PipelineRunner: `submit` returns as soon as the microbatch is on
+    its way down the stages, so up to `depth` (by default one per stage) run at once;
+    `finish` takes the oldest. A dead stage is not a failed batch: StageDeadError goes
+    through to the worker, whose whole group is restarted."""
+
+    passthrough = (StageDeadError,)
 
     def __init__(self, runner: PipelineRunner, pad_fn: PadFn | None, depth: int) -> None:
-        if not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"pipeline depth must be a positive integer, got {depth!r}")
+        super().__init__(None, depth)
         self.runner = runner
         self.pad_fn = pad_fn
-        self.depth = depth
-        self._queue: deque[tuple[SchedulerOutput, Microbatch]] = deque()
-        self.peak_in_flight = 0
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._queue)
-
-    @property
-    def in_flight(self) -> list[SchedulerOutput]:
-        return [batch for batch, _ in self._queue]
-
-    @property
-    def full(self) -> bool:
-        return len(self._queue) >= self.depth
-
-    def submit(self, batch: SchedulerOutput) -> None:
-        if self.full:
-            raise RuntimeError(f"microbatch queue is full ({self.depth}); finish() one first")
-        seqs, counts = batch.seqs, batch.num_new_tokens
-        pad_to = None if self.pad_fn is None else self.pad_fn(seqs, counts)
-        self._queue.append((batch, self.runner.submit(seqs, counts, pad_to)))
-        self.peak_in_flight = max(self.peak_in_flight, len(self._queue))
 
     def wait(self, wake: threading.Event, poll_s: float = 0.002) -> bool:
         """Until the oldest microbatch is done (True) or `wake` is set first (False): the
@@ -61,19 +38,16 @@ class PipelineExecutor:
                 return True
         return False
 
-    def finish(self) -> tuple[SchedulerOutput, list[int | None]]:
-        if not self._queue:
-            raise RuntimeError("no microbatch in flight")
-        batch, microbatch = self._queue.popleft()
-        try:
-            return batch, self.runner.result(microbatch)
-        except StageDeadError:
-            raise
-        except Exception as exc:
-            raise ExecutionError(batch, exc) from exc
-
     def shutdown(self) -> None:
         self.runner.shutdown()
+
+    def _start(self, batch: SchedulerOutput) -> Microbatch:
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        pad_to = None if self.pad_fn is None else self.pad_fn(seqs, counts)
+        return self.runner.submit(seqs, counts, pad_to)
+
+    def _result(self, handle: Microbatch) -> list[int | None]:
+        return self.runner.result(handle)
 
 
 def make_executor(runner, pad_fn: PadFn | None, depth: int, execute) -> Executor | PipelineExecutor:

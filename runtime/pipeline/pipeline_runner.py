@@ -91,6 +91,8 @@ class PipelineRunner:
             c.head_dim,
             self.stage_infos[0]["dtype"],
         )
+        # stages run eagerly: no graphs across a stage yet (ModelRunner's graph interface)
+        self.execution, self.graphs, self.graph_stats = "eager", None, None
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._in_flight = 0
@@ -182,10 +184,15 @@ class PipelineRunner:
                     on_layer(layer)
         return self.result(microbatch)
 
-    def warmup(self, shapes: Iterable[Shape]) -> None:
-        shapes = list(shapes)
-        for stage in self.stages:
-            stage.warmup(shapes)
+    def warmup(self, shapes: Iterable[Shape]) -> dict[Shape, float]:
+        """Each shape once on every stage; the seconds each took on them all."""
+        seconds = {}
+        for shape in shapes:
+            start = time.perf_counter()
+            for stage in self.stages:
+                stage.warmup([shape])
+            seconds[shape] = time.perf_counter() - start
+        return seconds
 
     # -- counters ----------------------------------------------------------------------------
 
