@@ -292,7 +292,6 @@ class ModelRunner:
         """Every step padded to a shape: `pad_to`, else the smallest warmed one, decode rows
         apart from prefill rows; a part no warmed shape fits compiles its own (a miss)."""
         assert self.graphs is not None
-        self.inputs.validate(seqs, num_new_tokens)
         if pad_to is not None:
             parts = [(np.arange(len(seqs)), pad_to)]
         else:
