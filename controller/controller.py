@@ -72,6 +72,7 @@ class Controller:
         self.outputs = OutputProcessor(limits.model.tokenizer)  # text and stop strings
         self._requests: dict[str, RequestState] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._reviving: set[str] = set()
         self._state = "new"
 
     @property
@@ -176,8 +177,9 @@ class Controller:
         )
 
     async def drain(self, timeout_s: float = 120.0) -> ServiceStats:
-        """Wait until every request has finished and every worker reports its blocks free
-        and its leases closed (or `timeout_s` passes); the fresh stats."""
+        """Wait until every request has finished, every restart under way has ended and every
+        worker reports its blocks free and its leases closed (or `timeout_s` passes); the
+        fresh stats."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while self._requests and loop.time() < deadline:
@@ -185,7 +187,7 @@ class Controller:
         while loop.time() < deadline:
             await self.refresh_stats()
             stats = self.stats()
-            if stats.kv_blocks_leaked == 0 and stats.leases_open == 0:
+            if stats.kv_blocks_leaked == 0 and stats.leases_open == 0 and not self._reviving:
                 break
             await asyncio.sleep(0.05)
         return self.stats()
@@ -285,6 +287,7 @@ class Controller:
                 if state.decode_worker == handle.name and state.phase == "decode":
                     self.dispatcher.requeue(state, f"{handle.name} died")
         hung_or_failed = isinstance(exc, (WorkerFailedError, WorkerHungError))
+        self._reviving.add(handle.name)
         self.spawn(self._revive(handle, kill_first=hung_or_failed))
 
     async def _revive(self, handle: WorkerHandle, kill_first: bool) -> None:
@@ -297,6 +300,8 @@ class Controller:
             if not self.pool.role(handle.role, alive=True):
                 for state in list(self._requests.values()):
                     self.finish(state, "error", f"no live {handle.role} worker is left")
+        finally:
+            self._reviving.discard(handle.name)
         self.dispatcher.wake()
 
     async def abort_on(
