@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from runtime import kernels
+
 
 @dataclass
 class AttentionGroup:
@@ -24,9 +26,18 @@ class AttentionGroup:
     gather_index: torch.Tensor | None = None  # [R * Q] long
     valid_slots: torch.Tensor | None = None  # [n] long
     tokens: torch.Tensor | None = None  # [n] long
-    attn_mask: torch.Tensor | None = None  # set by prepare()
+    attn_mask: torch.Tensor | None = None  # set by prepare() for the rectangle path
+    context_lens: torch.Tensor | None = None  # [R] int32, set by prepare() for the kernel
 
     def prepare(self, block_size: int, num_queries_per_kv: int, dtype: torch.dtype) -> None:
+        """One query per row on a CPU with the C kernel: it reads the pool in place;
+        otherwise the rectangle's mask for the gather + SDPA path."""
+        kernel = kernels.load()
+        device = self.query_positions.device
+        if self.query_positions.shape[1] == 1 and kernel and kernel.supports(dtype, device):
+            self.context_lens = (self.query_positions[:, 0] + 1).to(torch.int32)
+            self.block_tables = self.block_tables.contiguous()
+            return
         num_keys = self.block_tables.shape[1] * block_size
         self.attn_mask = rect_mask(self.query_positions, num_keys, num_queries_per_kv, dtype)
 
@@ -135,7 +146,10 @@ def _attend(
 ) -> torch.Tensor:
     """One rectangle: gather each row's blocks (one index_select per tensor, each head's
     keys contiguous), then SDPA with the queries of a KV head stacked, so grouped-query
-    attention repeats no K/V."""
+    attention repeats no K/V. Decode rows on a CPU go to the kernel instead."""
+    if group.context_lens is not None:
+        kernel = kernels.load()
+        return kernel(q, k_cache, v_cache, group.block_tables, group.context_lens, scale)
     return attend_rect(q, k_cache, v_cache, group.block_tables, group.attn_mask, scale)
 
 

@@ -80,6 +80,16 @@ def _binary(x, other, weight, bias, op):
     return _ONEDNN_LINEAR.binary(x, other, weight, bias, op)
 
 
+def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+    """`weight [out, in]` in oneDNN's blocked layout for GEMMs of about `batch_hint` rows
+    (1.1-1.7x at decode batches; the plain layout is re-blocked inside every call), or
+    `weight` itself where oneDNN does not run it. Only the fused GEMMs below take the
+    result: it is opaque to every other op."""
+    if not _onednn(weight):
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, through oneDNN on CPU."""
     if _onednn(x):

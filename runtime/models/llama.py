@@ -18,7 +18,7 @@ from runtime.attention import (
     write_kv,
     write_slots,
 )
-from runtime.device import linear, linear_add, linear_mul, linear_silu
+from runtime.device import linear, linear_add, linear_mul, linear_silu, pack_weight
 from runtime.kv_cache import KVCache
 from runtime.model_config import ModelConfig, RopeScaling
 
@@ -36,8 +36,19 @@ STACKED_PARAMS = {
 
 
 class Linear(nn.Linear):
+    """`nn.Linear` whose GEMM may read a packed copy of its weight (`pack`), split into
+    `parts` row blocks when the GEMMs use parts of it (gate and up)."""
+
+    packed: tuple[torch.Tensor, ...] | None = None
+
+    def pack(self, batch_hint: int, parts: int = 1) -> None:
+        self.packed = tuple(pack_weight(w, batch_hint) for w in self.weight.chunk(parts))
+
+    def gemm_weights(self, parts: int = 1) -> tuple[torch.Tensor, ...]:
+        return self.packed if self.packed is not None else self.weight.chunk(parts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.gemm_weights()[0], self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -128,7 +139,8 @@ class LlamaAttention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = attend(q, k, v, self.scale)
         o_proj = self.o_proj
-        return linear_add(out.reshape(tokens, self.q_size), o_proj.weight, residual, o_proj.bias)
+        weight = o_proj.gemm_weights()[0]
+        return linear_add(out.reshape(tokens, self.q_size), weight, residual, o_proj.bias)
 
 
 class LlamaMLP(nn.Module):
@@ -139,9 +151,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual + down(silu(gate(x)) * up(x))`: three GEMMs with the rest fused in."""
-        gate, up = self.gate_up_proj.weight.chunk(2, dim=0)
+        gate, up = self.gate_up_proj.gemm_weights(2)
         h = linear_mul(x, up, linear_silu(x, gate))
-        return linear_add(h, self.down_proj.weight, residual)
+        return linear_add(h, self.down_proj.gemm_weights()[0], residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -184,6 +196,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, max_positions or config.max_position_embeddings)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed_head: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -237,13 +250,25 @@ class LlamaForCausalLM(nn.Module):
     def graph_tail(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(self.model.norm(x), rows)
 
+    def pack_weights(self, batch_hint: int, head: bool = True) -> None:
+        """Eager CPU steps: every GEMM reads a copy of its weight packed for oneDNN (the
+        plain weights stay, for graphs, stages and checkpoints)."""
+        for layer in self.model.layers:
+            layer.self_attn.qkv_proj.pack(batch_hint)
+            layer.self_attn.o_proj.pack(batch_hint)
+            layer.mlp.gate_up_proj.pack(batch_hint, parts=2)
+            layer.mlp.down_proj.pack(batch_hint)
+        if head:
+            self.packed_head = pack_weight(self._head_weight(), batch_hint)
+
+    def _head_weight(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """float32 logits `[len(rows), vocab]` for the given token rows of `hidden`."""
-        weight = (
-            self.model.embed_tokens.weight
-            if self.config.tie_word_embeddings
-            else self.lm_head.weight
-        )
+        weight = self._head_weight() if self.packed_head is None else self.packed_head
         return linear(hidden.index_select(0, rows), weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

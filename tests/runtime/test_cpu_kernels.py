@@ -1,0 +1,64 @@
+"""The C decode-attention kernel against the torch path it replaces (gather + SDPA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import kernels
+from runtime.attention import attend_rect, rect_mask
+
+kernel = kernels.load()
+pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler: the torch path runs")
+
+
+def pool(kv_heads: int, blocks: int, block_size: int, dim: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(blocks)
+    shape = (kv_heads, blocks, block_size, dim)
+    return (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 128, 8), (8, 2, 32, 5), (6, 1, 64, 128)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_gather_and_sdpa(
+    heads: int, kv_heads: int, dim: int, block_size: int, dtype: torch.dtype
+) -> None:
+    rows, max_blocks = 7, 6
+    k_cache, v_cache = pool(kv_heads, rows * max_blocks + 1, block_size, dim, dtype)
+    # ragged rows over shuffled blocks, one row of a single token, unused entries null (0)
+    context = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 17, 2, 40])
+    context = context.clamp(max=max_blocks * block_size)
+    order = torch.randperm(rows * max_blocks, generator=torch.Generator().manual_seed(1)) + 1
+    tables = order.view(rows, max_blocks)
+    for r, n in enumerate(context.tolist()):
+        tables[r, -(-n // block_size) :] = 0
+    q = torch.randn(rows, heads, dim).to(dtype)
+    scale = dim**-0.5
+
+    got = kernel(q, k_cache, v_cache, tables, context.to(torch.int32), scale)
+    mask = rect_mask((context - 1).view(rows, 1), max_blocks * block_size, heads // kv_heads, dtype)
+    want = attend_rect(q, k_cache, v_cache, tables, mask, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_kernel_refuses_a_head_size_it_cannot_hold() -> None:
+    k_cache, v_cache = pool(1, 2, 4, 512, torch.float32)
+    q = torch.randn(1, 1, 512)
+    tables = torch.ones(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+        kernel(q, k_cache, v_cache, tables, torch.tensor([3], dtype=torch.int32), 1.0)
+
+
+def test_kernel_is_off_with_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.ENV_SWITCH, "0")
+    kernels.load.cache_clear()
+    try:
+        assert kernels.load() is None
+    finally:
+        monkeypatch.delenv(kernels.ENV_SWITCH)
+        kernels.load.cache_clear()
+    assert kernels.load() is not None
