@@ -32,9 +32,8 @@ class AttentionGroup:
     def prepare(self, block_size: int, num_queries_per_kv: int, dtype: torch.dtype) -> None:
         """One query per row on a CPU with the C kernel: it reads the pool in place;
         otherwise the rectangle's mask for the gather + SDPA path."""
-        kernel = kernels.load()
-        device = self.query_positions.device
-        if self.query_positions.shape[1] == 1 and kernel and kernel.supports(dtype, device):
+        kernel = kernels.for_tensors(dtype, self.query_positions.device)
+        if self.query_positions.shape[1] == 1 and kernel:
             self.context_lens = (self.query_positions[:, 0] + 1).to(torch.int32)
             self.block_tables = self.block_tables.contiguous()
             return
@@ -149,7 +148,9 @@ def _attend(
     attention repeats no K/V. Decode rows on a CPU go to the kernel instead."""
     if group.context_lens is not None:
         kernel = kernels.load()
-        return kernel(q, k_cache, v_cache, group.block_tables, group.context_lens, scale)
+        return kernel.paged_decode(
+            q, k_cache, v_cache, group.block_tables, group.context_lens, scale
+        )
     return attend_rect(q, k_cache, v_cache, group.block_tables, group.attn_mask, scale)
 
 

@@ -1,9 +1,9 @@
-"""CPU kernels torch lacks, in plain C, built once per machine with the system compiler
-and called through ctypes (no torch headers: building takes about a second).
+"""CPU kernels torch lacks, in plain C (`cpu_kernels.c`), built once per machine with the
+system compiler and called through ctypes: no torch headers, so a build takes a second.
 
-`paged_decode` is decode attention read through the block table. Where no C compiler
-is found, or `BUCKETSERVE_CPU_KERNELS=0`, `load()` returns None and the torch path in
-`runtime/attention.py` runs instead (same result, a gathered copy per step).
+`load()` is None where no C compiler is found, or with `BUCKETSERVE_CPU_KERNELS=0`; the
+model then runs the torch code each kernel replaces (same result, more passes over
+memory). Inside a graph being compiled the torch code runs too: the compiler sees it.
 """
 
 from __future__ import annotations
@@ -25,35 +25,35 @@ from runtime.default_model import CACHE_ENV
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 ENV_SWITCH = "BUCKETSERVE_CPU_KERNELS"
 # -march=native: the library is built on (and cached for) the CPU that runs it.
 # -ffast-math + libmvec: vector expf and reassociated sums, 1.2-1.4x (the source keeps
 # every value finite). torch's libgomp is already loaded: the OpenMP runtime is shared.
 FLAGS = ["-O3", "-ffast-math", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lmvec"] if platform.machine() == "x86_64" else []
-_FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "paged_decode": [_P] * 6 + [_I] * 6 + [_I64, _F, _I],
+    "rope": [_P, _P, _I, _I, _I, _I64, _I],
+    "rms_norm": [_P, _P, _P, _I, _I, _F, _I],
+}
 
 
-class PagedDecodeKernel:
-    """The loaded library: `__call__` runs decode attention for one layer."""
+class CpuKernels:
+    """The loaded library; each method takes float32 or bfloat16 CPU tensors and runs on
+    torch's thread count."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fns = {}
-        for dtype, name in _FUNCTIONS.items():
-            fn = getattr(library, name)
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [
-                ctypes.c_int64,
-                ctypes.c_float,
-                ctypes.c_int,
-            ]
-            self._fns[dtype] = fn
+        for name, argtypes in _SIGNATURES.items():
+            for dtype, suffix in _SUFFIX.items():
+                fn = getattr(library, f"{name}_{suffix}")
+                fn.restype, fn.argtypes = ctypes.c_int, argtypes
+                self._fns[name, dtype] = fn
 
-    def supports(self, dtype: torch.dtype, device: torch.device) -> bool:
-        return device.type == "cpu" and dtype in self._fns
-
-    def __call__(
+    def paged_decode(
         self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
@@ -63,13 +63,13 @@ class PagedDecodeKernel:
         scale: float,
     ) -> torch.Tensor:
         """Row r's one query `q [R, heads, dim]` over its first `context_lens[r]` (int32)
-        pool tokens through `block_tables [R, NB]` (int64); caches `[kv_heads, blocks,
-        block_size, dim]`, contiguous."""
+        pool tokens through `block_tables [R, NB]` (int64, contiguous); caches
+        `[kv_heads, blocks, block_size, dim]`, contiguous."""
         q = q.contiguous()
         out = torch.empty_like(q)
         rows, heads, dim = q.shape
         kv_heads, num_blocks, block_size, _ = k_cache.shape
-        status = self._fns[q.dtype](
+        status = self._fns["paged_decode", q.dtype](
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -93,16 +93,47 @@ class PagedDecodeKernel:
             )
         return out
 
+    def rope_(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of `x [T, heads, dim]` in place (rows may be strided, each row's
+        heads contiguous); `cos_sin [T, 1, 2 * dim]` contiguous, x's dtype."""
+        tokens, heads, dim = x.shape
+        assert x.stride(2) == 1 and x.stride(1) == dim and cos_sin.is_contiguous()
+        status = self._fns["rope", x.dtype](
+            x.data_ptr(), cos_sin.data_ptr(), tokens, heads, dim, x.stride(0),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise ValueError(f"rope takes head_dim <= 256; got {dim}")
+        return x
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of contiguous `x [..., size]` with `weight [size]`."""
+        out = torch.empty_like(x)
+        size = x.shape[-1]
+        self._fns["rms_norm", x.dtype](
+            x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // size, size, eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+
+def for_tensors(dtype: torch.dtype, device: torch.device) -> CpuKernels | None:
+    """The kernels, where tensors of `dtype` on `device` run on them (CPU, float32 or
+    bfloat16) and no graph is being compiled (the compiler traces the torch code)."""
+    if torch.compiler.is_compiling() or device.type != "cpu" or dtype not in _SUFFIX:
+        return None
+    return load()
+
 
 @cache
-def load() -> PagedDecodeKernel | None:
+def load() -> CpuKernels | None:
     """The kernel library (built on first use and cached), or None where it cannot be."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     try:
-        return PagedDecodeKernel(ctypes.CDLL(str(_build())))
+        return CpuKernels(ctypes.CDLL(str(_build())))
     except OSError as exc:
-        logger.warning("CPU attention kernel unavailable (%s); using the torch path", exc)
+        logger.warning("CPU kernels unavailable (%s); using the torch code", exc)
         return None
 
 
@@ -112,14 +143,14 @@ def _build() -> Path:
         raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
     source = SOURCE.read_bytes()
     key = hashlib.sha256(
-        source + " ".join([compiler, *FLAGS, platform.machine(), _cpu_flags()]).encode()
+        source + " ".join([compiler, *FLAGS, *LIBS, platform.machine(), _cpu_flags()]).encode()
     ).hexdigest()[:16]
     base = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "bucketserve"
-    target = Path(base) / "kernels" / f"paged_decode-{key}.so"
+    target = Path(base) / "kernels" / f"cpu_kernels-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target, then rename: workers starting at once never see half a file.
+    # Built beside the target, then renamed: workers starting at once never load half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime import kernels
 from runtime.attention import (
     AttentionMetadata,
     attend_flat,
@@ -58,6 +59,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = kernels.for_tensors(x.dtype, x.device)
+        if kernel and x.is_contiguous():
+            return kernel.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -106,7 +110,21 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Llama's (neox-style) rotary embedding of `x [T, heads, head_dim]`."""
+    """Llama's (neox-style) rotary embedding of `x [T, heads, head_dim]`: in place where
+    the CPU kernel runs, else a new tensor."""
+    kernel = kernels.for_tensors(x.dtype, x.device)
+    if (
+        kernel
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and cos_sin.is_contiguous()
+    ):
+        return kernel.rope_(x, cos_sin)
+    return rope_reference(x, cos_sin)
+
+
+def rope_reference(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` in torch ops, into a new tensor."""
     cos, signed_sin = cos_sin.chunk(2, dim=-1)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 

@@ -38,7 +38,7 @@ def test_kernel_matches_gather_and_sdpa(
     q = torch.randn(rows, heads, dim).to(dtype)
     scale = dim**-0.5
 
-    got = kernel(q, k_cache, v_cache, tables, context.to(torch.int32), scale)
+    got = kernel.paged_decode(q, k_cache, v_cache, tables, context.to(torch.int32), scale)
     mask = rect_mask((context - 1).view(rows, 1), max_blocks * block_size, heads // kv_heads, dtype)
     want = attend_rect(q, k_cache, v_cache, tables, mask, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -50,7 +50,7 @@ def test_kernel_refuses_a_head_size_it_cannot_hold() -> None:
     q = torch.randn(1, 1, 512)
     tables = torch.ones(1, 1, dtype=torch.long)
     with pytest.raises(ValueError, match="head_dim <= 256"):
-        kernel(q, k_cache, v_cache, tables, torch.tensor([3], dtype=torch.int32), 1.0)
+        kernel.paged_decode(q, k_cache, v_cache, tables, torch.tensor([3], dtype=torch.int32), 1.0)
 
 
 def test_kernel_is_off_with_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,3 +62,36 @@ def test_kernel_is_off_with_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(kernels.ENV_SWITCH)
         kernels.load.cache_clear()
     assert kernels.load() is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_matches_the_torch_ops(dtype: torch.dtype) -> None:
+    from runtime.model_config import ModelConfig
+    from runtime.models.llama import RotaryEmbedding, rope_reference
+
+    config = ModelConfig.from_dict(
+        {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "intermediate_size": 64, "num_hidden_layers": 1,
+         "vocab_size": 32, "max_position_embeddings": 64}
+    )
+    cos_sin = RotaryEmbedding(config, 64)(torch.tensor([0, 5, 63, 17]), dtype)
+    # q and k columns of a qkv output: rows strided by the whole qkv width
+    qkv = torch.randn(4, 5 * 32).to(dtype)
+    qk = qkv[:, : 3 * 32].view(4, 3, 32)
+    want = rope_reference(qk, cos_sin)
+    v_before = qkv[:, 3 * 32 :].clone()
+    got = kernel.rope_(qk, cos_sin)
+    assert got.data_ptr() == qkv.data_ptr()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert torch.equal(qkv[:, 3 * 32 :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_torch(dtype: torch.dtype) -> None:
+    x = (torch.randn(5, 576) * 3).to(dtype)
+    weight = torch.randn(576).to(dtype)
+    want = torch.nn.functional.rms_norm(x, (576,), weight, 1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(kernel.rms_norm(x, weight, 1e-5).float(), want.float(),
+                               atol=tol, rtol=tol)

@@ -1,10 +1,7 @@
-// Decode attention read through the block table: one query per row, each KV head's keys
-// and values read in place from the pool (no gathered copy), online softmax per block.
-// Built and loaded by runtime/kernels/__init__.py; runtime/attention.py's torch path
-// computes the same thing and is what the tests compare it with.
-//
-// Pool layout per layer: [kv_heads, num_blocks, block_size, dim], contiguous.
-// q, out: [rows, heads, dim]; block_tables: [rows, max_blocks]; context_lens: [rows].
+// CPU kernels torch lacks, for float32 and bfloat16 (computed in float32): decode
+// attention read through the block table, rotary embedding in place, RMSNorm. Built and
+// loaded by runtime/kernels/__init__.py; the torch code each replaces computes the same
+// thing and is what tests/runtime/test_cpu_kernels.py compares it with.
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -34,6 +31,11 @@ static inline __attribute__((always_inline)) void store(void *p, int64_t i, floa
     }
     ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
 }
+
+// Decode attention: one query per row, each KV head's keys and values read in place from
+// the pool (no gathered copy), online softmax per block.
+// Pool layout per layer: [kv_heads, num_blocks, block_size, dim], contiguous.
+// q, out: [rows, heads, dim]; block_tables: [rows, max_blocks]; context_lens: [rows].
 
 // Row r, KV head kvh: the `group` query heads that share its keys. Inlined with `dim` a
 // constant for the common head sizes, so its loops unroll.
@@ -135,4 +137,70 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
                       int max_blocks, int64_t head_stride, float scale, int threads) {
     return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, rows, heads,
                         kv_heads, dim, block_size, max_blocks, head_stride, scale, threads, 1);
+}
+
+// Llama's (neox-style) rotary embedding in place: `x` rows of `heads` vectors of `dim`
+// (row stride `row_stride` elements: the q and k columns of the qkv GEMM's output);
+// `cos_sin` [T, 2 * dim] in x's dtype: cos | sin with rotate_half's sign folded in.
+static void rope(void *x, const void *cos_sin, int tokens, int heads, int dim,
+                 int64_t row_stride, int threads, int bf16) {
+    const int half = dim / 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < tokens; t++) {
+        const int64_t cs = (int64_t)t * 2 * dim;
+        float v[MAX_DIM];
+        for (int h = 0; h < heads; h++) {
+            const int64_t base = (int64_t)t * row_stride + (int64_t)h * dim;
+            for (int d = 0; d < dim; d++) v[d] = load(x, base + d, bf16);
+            for (int d = 0; d < dim; d++) {
+                const float rolled = v[d < half ? d + half : d - half];
+                const float c = load(cos_sin, cs + d, bf16), sn = load(cos_sin, cs + dim + d, bf16);
+                store(x, base + d, v[d] * c + rolled * sn, bf16);
+            }
+        }
+    }
+}
+
+int rope_f32(float *x, const float *cos_sin, int tokens, int heads, int dim,
+             int64_t row_stride, int threads) {
+    if (dim > MAX_DIM) return -1;
+    rope(x, cos_sin, tokens, heads, dim, row_stride, threads, 0);
+    return 0;
+}
+
+int rope_bf16(uint16_t *x, const uint16_t *cos_sin, int tokens, int heads, int dim,
+              int64_t row_stride, int threads) {
+    if (dim > MAX_DIM) return -1;
+    rope(x, cos_sin, tokens, heads, dim, row_stride, threads, 1);
+    return 0;
+}
+
+// RMSNorm of `x` [T, size] (contiguous) into `out`, accumulated in float32.
+static void rms_norm(const void *x, const void *weight, void *out, int tokens, int size,
+                     float eps, int threads, int bf16) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < tokens; t++) {
+        const int64_t base = (int64_t)t * size;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < size; i++) {
+            const float v = load(x, base + i, bf16);
+            sum += v * v;
+        }
+        const float inv = 1.0f / sqrtf(sum / size + eps);
+        for (int i = 0; i < size; i++)
+            store(out, base + i, load(x, base + i, bf16) * inv * load(weight, i, bf16), bf16);
+    }
+}
+
+int rms_norm_f32(const float *x, const float *weight, float *out, int tokens, int size,
+                 float eps, int threads) {
+    rms_norm(x, weight, out, tokens, size, eps, threads, 0);
+    return 0;
+}
+
+int rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int tokens,
+                  int size, float eps, int threads) {
+    rms_norm(x, weight, out, tokens, size, eps, threads, 1);
+    return 0;
 }
