@@ -1,10 +1,12 @@
-"""Decode-step latency of ModelRunner against the matmul roofline and transformers.
+"""Decode-step latency of ModelRunner against the machine's roofline and transformers.
 
 One decode step at batch B (default 32) with every sequence holding ~C tokens
 (default 200) of context, SmolLM2-135M float32 on CPU. Reports medians over
-rounds, the roofline `2 * num_params * B / GEMM FLOP/s` for three GEMM
-measurements taken in the same run, and transformers' own decode step
-(DynamicCache, same batch and context) as the baseline.
+rounds: the compute bound `2 * num_params * B / GEMM FLOP/s` for three GEMM
+measurements, the memory bound (weights + the batch's K/V read once, at the
+measured read bandwidth), the roofline (the larger of the oneDNN compute bound
+and the memory bound), all taken in the same run, and transformers' own decode
+step (DynamicCache, same batch and context) as the baseline.
 
     python -m benchmarks.decode_step [--batch 32] [--context 200] [--rounds 5]
 """
@@ -42,18 +44,38 @@ def square_gemm_flops(fn, size: int = 2048) -> float:
 
 
 def model_gemm_flops(runner: ModelRunner, batch: int) -> float:
-    """FLOP/s of exactly the decode step's GEMMs (every layer's weights, then the LM head)."""
-    weights = [m.weight for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
-    if runner.model_config.tie_word_embeddings:
-        weights.append(runner.model.model.embed_tokens.weight)
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
+    """FLOP/s of exactly the decode step's GEMMs: every layer's weights, then the LM head,
+    as the step reads them (packed for oneDNN where the runner packs)."""
+    model = runner.model
+    pairs = []  # (weight as the GEMM reads it, its plain shape)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            parts = m.packed or m.weight.chunk(1)
+            pairs += zip(parts, (p.shape for p in m.weight.chunk(len(parts))), strict=True)
+    head = model._head_weight()
+    pairs.append((model.packed_head if model.packed_head is not None else head, head.shape))
+    inputs = {shape[1]: torch.randn(batch, shape[1]) for _, shape in pairs}
 
     def run() -> None:
-        for w in weights:
-            linear(inputs[w.shape[1]], w)
+        for w, shape in pairs:
+            linear(inputs[shape[1]], w)
 
-    flops = sum(2 * batch * w.numel() for w in weights)
+    flops = sum(2 * batch * shape[0] * shape[1] for _, shape in pairs)
     return flops / timed(run, 5)
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of one pass reading a 512 MiB tensor (a sum: reads, no writes)."""
+    big = torch.ones(128 * 1024 * 1024)
+    return big.numel() * 4 / timed(lambda: big.sum(), 5)
+
+
+def step_bytes(runner: ModelRunner, batch: int, context: int) -> int:
+    """What a decode step must read at least: every weight once, and each row's K/V."""
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    c = runner.model_config
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * (context + 1) * batch
+    return weights + kv * runner.kv_cache.dtype.itemsize
 
 
 def decode_batch(runner: ModelRunner, batch: int, context: int) -> list[Sequence]:
@@ -106,7 +128,10 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(runner.model_dir, dtype=torch.float32).eval()
     rounds: dict[str, list[float]] = {
         k: []
-        for k in ("runner_ms", "transformers_ms", "mkl_gflops", "onednn_gflops", "model_gflops")
+        for k in (
+            "runner_ms", "transformers_ms", "mkl_gflops", "onednn_gflops", "model_gflops",
+            "read_gbps",
+        )
     }
     for _ in range(args.rounds):  # interleaved, so drift on a shared machine hits all alike
         step = 1000 * timed(lambda: runner.execute(seqs, [1] * args.batch), args.steps)
@@ -117,6 +142,7 @@ def main() -> None:
         rounds["mkl_gflops"].append(square_gemm_flops(torch.matmul) / 1e9)
         rounds["onednn_gflops"].append(square_gemm_flops(lambda a, b: linear(a, b)) / 1e9)
         rounds["model_gflops"].append(model_gemm_flops(runner, args.batch) / 1e9)
+        rounds["read_gbps"].append(read_bandwidth() / 1e9)
     med = {k: statistics.median(v) for k, v in rounds.items()}
     step_gflop = 2 * params * args.batch / 1e9
     rows = [
@@ -137,11 +163,34 @@ def main() -> None:
         roofline[key] = {"gflops": med[key], "roofline_ms": ms, "ratio": med["runner_ms"] / ms}
         rows.append(
             (
-                f"roofline via {label}",
+                f"compute bound via {label}",
                 f"{med[key]:.0f} GFLOP/s -> {ms:.1f} ms",
-                f"step = {med['runner_ms'] / ms:.2f} x roofline",
+                f"step = {med['runner_ms'] / ms:.2f} x",
             )
         )
+    nbytes = step_bytes(runner, args.batch, args.context)
+    memory_ms = nbytes / (med["read_gbps"] * 1e9) * 1000
+    rows.append(
+        (
+            "memory bound (weights + K/V once)",
+            f"{nbytes / 1e6:.0f} MB at {med['read_gbps']:.1f} GB/s -> {memory_ms:.1f} ms",
+            f"step = {med['runner_ms'] / memory_ms:.2f} x",
+        )
+    )
+    roofline_ms = max(memory_ms, roofline["onednn_gflops"]["roofline_ms"])
+    roofline["machine"] = {
+        "roofline_ms": roofline_ms,
+        "memory_ms": memory_ms,
+        "step_bytes": nbytes,
+        "ratio": med["runner_ms"] / roofline_ms,
+    }
+    rows.append(
+        (
+            "roofline (max of oneDNN compute, memory)",
+            f"{roofline_ms:.1f} ms",
+            f"step = {med['runner_ms'] / roofline_ms:.2f} x roofline",
+        )
+    )
     print(
         f"batch {args.batch}, context {args.context}, {params / 1e6:.1f}M params, "
         f"{step_gflop:.2f} GFLOP/step, medians of {args.rounds} rounds"
