@@ -209,6 +209,20 @@ class ControllerConfig:
             return placement.torch_threads
         return len(placement.cpus) if placement.cpus else os.cpu_count() or 1
 
+    @property
+    def shares_cores(self) -> bool:
+        """More than one worker process may run on the same cores: several workers (or
+        stage actors), not pinned to cores (`cpus`)."""
+        workers = (
+            self.num_prefill_workers * self.prefill_placement.pipeline_parallel_size
+            + self.num_decode * self.decode_placement.pipeline_parallel_size
+        )
+        pinned = all(
+            self.placement(role).cpus for role in ("prefill", "decode")
+            if role == "decode" or self.num_prefill_workers
+        )
+        return workers > 1 and not pinned
+
     def cpus(self, role: str) -> list[int] | None:
         """The cores `role`'s actors are pinned to; None in local mode (one process)."""
         return None if self.mode == "local" else self.placement(role).cpus

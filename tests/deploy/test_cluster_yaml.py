@@ -85,6 +85,12 @@ def test_every_node_runs_ray_with_token_auth_and_the_token_file(path: Path) -> N
     assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
 
 
+@pytest.mark.parametrize("path", CLUSTERS, ids=lambda p: p.name)
+def test_every_node_runs_workers_at_normal_priority(path: Path) -> None:
+    """Ray's default worker niceness (15) lets daemons and the gateway preempt engines."""
+    assert all("RAY_worker_niceness=0" in c for c in ray_starts(load(path)))
+
+
 def gaudi_release(config: dict[str, Any]) -> str:
     setup = " ".join(config["setup_commands"] + config.get("worker_setup_commands", []))
     (release,) = set(re.findall(r"gaudi-installer/(\d+\.\d+)\.\d+/", setup))
