@@ -20,13 +20,12 @@ from kv_worker.messages import (
     Reservation,
     ReservationError,
     StepOutput,
-    TokenDelta,
     WorkerStats,
+    deltas_of,
 )
 from runtime.engine import LLMEngine
 from runtime.model_runner import ModelRunnerConfig, Shape
 from runtime.outputs import RequestOutput
-from runtime.sequence import FinishReason
 from runtime.sequence import Sequence as Seq
 
 logger = logging.getLogger(__name__)
@@ -280,7 +279,7 @@ class DecodeWorker(KVWorker):
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         self._steps += 1
-        deltas = [delta for out in outputs for delta in _deltas(out)]
+        deltas = [delta for out in outputs for delta in deltas_of(out)]
         self._outbox.put(StepOutput(self.name, self.boot_id, self._steps, deltas, self.stats()))
 
     def _blocks_to_come(self) -> int:
@@ -383,31 +382,3 @@ def _check_reservation(requests: Sequence[tuple[str, int]]) -> tuple[list[str], 
         )
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
-
-def _deltas(out: RequestOutput) -> list[TokenDelta]:
-    """One TokenDelta per sample with news (n = 1: always its one), the prompt's logprobs
-    with sample 0's first tokens."""
-    single = len(out.outputs) == 1
-    deltas = []
-    for o in out.outputs:
-        if not (o.changed or single):
-            continue
-        reason = o.finish_reason
-        offset = len(o.token_ids) - len(o.delta_token_ids)
-        first = o.index == 0 and offset == 0 and bool(o.delta_token_ids)
-        deltas.append(
-            TokenDelta(
-                request_id=out.request_id,
-                token_offset=offset,
-                token_ids=list(o.delta_token_ids),
-                finished=o.finished,
-                finish_reason=None if reason is None else reason.value,
-                error="the model runner failed on this request"
-                if reason == FinishReason.ERROR
-                else None,
-                logprobs=None if o.delta_logprobs is None else list(o.delta_logprobs),
-                index=o.index,
-                prompt_logprobs=out.prompt_logprobs if first else None,
-            )
-        )
-    return deltas

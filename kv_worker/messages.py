@@ -19,7 +19,9 @@ from typing import Any
 from bucket_manager.monitor import BucketMetrics
 from kv_transfer.kv_format import KVBlockHandle
 from runtime.logprobs import TokenLogprob
+from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
+from runtime.sequence import FinishReason
 from runtime.tokenizer import Tokenizer
 
 # -- gateway <-> controller ----------------------------------------------------------------
@@ -297,3 +299,32 @@ class AdmitResult:
     receive_s: float = 0.0
     kv_bytes: int = 0
     stats: WorkerStats | None = None
+
+
+def deltas_of(out: RequestOutput) -> list[TokenDelta]:
+    """One TokenDelta per sample with news (n = 1: always its one), the prompt's logprobs
+    with sample 0's first tokens."""
+    single = len(out.outputs) == 1
+    deltas = []
+    for o in out.outputs:
+        if not (o.changed or single):
+            continue
+        reason = o.finish_reason
+        offset = len(o.token_ids) - len(o.delta_token_ids)
+        first = o.index == 0 and offset == 0 and bool(o.delta_token_ids)
+        deltas.append(
+            TokenDelta(
+                request_id=out.request_id,
+                token_offset=offset,
+                token_ids=list(o.delta_token_ids),
+                finished=o.finished,
+                finish_reason=None if reason is None else reason.value,
+                error="the model runner failed on this request"
+                if reason == FinishReason.ERROR
+                else None,
+                logprobs=None if o.delta_logprobs is None else list(o.delta_logprobs),
+                index=o.index,
+                prompt_logprobs=out.prompt_logprobs if first else None,
+            )
+        )
+    return deltas

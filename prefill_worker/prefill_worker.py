@@ -15,8 +15,7 @@ from kv_worker.messages import HandoffRequest, PrefillResult, PrefillTask, Token
 from prefill_worker.config import PrefillWorkerConfig
 from runtime.block_manager import BlockManager
 from runtime.logprobs import logprob_of
-from runtime.scheduler import finish_reason
-from runtime.sequence import Sequence
+from runtime.sequence import Sequence, finish_reason
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ _EXPORTS = {
     "BlockManager": "runtime.block_manager",
     "Scheduler": "runtime.scheduler",
     "SchedulerConfig": "runtime.scheduler",
-    "SchedulerOutput": "runtime.scheduler",
+    "SchedulerOutput": "runtime.scheduler_output",
     "Detokenizer": "runtime.detokenizer",
     "Tokenizer": "runtime.tokenizer",
 }
@@ -60,7 +60,8 @@ if TYPE_CHECKING:
     from runtime.model_runner import ModelRunner, ModelRunnerConfig
     from runtime.outputs import CompletionOutput, RequestOutput
     from runtime.sampling_params import SamplingParams
-    from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+    from runtime.scheduler import Scheduler, SchedulerConfig
+    from runtime.scheduler_output import SchedulerOutput
     from runtime.sequence import FinishReason, Sequence, SequenceStatus
     from runtime.tokenizer import Tokenizer
 

@@ -20,7 +20,8 @@ from runtime.outputs import RequestOutput
 from runtime.pipeline.pipeline_executor import PipelineExecutor, make_executor
 from runtime.pipeline.pipeline_runner import PipelineRunner
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler, SchedulerOutput
+from runtime.scheduler import Scheduler
+from runtime.scheduler_output import SchedulerOutput
 from runtime.sequence import Sequence
 
 Shape = tuple[int, int, int]

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from runtime.scheduler import SchedulerOutput
+from runtime.scheduler_output import SchedulerOutput
 from runtime.sequence import Sequence
 
 ExecuteFn = Callable[[list[Sequence], list[int]], list[int | None]]

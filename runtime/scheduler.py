@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from runtime.block_manager import BlockManager
-from runtime.sequence import FinishReason, Sequence, SequenceStatus
+from runtime.scheduler_output import SchedulerOutput
+from runtime.sequence import FinishReason, Sequence, SequenceStatus, finish_reason
 
 
 @dataclass
@@ -33,25 +34,6 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
-
-
-@dataclass
-class SchedulerOutput:
-    """One microbatch: compute `num_new_tokens[i]` tokens of `seqs[i]`."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def add(self, seq: Sequence, num_tokens: int) -> None:
-        self.seqs.append(seq)
-        self.num_new_tokens.append(num_tokens)
 
 
 class Scheduler:
@@ -400,20 +382,3 @@ class Scheduler:
         for child in self._forks.pop(seq.seq_id, ()):  # ended before its prompt was computed
             self._finish(child, reason, now)
 
-
-def finish_reason(
-    seq: Sequence, token: int, eos_token_ids: Collection[int], max_seq_len: int
-) -> FinishReason | None:
-    """Why `seq` ends with `token`, its newest token (None: it goes on); records the stop
-    token matched. Shared with a prefill worker judging the first token. Stop strings are
-    the output processor's (runtime.output_processor)."""
-    params = seq.sampling_params
-    if seq.num_output_tokens > params.min_tokens:  # none stops before min_tokens
-        if not params.ignore_eos and token in eos_token_ids:
-            return FinishReason.STOP
-        if token in params.stop_token_ids:
-            seq.stop_reason = token
-            return FinishReason.STOP
-    if seq.num_output_tokens >= params.max_tokens or len(seq) >= max_seq_len:
-        return FinishReason.LENGTH
-    return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -124,3 +124,21 @@ class Sequence:
         if logprob is not None:
             self.output_logprobs[self.num_output_tokens] = logprob
         self.token_ids.append(int(token_id))
+
+
+def finish_reason(
+    seq: Sequence, token: int, eos_token_ids: Collection[int], max_seq_len: int
+) -> FinishReason | None:
+    """Why `seq` ends with `token`, its newest token (None: it goes on); records the stop
+    token matched. Shared with a prefill worker judging the first token. Stop strings are
+    the output processor's (runtime.output_processor)."""
+    params = seq.sampling_params
+    if seq.num_output_tokens > params.min_tokens:  # none stops before min_tokens
+        if not params.ignore_eos and token in eos_token_ids:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
+            return FinishReason.STOP
+    if seq.num_output_tokens >= params.max_tokens or len(seq) >= max_seq_len:
+        return FinishReason.LENGTH
+    return None

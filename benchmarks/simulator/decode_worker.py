@@ -12,7 +12,8 @@ from benchmarks.simulator.event_loop import EventLoop
 from benchmarks.simulator.stage_clock import StageClock
 from kv_transfer.lease import Lease, LeaseTable
 from runtime.block_manager import BlockManager
-from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.scheduler_output import SchedulerOutput
 from runtime.sequence import Sequence
 
 EOS = 2

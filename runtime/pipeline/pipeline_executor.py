@@ -9,7 +9,7 @@ from runtime.executor import Executor
 from runtime.model_runner import Shape
 from runtime.pipeline.pipeline_runner import Microbatch, PipelineRunner
 from runtime.pipeline.stage import StageDeadError
-from runtime.scheduler import SchedulerOutput
+from runtime.scheduler_output import SchedulerOutput
 from runtime.sequence import Sequence
 
 PadFn = Callable[[list[Sequence], list[int]], "Shape | None"]

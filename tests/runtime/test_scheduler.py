@@ -6,7 +6,8 @@ import pytest
 
 from runtime.block_manager import BlockManager
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.scheduler_output import SchedulerOutput
 from runtime.sequence import FinishReason, Sequence, SequenceStatus
 
 EOS = 2

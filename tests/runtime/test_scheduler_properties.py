@@ -11,7 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from runtime.block_manager import BlockManager
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.scheduler_output import SchedulerOutput
 from runtime.sequence import Sequence, SequenceStatus
 
 EOS = 2
