@@ -1,5 +1,5 @@
 """CPU kernels torch lacks, in plain C (`cpu_kernels.c`), built once per machine with the
-system compiler and called through ctypes: no torch headers, so a build takes a second.
+system compiler and called through ctypes: no torch headers, so a build takes 1-2 s.
 
 `load()` is None where no C compiler is found, or with `BUCKETSERVE_CPU_KERNELS=0`; the
 model then runs the torch code each kernel replaces (same result, more passes over
