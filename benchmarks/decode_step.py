@@ -52,7 +52,7 @@ def model_gemm_flops(runner: ModelRunner, batch: int) -> float:
         if isinstance(m, torch.nn.Linear):
             parts = m.packed or m.weight.chunk(1)
             pairs += zip(parts, (p.shape for p in m.weight.chunk(len(parts))), strict=True)
-    head = model._head_weight()
+    head = model.head_weight()
     pairs.append((model.packed_head if model.packed_head is not None else head, head.shape))
     inputs = {shape[1]: torch.randn(batch, shape[1]) for _, shape in pairs}
 

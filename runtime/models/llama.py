@@ -60,7 +60,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = kernels.for_tensors(x.dtype, x.device)
-        if kernel and x.is_contiguous():
+        if kernel and x.is_contiguous() and self.weight.dtype == x.dtype:
             return kernel.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
@@ -118,6 +118,7 @@ def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         and x.stride(2) == 1
         and x.stride(1) == x.shape[2]
         and cos_sin.is_contiguous()
+        and cos_sin.dtype == x.dtype
     ):
         return kernel.rope_(x, cos_sin)
     return rope_reference(x, cos_sin)
@@ -277,16 +278,17 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.gate_up_proj.pack(batch_hint, parts=2)
             layer.mlp.down_proj.pack(batch_hint)
         if head:
-            self.packed_head = pack_weight(self._head_weight(), batch_hint)
+            self.packed_head = pack_weight(self.head_weight(), batch_hint)
 
-    def _head_weight(self) -> torch.Tensor:
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's plain weight (the embedding's when tied)."""
         if self.config.tie_word_embeddings:
             return self.model.embed_tokens.weight
         return self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """float32 logits `[len(rows), vocab]` for the given token rows of `hidden`."""
-        weight = self._head_weight() if self.packed_head is None else self.packed_head
+        weight = self.head_weight() if self.packed_head is None else self.packed_head
         return linear(hidden.index_select(0, rows), weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -145,6 +145,23 @@ def test_a_worker_killed_mid_request_is_restarted_and_nothing_is_lost(
     asyncio.run(main())
 
 
+def test_drain_waits_for_the_restart_of_a_worker_killed_while_idle(tiny_model_dir: Path) -> None:
+    """Nothing calls an idle killed worker before the drain: the drain's own stats poll finds
+    the death, and the drain returns only once the worker is back and counted."""
+
+    async def main() -> None:
+        controller = await started(tiny_model_dir)
+        try:
+            await controller.kill_worker("prefill-0")
+            stats = await controller.drain(30)
+        finally:
+            await controller.shutdown()
+        worker = stats.worker("prefill-0")
+        assert worker.alive and worker.restarts == 1 and stats.worker_restarts == 1
+
+    asyncio.run(main())
+
+
 def test_an_unpadded_prefill_takes_a_whole_burst_past_the_warmed_batch_sizes(
     tiny_model_dir: Path, work: list, reference: list
 ) -> None:
