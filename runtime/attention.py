@@ -62,7 +62,9 @@ class AttentionMetadata:
     Flat token t is written to pool slot `slot_mapping[t]` (block *
     block_size + offset; -1 = padding, written nowhere). The per-sequence
     fields (query_start_loc, context_lens, block_tables) describe the step
-    for a fused varlen kernel; the CPU path splits it in two: `causal_spans`,
+    for a fused varlen kernel, which a CPU with the C kernels runs on any step
+    with prompt chunks (`varlen`, when the step is not `padded` to a shape
+    bucket). Without it the torch path splits the step in two: `causal_spans`,
     the flat token ranges `[start, end)` of prompt chunks with no earlier
     context, which attend causally to their own new K/V (nothing read back
     from the pool, no mask), and `groups`, the other rows by similar query
@@ -77,12 +79,28 @@ class AttentionMetadata:
     null_block: int
     groups: list[AttentionGroup] = field(default_factory=list)
     causal_spans: list[tuple[int, int]] = field(default_factory=list)
+    padded: bool = False  # rows and queries padded to a shape bucket
     write_slots: torch.Tensor | None = None  # set by prepare()
+    varlen: bool = False  # set by prepare(): the C varlen kernel attends the whole step
 
-    def prepare(self, num_queries_per_kv: int, dtype: torch.dtype) -> None:
+    def prepare(self, num_queries_per_kv: int, head_dim: int, dtype: torch.dtype) -> None:
         """Derive what the CPU path needs, once per step (graph-capturable: no host sync)."""
         null_slot = self.null_block * self.block_size
         self.write_slots = torch.where(self.slot_mapping >= 0, self.slot_mapping, null_slot)
+        kernel = kernels.for_tensors(dtype, self.slot_mapping.device)
+        decode_only = (
+            len(self.groups) == 1
+            and not self.causal_spans
+            and self.groups[0].query_positions.shape[1] == 1
+        )
+        if (
+            kernel
+            and not self.padded
+            and not decode_only
+            and kernel.prefill_supports(head_dim, num_queries_per_kv, self.block_size)
+        ):
+            self.varlen = True
+            return
         for group in self.groups:
             group.prepare(self.block_size, num_queries_per_kv, dtype)
 
@@ -122,6 +140,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of the step's queries `[T, heads, head_dim]` over each row's context;
     `k`, `v` `[T, kv_heads, head_dim]` are the step's own (already written to the pool)."""
+    if metadata.varlen:
+        kernel = kernels.load()
+        return kernel.paged_prefill(
+            q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
+            metadata.context_lens, scale,
+        )  # fmt: skip
     groups = metadata.groups
     if len(groups) == 1 and groups[0].gather_index is None and not metadata.causal_spans:
         return _attend(q, k_cache, v_cache, groups[0], scale)

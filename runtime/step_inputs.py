@@ -181,6 +181,7 @@ class InputBuilder:
             block_size=self.block_size,
             null_block=self.null_block,
             groups=groups,
+            padded=pad_to is not None,
         )
         metadata.causal_spans = [
             (int(row_start[i]), int(row_start[i] + b.qlens[i])) for i in np.flatnonzero(fresh)

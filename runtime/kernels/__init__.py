@@ -36,6 +36,7 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode": [_P] * 6 + [_I] * 6 + [_I64, _F, _I],
+    "paged_prefill": [_P] * 7 + [_I] * 6 + [_I64, _F, _I],
     "rope": [_P, _P, _I, _I, _I, _I64, _I],
     "rms_norm": [_P, _P, _P, _I, _I, _F, _I],
 }
@@ -92,6 +93,58 @@ class CpuKernels:
                 f"block_size <= 256; got {dim}, {heads // kv_heads}, {block_size}"
             )
         return out
+
+    def paged_prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of a varlen step: sequence s's queries are the flat tokens
+        `query_start_loc[s]:query_start_loc[s + 1]` of `q [T, heads, dim]`, its last one at
+        position `context_lens[s] - 1`, over its pool tokens through `block_tables [B, NB]`
+        (int64; the two others int32, all contiguous). Prompt chunks run a tiled flash
+        attention, one-query rows the decode path."""
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        heads, dim = q.shape[1], q.shape[2]
+        kv_heads, num_blocks, block_size, _ = k_cache.shape
+        status = self._fns["paged_prefill", q.dtype](
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            query_start_loc.data_ptr(),
+            context_lens.data_ptr(),
+            out.data_ptr(),
+            block_tables.shape[0],
+            heads,
+            kv_heads,
+            dim,
+            block_size,
+            block_tables.shape[1],
+            num_blocks * block_size * dim,
+            scale,
+            torch.get_num_threads(),
+        )
+        if status == -2:
+            raise MemoryError("paged_prefill could not allocate its context buffers")
+        if status != 0:
+            raise ValueError(
+                f"paged_prefill takes head_dim a multiple of 16 up to 256, <= 16 query heads "
+                f"per KV head and block_size <= 256; got {dim}, {heads // kv_heads}, {block_size}"
+            )
+        return out
+
+    @staticmethod
+    def prefill_supports(head_dim: int, num_queries_per_kv: int, block_size: int) -> bool:
+        return head_dim % 16 == 0 and head_dim <= 256 and num_queries_per_kv <= 16 and (
+            block_size <= 256
+        )
 
     def rope_(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding of `x [T, heads, dim]` in place (rows may be strided, each row's

@@ -5,6 +5,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { MAX_DIM = 256, MAX_GROUP = 16, MAX_BLOCK = 256 };
@@ -137,6 +138,271 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
                       int max_blocks, int64_t head_stride, float scale, int threads) {
     return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, rows, heads,
                         kv_heads, dim, block_size, max_blocks, head_stride, scale, threads, 1);
+}
+
+// Varlen attention of a step with prompt chunks: sequence s has queries at flat tokens
+// [query_start[s], query_start[s + 1]), the last at position context_lens[s] - 1, and
+// attends causally to its first context_lens[s] pool tokens through its block table row.
+// Rows with one query take the decode path above; prompt chunks run a tiled flash
+// attention: each chunk's keys (transposed) and values are first gathered from the pool
+// once per KV head into float32 buffers, then each tile of (query, head) rows computes
+// S = Q K^T and O += P V in register-blocked vector code, with an online softmax.
+
+typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));
+enum { VL = 16, TILE_ROWS = 64, TILE_KEYS = 64, MASKED = -1000000000 };
+
+static inline __attribute__((always_inline)) vf16 vload(const float *p) {
+    vf16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void vstore(float *p, vf16 v) { memcpy(p, &v, sizeof v); }
+
+// Keeps four loaded vectors in registers: without it GCC folds their loads into each of
+// the FMAs that use them, and the microkernels below become load-bound.
+#if defined(__x86_64__)
+#define IN_REGISTERS(a, b, c, d) __asm__("" : "+v"(a), "+v"(b), "+v"(c), "+v"(d))
+#else
+#define IN_REGISTERS(a, b, c, d)
+#endif
+
+// S[rows, TILE_KEYS] = Q[rows, dim] . Kt[dim, keys0 : keys0 + TILE_KEYS] (Kt row stride kstride).
+static void tile_scores(const float *Q, const float *Kt, int64_t kstride, float *S, int rows,
+                        int dim) {
+    for (int r = 0; r < rows; r += 4) {
+        vf16 acc[4][4];
+        memset(acc, 0, sizeof acc);
+        for (int d = 0; d < dim; d++) {
+            const float *k = Kt + (int64_t)d * kstride;
+            vf16 k0 = vload(k), k1 = vload(k + VL), k2 = vload(k + 2 * VL),
+                       k3 = vload(k + 3 * VL);
+            IN_REGISTERS(k0, k1, k2, k3);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                const float a = Q[(r + i) * dim + d];
+                acc[i][0] += a * k0;
+                acc[i][1] += a * k1;
+                acc[i][2] += a * k2;
+                acc[i][3] += a * k3;
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+            for (int c = 0; c < 4; c++) vstore(S + (r + i) * TILE_KEYS + c * VL, acc[i][c]);
+    }
+}
+
+// O[rows, dim] += P[rows, keys] . V[keys, dim], `dim` a multiple of VL.
+static void tile_values(const float *P, const float *V, float *O, int rows, int keys,
+                        int dim) {
+    for (int r = 0; r < rows; r += 4) {
+        for (int c0 = 0; c0 < dim; c0 += 4 * VL) {
+            const int nv = (dim - c0) / VL < 4 ? (dim - c0) / VL : 4;
+            vf16 acc[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int c = 0; c < nv; c++) acc[i][c] = vload(O + (r + i) * dim + c0 + c * VL);
+            if (nv == 4) {
+                for (int j = 0; j < keys; j++) {
+                    const float *v = V + (int64_t)j * dim + c0;
+                    vf16 v0 = vload(v), v1 = vload(v + VL), v2 = vload(v + 2 * VL),
+                               v3 = vload(v + 3 * VL);
+                    IN_REGISTERS(v0, v1, v2, v3);
+#pragma GCC unroll 4
+                    for (int i = 0; i < 4; i++) {
+                        const float p = P[(r + i) * TILE_KEYS + j];
+                        acc[i][0] += p * v0;
+                        acc[i][1] += p * v1;
+                        acc[i][2] += p * v2;
+                        acc[i][3] += p * v3;
+                    }
+                }
+            } else {
+                for (int j = 0; j < keys; j++)
+                    for (int c = 0; c < nv; c++) {
+                        const vf16 v = vload(V + (int64_t)j * dim + c0 + c * VL);
+                        for (int i = 0; i < 4; i++) acc[i][c] += P[(r + i) * TILE_KEYS + j] * v;
+                    }
+            }
+            for (int i = 0; i < 4; i++)
+                for (int c = 0; c < nv; c++) vstore(O + (r + i) * dim + c0 + c * VL, acc[i][c]);
+        }
+    }
+}
+
+// One tile: queries [qa, qb) of a chunk whose first query sits at position p0 and flat
+// token tok0, the `group` heads of KV head kvh; Kt [dim, kstride] and V [keys, dim] hold
+// the chunk's context for that KV head. `scratch` holds 2 * TILE_ROWS * dim +
+// TILE_ROWS * TILE_KEYS floats.
+static void prefill_tile(const void *q, void *out, const float *Kt, int64_t kstride,
+                         const float *V, int64_t tok0, int p0, int qa, int qb, int kvh,
+                         int heads, int group, int dim, float scale, int bf16,
+                         float *scratch) {
+    const int rows = (qb - qa) * group, padded = (rows + 3) & ~3;
+    float *Q = scratch, *O = Q + TILE_ROWS * dim, *S = O + TILE_ROWS * dim;
+    float m[TILE_ROWS], l[TILE_ROWS];
+    int pos[TILE_ROWS];
+    for (int r = 0; r < padded; r++) {
+        const int qi = r / group, g = r % group;
+        const int64_t at = ((tok0 + qa + qi) * heads + (int64_t)kvh * group + g) * dim;
+        for (int d = 0; d < dim; d++) {
+            Q[r * dim + d] = r < rows ? load(q, at + d, bf16) * scale : 0.0f;
+            O[r * dim + d] = 0.0f;
+        }
+        pos[r] = r < rows ? p0 + qa + qi : -1;
+        m[r] = MASKED;
+        l[r] = 0.0f;
+    }
+    const int keys_end = p0 + qb;
+    for (int k0 = 0; k0 < keys_end; k0 += TILE_KEYS) {
+        const int nk = keys_end - k0 < TILE_KEYS ? keys_end - k0 : TILE_KEYS;
+        tile_scores(Q, Kt + k0, kstride, S, padded, dim);
+        for (int r = 0; r < padded; r++) {
+            float *s = S + r * TILE_KEYS;
+            const int seen = pos[r] - k0 + 1 < nk ? pos[r] - k0 + 1 : nk;
+            float top = m[r];
+            for (int j = 0; j < TILE_KEYS; j++) {
+                s[j] = j < seen ? s[j] : (float)MASKED;
+                top = s[j] > top ? s[j] : top;
+            }
+            // exp's arguments are kept >= -80: the vector expf takes a slow scalar path
+            // for every lane that underflows (masked scores), and exp(-80) is ~0 anyway.
+            const float rescale = expf(fmaxf(m[r] - top, -80.0f));
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int j = 0; j < TILE_KEYS; j++) {
+                const float p = expf(fmaxf(s[j] - top, -80.0f));
+                s[j] = j < seen ? p : 0.0f;
+                sum += s[j];
+            }
+            m[r] = top;
+            l[r] = l[r] * rescale + sum;
+            if (rescale != 1.0f)
+                for (int d = 0; d < dim; d++) O[r * dim + d] *= rescale;
+        }
+        tile_values(S, V + (int64_t)k0 * dim, O, padded, nk, dim);
+    }
+    for (int r = 0; r < rows; r++) {
+        const int qi = r / group, g = r % group;
+        const int64_t at = ((tok0 + qa + qi) * heads + (int64_t)kvh * group + g) * dim;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int d = 0; d < dim; d++) store(out, at + d, O[r * dim + d] * inv, bf16);
+    }
+}
+
+// Chunk s's context for KV head kvh into Kt [dim, kstride] (transposed, zero past ctx)
+// and V [kstride, dim].
+static void gather_context(const void *k_cache, const void *v_cache, const int64_t *table,
+                           int ctx, int kvh, int dim, int block_size, int64_t head_stride,
+                           int64_t kstride, float *Kt, float *V, int bf16) {
+    for (int j = 0; j < kstride; j++) {
+        if (j >= ctx) {
+            for (int d = 0; d < dim; d++) Kt[(int64_t)d * kstride + j] = V[(int64_t)j * dim + d] = 0.0f;
+            continue;
+        }
+        const int64_t base = (int64_t)kvh * head_stride + (table[j / block_size] * block_size + j % block_size) * dim;
+        for (int d = 0; d < dim; d++) {
+            Kt[(int64_t)d * kstride + j] = load(k_cache, base + d, bf16);
+            V[(int64_t)j * dim + d] = load(v_cache, base + d, bf16);
+        }
+    }
+}
+
+static int paged_prefill(const void *q, const void *k_cache, const void *v_cache,
+                         const int64_t *block_tables, const int32_t *query_start,
+                         const int32_t *context_lens, void *out, int seqs, int heads,
+                         int kv_heads, int dim, int block_size, int max_blocks,
+                         int64_t head_stride, float scale, int threads, int bf16) {
+    const int group = heads / kv_heads;
+    if (dim > MAX_DIM || dim % VL || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
+    const int per_tile = TILE_ROWS / group;
+    // Work items, longest first: (seq, kvh) of one-query rows, (seq, kvh, tile) of chunks.
+    int64_t chunk_keys = 0, items = 0;
+    int64_t *offset = malloc(sizeof(int64_t) * (seqs + 1));
+    for (int s = 0; s < seqs; s++) {
+        const int n = query_start[s + 1] - query_start[s];
+        offset[s] = chunk_keys;
+        if (n > 1 && context_lens[s] > 0) chunk_keys += (context_lens[s] + TILE_KEYS - 1) / TILE_KEYS * TILE_KEYS;
+        items += n > 1 ? (n + per_tile - 1) / per_tile : context_lens[s] > 0;
+    }
+    offset[seqs] = chunk_keys;
+    float *Kt = malloc(sizeof(float) * (chunk_keys * dim * kv_heads + 1));
+    float *V = malloc(sizeof(float) * (chunk_keys * dim * kv_heads + 1));
+    int32_t *item_seq = malloc(sizeof(int32_t) * (items + 1));
+    int32_t *item_tile = malloc(sizeof(int32_t) * (items + 1));
+    int ok = offset && Kt && V && item_seq && item_tile;
+    if (ok) {
+        int64_t i = 0;
+        for (int s = 0; s < seqs; s++) {
+            const int n = query_start[s + 1] - query_start[s];
+            const int tiles = n > 1 ? (n + per_tile - 1) / per_tile : context_lens[s] > 0;
+            for (int t = tiles - 1; t >= 0; t--, i++) {
+                item_seq[i] = s;
+                item_tile[i] = t;
+            }
+        }
+#pragma omp parallel num_threads(threads)
+        {
+#pragma omp for collapse(2) schedule(dynamic, 1)
+            for (int s = 0; s < seqs; s++) {
+                for (int kvh = 0; kvh < kv_heads; kvh++) {
+                    const int64_t keys = offset[s + 1] - offset[s];
+                    if (keys == 0) continue;
+                    const int64_t at = (offset[s] * kv_heads + keys * kvh) * dim;
+                    gather_context(k_cache, v_cache, block_tables + (int64_t)s * max_blocks,
+                                   context_lens[s], kvh, dim, block_size, head_stride, keys,
+                                   Kt + at, V + at, bf16);
+                }
+            }
+            float *scratch = malloc(sizeof(float) * (2 * TILE_ROWS * dim + TILE_ROWS * TILE_KEYS));
+#pragma omp for collapse(2) schedule(dynamic, 1)
+            for (int64_t it = 0; it < items; it++) {
+                for (int kvh = 0; kvh < kv_heads; kvh++) {
+                    const int s = item_seq[it], t = item_tile[it];
+                    const int n = query_start[s + 1] - query_start[s], ctx = context_lens[s];
+                    const int64_t *table = block_tables + (int64_t)s * max_blocks;
+                    if (n == 1) {
+                        attend_one(q, k_cache, v_cache, table, ctx, out, query_start[s], kvh,
+                                   heads, group, dim, block_size, head_stride, scale, bf16);
+                        continue;
+                    }
+                    const int64_t keys = offset[s + 1] - offset[s];
+                    const int64_t at = (offset[s] * kv_heads + keys * kvh) * dim;
+                    const int qa = t * per_tile, qb = qa + per_tile < n ? qa + per_tile : n;
+                    if (scratch)
+                        prefill_tile(q, out, Kt + at, keys, V + at, query_start[s], ctx - n, qa,
+                                     qb, kvh, heads, group, dim, scale, bf16, scratch);
+                }
+            }
+            free(scratch);
+        }
+    }
+    free(offset);
+    free(Kt);
+    free(V);
+    free(item_seq);
+    free(item_tile);
+    return ok ? 0 : -2;
+}
+
+int paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache,
+                      const int64_t *block_tables, const int32_t *query_start,
+                      const int32_t *context_lens, float *out, int seqs, int heads,
+                      int kv_heads, int dim, int block_size, int max_blocks,
+                      int64_t head_stride, float scale, int threads) {
+    return paged_prefill(q, k_cache, v_cache, block_tables, query_start, context_lens, out,
+                         seqs, heads, kv_heads, dim, block_size, max_blocks, head_stride, scale,
+                         threads, 0);
+}
+
+int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int64_t *block_tables, const int32_t *query_start,
+                       const int32_t *context_lens, uint16_t *out, int seqs, int heads,
+                       int kv_heads, int dim, int block_size, int max_blocks,
+                       int64_t head_stride, float scale, int threads) {
+    return paged_prefill(q, k_cache, v_cache, block_tables, query_start, context_lens, out,
+                         seqs, heads, kv_heads, dim, block_size, max_blocks, head_stride, scale,
+                         threads, 1);
 }
 
 // Llama's (neox-style) rotary embedding in place: `x` rows of `heads` vectors of `dim`

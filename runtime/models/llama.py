@@ -242,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        metadata.prepare(self.config.num_queries_per_kv, x.dtype)
+        metadata.prepare(self.config.num_queries_per_kv, self.config.head_dim, x.dtype)
         cos_sin = self.model.rotary_emb(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos_sin, paged_attend(*kv_cache.layer(i), metadata))

@@ -67,7 +67,7 @@ class StageModel(nn.Module):
         inner = self.inner.model
         x = inner.embed_tokens(input_ids) if self.spec.is_first else hidden
         assert x is not None, "a stage after the first needs the previous stage's hidden states"
-        metadata.prepare(self.config.num_queries_per_kv, x.dtype)
+        metadata.prepare(self.config.num_queries_per_kv, self.config.head_dim, x.dtype)
         cos_sin = inner.rotary_emb(positions, x.dtype)
         for i, layer in enumerate(inner.layers):
             x = layer(x, cos_sin, paged_attend(*kv_cache.layer(i), metadata))

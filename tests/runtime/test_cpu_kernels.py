@@ -1,4 +1,4 @@
-"""The C decode-attention kernel against the torch path it replaces (gather + SDPA)."""
+"""The C kernels against the torch code they replace (attention: gather + SDPA)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,48 @@ def test_kernel_matches_gather_and_sdpa(
     want = attend_rect(q, k_cache, v_cache, tables, mask, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block_size"),
+    [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 32, 128), (6, 1, 16, 5)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_kernel_matches_gather_and_sdpa_per_sequence(
+    heads: int, kv_heads: int, dim: int, block_size: int, dtype: torch.dtype
+) -> None:
+    # (new queries, context after the step): decode rows, whole prompts of lengths around
+    # the tile sizes, chunks continuing a prompt, a row of one token
+    steps = [(1, 40), (37, 37), (130, 200), (5, 300), (64, 64), (1, 1), (90, 90), (2, 129)]
+    max_blocks = max(-(-ctx // block_size) for _, ctx in steps)
+    k_cache, v_cache = pool(kv_heads, len(steps) * max_blocks + 1, block_size, dim, dtype)
+    order = torch.randperm(len(steps) * max_blocks, generator=torch.Generator().manual_seed(2))
+    tables = (order + 1).view(len(steps), max_blocks)
+    for r, (_, ctx) in enumerate(steps):
+        tables[r, -(-ctx // block_size) :] = 0
+    starts = torch.tensor([0] + [n for n, _ in steps]).cumsum(0).to(torch.int32)
+    context = torch.tensor([ctx for _, ctx in steps], dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), heads, dim).to(dtype)
+    scale = dim**-0.5
+
+    got = kernel.paged_prefill(q, k_cache, v_cache, tables, starts, context, scale)
+    for s, (n, ctx) in enumerate(steps):
+        rows = slice(int(starts[s]), int(starts[s + 1]))
+        positions = torch.arange(ctx - n, ctx).view(1, n)
+        mask = rect_mask(positions, max_blocks * block_size, heads // kv_heads, dtype)
+        want = attend_rect(q[rows], k_cache, v_cache, tables[s : s + 1], mask, scale)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got[rows].float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_varlen_kernel_refuses_a_head_size_it_cannot_tile() -> None:
+    assert not kernel.prefill_supports(72, 3, 16)
+    k_cache, v_cache = pool(1, 2, 4, 72, torch.float32)
+    q = torch.randn(2, 1, 72)
+    tables = torch.ones(1, 1, dtype=torch.long)
+    starts, context = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernel.paged_prefill(q, k_cache, v_cache, tables, starts, context, 1.0)
 
 
 def test_kernel_refuses_a_head_size_it_cannot_hold() -> None:
