@@ -1,13 +1,15 @@
 """The in-process engine (`LLMEngine`, no server, no Ray) under the served sweep's Poisson
 load, beside `vllm serve`'s figures from the served sweep's JSON.
 
-    python -m benchmarks.peers.engine_poisson --rates 1,2 --num-prompts 60
+    python -m benchmarks.peers.engine_poisson --rates 1,2,3 --num-prompts 100 --input-len 420
 
-Same workload as `benchmarks.peers.served` (random token prompts of input_len ± range_ratio,
-`output_len` tokens each with EOS ignored, greedy, Poisson arrivals from `--seed`). Each
-request is added to the engine at its arrival time while the engine steps; TTFT is first
-token minus arrival, TPOT the mean gap after the first token, as `vllm bench serve` counts
-them. Shows what the engine alone sustains, so the served path's own cost is the rest.
+Same workload as `benchmarks.peers.served`, drawn as `vllm bench serve`'s random dataset
+draws it: prompts of input_len ± range_ratio random tokens, output_len ± range_ratio tokens
+out with EOS ignored, greedy, Poisson arrivals from `--seed` (the served prompts also carry
+the chat template's ~36 tokens; `--input-len 420` matches them). Each request is added to
+the engine at its arrival time while the engine steps; TTFT is first token minus arrival,
+TPOT the mean gap after the first token, as `vllm bench serve` counts them. Shows what the
+engine alone sustains, so the served path's own cost is the rest.
 """
 
 from __future__ import annotations
@@ -24,25 +26,33 @@ from benchmarks.loadgen.arrivals import PoissonArrivals
 from benchmarks.peers.harness import RESULTS_DIR, hardware_line, write_json
 
 
-def prompts(vocab: int, n: int, input_len: int, ratio: float, seed: int) -> list[list[int]]:
+def lengths(rng: np.random.Generator, n: int, mean: int, ratio: float) -> list[int]:
+    low, high = max(1, int(mean * (1 - ratio))), int(mean * (1 + ratio))
+    return [int(x) for x in rng.integers(low, high + 1, n)]
+
+
+def prompts(
+    vocab: int, n: int, input_len: int, output_len: int, ratio: float, seed: int
+) -> list[tuple[list[int], int]]:
+    """(prompt token ids, max_tokens) per request."""
     rng = np.random.default_rng(seed)
-    low, high = int(input_len * (1 - ratio)), int(input_len * (1 + ratio))
-    lengths = rng.integers(low, high + 1, n)
-    return [rng.integers(0, vocab, int(length)).tolist() for length in lengths]
+    ins, outs = lengths(rng, n, input_len, ratio), lengths(rng, n, output_len, ratio)
+    return [(rng.integers(0, vocab, i).tolist(), o) for i, o in zip(ins, outs, strict=True)]
 
 
-def run(engine, work: list[list[int]], arrivals: list[float], output_len: int) -> list[dict]:
+def run(engine, work: list[tuple[list[int], int]], arrivals: list[float]) -> list[dict]:
     """Feed `work` at `arrivals` (seconds from start) while stepping; per-request timings."""
     from runtime.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     records: dict[str, dict[str, Any]] = {}
     start = time.perf_counter()
     next_i = 0
     while next_i < len(work) or engine.has_unfinished():
         now = time.perf_counter() - start
         while next_i < len(work) and arrivals[next_i] <= now:
-            rid = engine.add_request(work[next_i], params, f"r{next_i}")
+            prompt, max_tokens = work[next_i]
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            rid = engine.add_request(prompt, params, f"r{next_i}")
             records[rid] = {"arrival": arrivals[next_i], "times": []}
             next_i += 1
         if not engine.has_unfinished():
@@ -99,13 +109,14 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048,
     )
     vocab = engine.runner.model_config.vocab_size
-    work = prompts(vocab, args.num_prompts, args.input_len, args.range_ratio, args.seed)
-    run(engine, [p[:32] for p in work[:4]], [0.0] * 4, 4)  # warm-up
+    work = prompts(
+        vocab, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed
+    )
+    run(engine, [(p[:32], 4) for p, _ in work[:4]], [0.0] * 4)  # warm-up
     rows = []
     for rate in (float(r) for r in args.rates.split(",")):
         arrivals = PoissonArrivals(args.seed).times(rate, len(work))
-        rows.append(summarize(run(engine, work, arrivals, args.output_len), rate,
-                              args.slo_ttft, args.slo_tpot))
+        rows.append(summarize(run(engine, work, arrivals), rate, args.slo_ttft, args.slo_tpot))
     served = json.loads(args.served.read_text()) if args.served.is_file() else {}
     vllm = {r["rate"]: r for r in served.get("runs", {}).get("vllm", [])}
     print(f"{'system':<26} {'R':>3} {'tok/s':>7}  {'TTFT p50/p90 s':>15}  "
