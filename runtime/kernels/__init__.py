@@ -66,31 +66,13 @@ class CpuKernels:
         """Row r's one query `q [R, heads, dim]` over its first `context_lens[r]` (int32)
         pool tokens through `block_tables [R, NB]` (int64, contiguous); caches
         `[kv_heads, blocks, block_size, dim]`, contiguous."""
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        rows, heads, dim = q.shape
-        kv_heads, num_blocks, block_size, _ = k_cache.shape
-        status = self._fns["paged_decode", q.dtype](
-            q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            block_tables.data_ptr(),
-            context_lens.data_ptr(),
-            out.data_ptr(),
-            rows,
-            heads,
-            kv_heads,
-            dim,
-            block_size,
-            block_tables.shape[1],
-            num_blocks * block_size * dim,
-            scale,
-            torch.get_num_threads(),
+        status, out = self._paged(
+            "paged_decode", q, k_cache, v_cache, (block_tables, context_lens), q.shape[0], scale
         )
         if status != 0:
             raise ValueError(
                 f"paged_decode takes head_dim <= 256, <= 16 query heads per KV head and "
-                f"block_size <= 256; got {dim}, {heads // kv_heads}, {block_size}"
+                f"block_size <= 256; got {_shape(q, k_cache)}"
             )
         return out
 
@@ -109,36 +91,52 @@ class CpuKernels:
         position `context_lens[s] - 1`, over its pool tokens through `block_tables [B, NB]`
         (int64; the two others int32, all contiguous). Prompt chunks run a tiled flash
         attention, one-query rows the decode path."""
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        heads, dim = q.shape[1], q.shape[2]
-        kv_heads, num_blocks, block_size, _ = k_cache.shape
-        status = self._fns["paged_prefill", q.dtype](
-            q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            block_tables.data_ptr(),
-            query_start_loc.data_ptr(),
-            context_lens.data_ptr(),
-            out.data_ptr(),
-            block_tables.shape[0],
-            heads,
-            kv_heads,
-            dim,
-            block_size,
-            block_tables.shape[1],
-            num_blocks * block_size * dim,
-            scale,
-            torch.get_num_threads(),
+        index = (block_tables, query_start_loc, context_lens)
+        status, out = self._paged(
+            "paged_prefill", q, k_cache, v_cache, index, block_tables.shape[0], scale
         )
         if status == -2:
             raise MemoryError("paged_prefill could not allocate its context buffers")
         if status != 0:
             raise ValueError(
                 f"paged_prefill takes head_dim a multiple of 16 up to 256, <= 16 query heads "
-                f"per KV head and block_size <= 256; got {dim}, {heads // kv_heads}, {block_size}"
+                f"per KV head and block_size <= 256; got {_shape(q, k_cache)}"
             )
         return out
+
+    def _paged(
+        self,
+        name: str,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        index: tuple[torch.Tensor, ...],
+        rows: int,
+        scale: float,
+    ) -> tuple[int, torch.Tensor]:
+        """Call an attention kernel: q, the caches, `index` (block tables first), out, then
+        the shapes; its status and output."""
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        heads, dim = q.shape[1], q.shape[2]
+        kv_heads, num_blocks, block_size, _ = k_cache.shape
+        status = self._fns[name, q.dtype](
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            *(t.data_ptr() for t in index),
+            out.data_ptr(),
+            rows,
+            heads,
+            kv_heads,
+            dim,
+            block_size,
+            index[0].shape[1],
+            num_blocks * block_size * dim,
+            scale,
+            torch.get_num_threads(),
+        )
+        return status, out
 
     @staticmethod
     def prefill_supports(head_dim: int, num_queries_per_kv: int, block_size: int) -> bool:
@@ -168,6 +166,11 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         return out
+
+
+def _shape(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    """head_dim, query heads per KV head and block size, for the kernels' refusals."""
+    return f"{q.shape[-1]}, {q.shape[1] // k_cache.shape[0]}, {k_cache.shape[2]}"
 
 
 def for_tensors(dtype: torch.dtype, device: torch.device) -> CpuKernels | None:
