@@ -58,6 +58,17 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
     for (int j = 0; j * block_size < ctx; j++) {
         const int n = ctx - j * block_size < block_size ? ctx - j * block_size : block_size;
         const int64_t base = (int64_t)kvh * head_stride + table[j] * block_size * dim;
+        if ((j + 1) * block_size < ctx) {
+            // The next block sits anywhere in the pool, out of the hardware prefetcher's
+            // stride: fetch it while this one computes.
+            const int es = bf16 ? 2 : 4;
+            const int64_t next = ((int64_t)kvh * head_stride + table[j + 1] * block_size * dim) * es;
+            const int64_t whole = (int64_t)block_size * dim * es, bytes = whole < 4096 ? whole : 4096;
+            for (int64_t b = 0; b < bytes; b += 64) {
+                __builtin_prefetch((const char *)k_cache + next + b);
+                __builtin_prefetch((const char *)v_cache + next + b);
+            }
+        }
         for (int t = 0; t < n; t++) {
             for (int d = 0; d < dim; d++) kf[d] = load(k_cache, base + (int64_t)t * dim + d, bf16);
             for (int g = 0; g < group; g++) {
