@@ -178,26 +178,28 @@ static inline __attribute__((always_inline)) void vstore(float *p, vf16 v) { mem
 #define IN_REGISTERS(a, b, c, d)
 #endif
 
+// The microkernels' 4 x 4 register block: acc[i][c] += a[i * stride] * b[c * VL : +VL].
+static inline __attribute__((always_inline)) void fma_block(vf16 acc[4][4], const float *a,
+                                                            int64_t stride, const float *b) {
+    vf16 b0 = vload(b), b1 = vload(b + VL), b2 = vload(b + 2 * VL), b3 = vload(b + 3 * VL);
+    IN_REGISTERS(b0, b1, b2, b3);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        const float x = a[i * stride];
+        acc[i][0] += x * b0;
+        acc[i][1] += x * b1;
+        acc[i][2] += x * b2;
+        acc[i][3] += x * b3;
+    }
+}
+
 // S[rows, TILE_KEYS] = Q[rows, dim] . Kt[dim, keys0 : keys0 + TILE_KEYS] (Kt row stride kstride).
 static void tile_scores(const float *Q, const float *Kt, int64_t kstride, float *S, int rows,
                         int dim) {
     for (int r = 0; r < rows; r += 4) {
         vf16 acc[4][4];
         memset(acc, 0, sizeof acc);
-        for (int d = 0; d < dim; d++) {
-            const float *k = Kt + (int64_t)d * kstride;
-            vf16 k0 = vload(k), k1 = vload(k + VL), k2 = vload(k + 2 * VL),
-                       k3 = vload(k + 3 * VL);
-            IN_REGISTERS(k0, k1, k2, k3);
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) {
-                const float a = Q[(r + i) * dim + d];
-                acc[i][0] += a * k0;
-                acc[i][1] += a * k1;
-                acc[i][2] += a * k2;
-                acc[i][3] += a * k3;
-            }
-        }
+        for (int d = 0; d < dim; d++) fma_block(acc, Q + r * dim + d, dim, Kt + (int64_t)d * kstride);
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++)
             for (int c = 0; c < 4; c++) vstore(S + (r + i) * TILE_KEYS + c * VL, acc[i][c]);
@@ -214,20 +216,8 @@ static void tile_values(const float *P, const float *V, float *O, int rows, int 
             for (int i = 0; i < 4; i++)
                 for (int c = 0; c < nv; c++) acc[i][c] = vload(O + (r + i) * dim + c0 + c * VL);
             if (nv == 4) {
-                for (int j = 0; j < keys; j++) {
-                    const float *v = V + (int64_t)j * dim + c0;
-                    vf16 v0 = vload(v), v1 = vload(v + VL), v2 = vload(v + 2 * VL),
-                               v3 = vload(v + 3 * VL);
-                    IN_REGISTERS(v0, v1, v2, v3);
-#pragma GCC unroll 4
-                    for (int i = 0; i < 4; i++) {
-                        const float p = P[(r + i) * TILE_KEYS + j];
-                        acc[i][0] += p * v0;
-                        acc[i][1] += p * v1;
-                        acc[i][2] += p * v2;
-                        acc[i][3] += p * v3;
-                    }
-                }
+                for (int j = 0; j < keys; j++)
+                    fma_block(acc, P + r * TILE_KEYS + j, TILE_KEYS, V + (int64_t)j * dim + c0);
             } else {
                 for (int j = 0; j < keys; j++)
                     for (int c = 0; c < nv; c++) {
