@@ -158,8 +158,8 @@ def _raise_recompile_limits() -> None:
 
 # torch's CPU allocator is plain malloc, and glibc's hands every freed block above its mmap
 # threshold (or at the heap's top, past its trim threshold) back to the kernel: each step
-# then page-faults its activations in again (9 % of a prefill run was in the kernel; 1.15-
-# 1.25x prefill tok/s without). vLLM's CPU backend preloads tcmalloc for the same reason.
+# then page-faults its activations in again (9 % of a prefill run was in the kernel; keeping
+# them gave 1.15-1.25x prefill tok/s). vLLM's CPU backend preloads tcmalloc for that reason.
 _MALLOPT = {-3: 32 << 20, -1: 1 << 30, -2: 64 << 20}  # mmap threshold, trim threshold, top pad
 MALLOC_ENV = "BUCKETSERVE_MALLOC_TUNING"
 

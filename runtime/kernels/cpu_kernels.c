@@ -108,6 +108,23 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
     }
 }
 
+// attend_one for token row r, with `dim` a constant for the common head sizes.
+static void attend_row(const void *q, const void *k_cache, const void *v_cache,
+                       const int64_t *table, int ctx, void *out, int r, int kvh, int heads,
+                       int group, int dim, int block_size, int64_t head_stride, float scale,
+                       int bf16) {
+    if (dim == 64) {
+        attend_one(q, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, 64, block_size,
+                   head_stride, scale, bf16);
+    } else if (dim == 128) {
+        attend_one(q, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, 128, block_size,
+                   head_stride, scale, bf16);
+    } else {
+        attend_one(q, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, dim, block_size,
+                   head_stride, scale, bf16);
+    }
+}
+
 static int paged_decode(const void *q, const void *k_cache, const void *v_cache,
                         const int64_t *block_tables, const int32_t *context_lens, void *out,
                         int rows, int heads, int kv_heads, int dim, int block_size,
@@ -118,18 +135,9 @@ static int paged_decode(const void *q, const void *k_cache, const void *v_cache,
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
     for (int r = 0; r < rows; r++) {
         for (int kvh = 0; kvh < kv_heads; kvh++) {
-            const int64_t *table = block_tables + (int64_t)r * max_blocks;
-            const int ctx = context_lens[r];
-            if (dim == 64) {
-                attend_one(q, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, 64,
-                           block_size, head_stride, scale, bf16);
-            } else if (dim == 128) {
-                attend_one(q, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, 128,
-                           block_size, head_stride, scale, bf16);
-            } else {
-                attend_one(q, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, dim,
-                           block_size, head_stride, scale, bf16);
-            }
+            attend_row(q, k_cache, v_cache, block_tables + (int64_t)r * max_blocks,
+                       context_lens[r], out, r, kvh, heads, group, dim, block_size, head_stride,
+                       scale, bf16);
         }
     }
     return 0;
@@ -317,9 +325,11 @@ static int paged_prefill(const void *q, const void *k_cache, const void *v_cache
     const int group = heads / kv_heads;
     if (dim > MAX_DIM || dim % VL || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
     const int per_tile = TILE_ROWS / group;
-    // Work items, longest first: (seq, kvh) of one-query rows, (seq, kvh, tile) of chunks.
+    // Work items: (seq, kvh) of one-query rows, (seq, kvh, tile) of chunks, each chunk's
+    // last tiles (the most keys) first.
     int64_t chunk_keys = 0, items = 0;
     int64_t *offset = malloc(sizeof(int64_t) * (seqs + 1));
+    if (!offset) return -2;
     for (int s = 0; s < seqs; s++) {
         const int n = query_start[s + 1] - query_start[s];
         offset[s] = chunk_keys;
@@ -331,7 +341,7 @@ static int paged_prefill(const void *q, const void *k_cache, const void *v_cache
     float *V = malloc(sizeof(float) * (chunk_keys * dim * kv_heads + 1));
     int32_t *item_seq = malloc(sizeof(int32_t) * (items + 1));
     int32_t *item_tile = malloc(sizeof(int32_t) * (items + 1));
-    int ok = offset && Kt && V && item_seq && item_tile;
+    int ok = Kt && V && item_seq && item_tile;
     if (ok) {
         int64_t i = 0;
         for (int s = 0; s < seqs; s++) {
@@ -356,6 +366,10 @@ static int paged_prefill(const void *q, const void *k_cache, const void *v_cache
                 }
             }
             float *scratch = malloc(sizeof(float) * (2 * TILE_ROWS * dim + TILE_ROWS * TILE_KEYS));
+            if (!scratch) {
+#pragma omp atomic write
+                ok = 0;
+            }
 #pragma omp for collapse(2) schedule(dynamic, 1)
             for (int64_t it = 0; it < items; it++) {
                 for (int kvh = 0; kvh < kv_heads; kvh++) {
@@ -363,7 +377,7 @@ static int paged_prefill(const void *q, const void *k_cache, const void *v_cache
                     const int n = query_start[s + 1] - query_start[s], ctx = context_lens[s];
                     const int64_t *table = block_tables + (int64_t)s * max_blocks;
                     if (n == 1) {
-                        attend_one(q, k_cache, v_cache, table, ctx, out, query_start[s], kvh,
+                        attend_row(q, k_cache, v_cache, table, ctx, out, query_start[s], kvh,
                                    heads, group, dim, block_size, head_stride, scale, bf16);
                         continue;
                     }

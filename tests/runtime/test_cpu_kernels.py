@@ -7,6 +7,8 @@ import torch
 
 from runtime import kernels
 from runtime.attention import attend_rect, rect_mask
+from runtime.sequence import Sequence
+from runtime.step_inputs import InputBuilder
 
 kernel = kernels.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler: the torch path runs")
@@ -137,3 +139,26 @@ def test_rms_norm_matches_torch(dtype: torch.dtype) -> None:
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(kernel.rms_norm(x, weight, 1e-5).float(), want.float(),
                                atol=tol, rtol=tol)
+
+
+def test_steps_with_prompt_chunks_take_the_varlen_kernel_and_decode_steps_the_decode_one() -> None:
+    builder = InputBuilder(16, 64, 0, 512, torch.device("cpu"))
+    decoding, prompt = Sequence(list(range(40))), Sequence(list(range(30)))
+    decoding.block_table, decoding.num_computed_tokens = [1, 2, 3], 39
+    prompt.block_table = [4, 5]
+
+    mixed = builder.prepare([decoding, prompt], [1, 30], None).metadata
+    mixed.prepare(3, 64, torch.float32)
+    assert mixed.varlen and mixed.groups[0].attn_mask is None
+
+    decode = builder.prepare([decoding], [1], None).metadata
+    decode.prepare(3, 64, torch.float32)
+    assert not decode.varlen and decode.groups[0].context_lens is not None
+
+    padded = builder.prepare([prompt], [30], (1, 32, 2)).metadata
+    padded.prepare(3, 64, torch.float32)
+    assert not padded.varlen and padded.groups[0].attn_mask is not None
+
+    untileable = builder.prepare([decoding, prompt], [1, 30], None).metadata
+    untileable.prepare(3, 72, torch.float32)
+    assert not untileable.varlen
