@@ -29,11 +29,17 @@ class AttentionGroup:
     attn_mask: torch.Tensor | None = None  # set by prepare() for the rectangle path
     context_lens: torch.Tensor | None = None  # [R] int32, set by prepare() for the kernel
 
-    def prepare(self, block_size: int, num_queries_per_kv: int, dtype: torch.dtype) -> None:
+    def prepare(
+        self, block_size: int, num_queries_per_kv: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
         """One query per row on a CPU with the C kernel: it reads the pool in place;
         otherwise the rectangle's mask for the gather + SDPA path."""
         kernel = kernels.for_tensors(dtype, self.query_positions.device)
-        if self.query_positions.shape[1] == 1 and kernel:
+        if (
+            self.query_positions.shape[1] == 1
+            and kernel
+            and kernel.supports(head_dim, num_queries_per_kv, block_size)
+        ):
             self.context_lens = (self.query_positions[:, 0] + 1).to(torch.int32)
             self.block_tables = self.block_tables.contiguous()
             return
@@ -97,12 +103,12 @@ class AttentionMetadata:
             kernel
             and not self.padded
             and not decode_only
-            and kernel.prefill_supports(head_dim, num_queries_per_kv, self.block_size)
+            and kernel.supports(head_dim, num_queries_per_kv, self.block_size)
         ):
             self.varlen = True
             return
         for group in self.groups:
-            group.prepare(self.block_size, num_queries_per_kv, dtype)
+            group.prepare(self.block_size, num_queries_per_kv, head_dim, dtype)
 
 
 def write_kv(

@@ -71,8 +71,8 @@ class CpuKernels:
         )
         if status != 0:
             raise ValueError(
-                f"paged_decode takes head_dim <= 256, <= 16 query heads per KV head and "
-                f"block_size <= 256; got {_shape(q, k_cache)}"
+                f"paged_decode takes head_dim a multiple of 16 up to 256, <= 16 query heads "
+                f"per KV head and block_size <= 256; got {_shape(q, k_cache)}"
             )
         return out
 
@@ -139,7 +139,8 @@ class CpuKernels:
         return status, out
 
     @staticmethod
-    def prefill_supports(head_dim: int, num_queries_per_kv: int, block_size: int) -> bool:
+    def supports(head_dim: int, num_queries_per_kv: int, block_size: int) -> bool:
+        """Whether both attention kernels take these shapes."""
         return head_dim % 16 == 0 and head_dim <= 256 and num_queries_per_kv <= 16 and (
             block_size <= 256
         )

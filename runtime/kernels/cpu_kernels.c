@@ -7,6 +7,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 enum { MAX_DIM = 256, MAX_GROUP = 16, MAX_BLOCK = 256 };
 
@@ -33,24 +36,62 @@ static inline __attribute__((always_inline)) void store(void *p, int64_t i, floa
     ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
 }
 
+typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));
+enum { VL = 16 };
+
+static inline __attribute__((always_inline)) vf16 vload(const float *p) {
+    vf16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void vstore(float *p, vf16 v) { memcpy(p, &v, sizeof v); }
+
+typedef uint16_t vh16 __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+
+// VL elements from p + i, float32 or bfloat16, as float32.
+static inline __attribute__((always_inline)) vf16 vload_as(const void *p, int64_t i, int bf16) {
+    if (!bf16) return vload((const float *)p + i);
+    vh16 h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    const vu16 u = __builtin_convertvector(h, vu16) << 16;
+    vf16 f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline __attribute__((always_inline)) float hsum(vf16 v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float t = 0.0f;
+    for (int i = 0; i < VL; i++) t += v[i];
+    return t;
+#endif
+}
+
 // Decode attention: one query per row, each KV head's keys and values read in place from
 // the pool (no gathered copy), online softmax per block.
 // Pool layout per layer: [kv_heads, num_blocks, block_size, dim], contiguous.
 // q, out: [rows, heads, dim]; block_tables: [rows, max_blocks]; context_lens: [rows].
 
-// Row r, KV head kvh: the `group` query heads that share its keys. Inlined with `dim` a
-// constant for the common head sizes, so its loops unroll.
+// Row r, KV head kvh: the `group` query heads that share its keys, their queries and
+// accumulators in vector registers. Inlined with `group` and `dim` (a multiple of VL)
+// constants for the common shapes, so its loops unroll.
 static inline __attribute__((always_inline)) void attend_one(const void *q, const void *k_cache, const void *v_cache,
                               const int64_t *table, int ctx, void *out, int r, int kvh,
                               int heads, int group, int dim, int block_size,
                               int64_t head_stride, float scale, int bf16) {
-    float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], m[MAX_GROUP], l[MAX_GROUP];
-    float s[MAX_GROUP][MAX_BLOCK], kf[MAX_DIM], vf[MAX_DIM];
+    enum { MAX_VECS = MAX_DIM / VL };
+    const int nv = dim / VL;
+    vf16 qv[MAX_GROUP][MAX_VECS], acc[MAX_GROUP][MAX_VECS];
+    float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][MAX_BLOCK];
     const int64_t q0 = ((int64_t)r * heads + (int64_t)kvh * group) * dim;
     for (int g = 0; g < group; g++) {
-        for (int d = 0; d < dim; d++) {
-            qf[g][d] = load(q, q0 + (int64_t)g * dim + d, bf16) * scale;
-            acc[g][d] = 0.0f;
+        for (int c = 0; c < nv; c++) {
+            qv[g][c] = vload_as(q, q0 + g * dim + c * VL, bf16) * scale;
+            acc[g][c] = (vf16){0};
         }
         m[g] = -FLT_MAX;  // finite: the library is built with -ffast-math
         l[g] = 0.0f;
@@ -58,24 +99,25 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
     for (int j = 0; j * block_size < ctx; j++) {
         const int n = ctx - j * block_size < block_size ? ctx - j * block_size : block_size;
         const int64_t base = (int64_t)kvh * head_stride + table[j] * block_size * dim;
-        if ((j + 1) * block_size < ctx) {
-            // The next block sits anywhere in the pool, out of the hardware prefetcher's
-            // stride: fetch it while this one computes.
-            const int es = bf16 ? 2 : 4;
-            const int64_t next = ((int64_t)kvh * head_stride + table[j + 1] * block_size * dim) * es;
-            const int64_t whole = (int64_t)block_size * dim * es, bytes = whole < 4096 ? whole : 4096;
-            for (int64_t b = 0; b < bytes; b += 64) {
-                __builtin_prefetch((const char *)k_cache + next + b);
-                __builtin_prefetch((const char *)v_cache + next + b);
-            }
-        }
+        // The next block sits anywhere in the pool, out of the hardware prefetcher's
+        // stride: key t's loop fetches the next block's key and value t. Spread out, the
+        // prefetches never stall on full miss buffers, which one burst per block did.
+        const int64_t next = (j + 1) * block_size < ctx
+                                 ? (int64_t)kvh * head_stride + table[j + 1] * block_size * dim
+                                 : base;
+        const int es = bf16 ? 2 : 4;
         for (int t = 0; t < n; t++) {
-            for (int d = 0; d < dim; d++) kf[d] = load(k_cache, base + (int64_t)t * dim + d, bf16);
+            const int64_t at = base + (int64_t)t * dim;
+            for (int64_t b = 0; b < dim * es; b += 64) {
+                __builtin_prefetch((const char *)k_cache + (next + t * dim) * es + b, 0, 0);
+                __builtin_prefetch((const char *)v_cache + (next + t * dim) * es + b, 0, 0);
+            }
+            vf16 k[MAX_VECS];
+            for (int c = 0; c < nv; c++) k[c] = vload_as(k_cache, at + c * VL, bf16);
             for (int g = 0; g < group; g++) {
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int d = 0; d < dim; d++) dot += qf[g][d] * kf[d];
-                s[g][t] = dot;
+                vf16 dot = qv[g][0] * k[0];
+                for (int c = 1; c < nv; c++) dot += qv[g][c] * k[c];
+                s[g][t] = hsum(dot);
             }
         }
         for (int g = 0; g < group; g++) {
@@ -83,29 +125,51 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
             for (int t = 0; t < n; t++) top = s[g][t] > top ? s[g][t] : top;
             const float rescale = expf(m[g] - top);
             m[g] = top;
-            l[g] *= rescale;
-            for (int d = 0; d < dim; d++) acc[g][d] *= rescale;
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
             for (int t = 0; t < n; t++) {
                 s[g][t] = expf(s[g][t] - top);
                 sum += s[g][t];
             }
-            l[g] += sum;
+            l[g] = l[g] * rescale + sum;
+            if (rescale != 1.0f)
+                for (int c = 0; c < nv; c++) acc[g][c] *= rescale;
         }
         for (int t = 0; t < n; t++) {
-            for (int d = 0; d < dim; d++) vf[d] = load(v_cache, base + (int64_t)t * dim + d, bf16);
-            for (int g = 0; g < group; g++) {
-                const float p = s[g][t];
-#pragma omp simd
-                for (int d = 0; d < dim; d++) acc[g][d] += p * vf[d];
-            }
+            vf16 v[MAX_VECS];
+            for (int c = 0; c < nv; c++) v[c] = vload_as(v_cache, base + (int64_t)t * dim + c * VL, bf16);
+            for (int g = 0; g < group; g++)
+                for (int c = 0; c < nv; c++) acc[g][c] += s[g][t] * v[c];
         }
     }
     for (int g = 0; g < group; g++) {
         const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        for (int d = 0; d < dim; d++) store(out, q0 + (int64_t)g * dim + d, acc[g][d] * inv, bf16);
+        for (int c = 0; c < nv; c++) {
+            const vf16 o = acc[g][c] * inv;
+            for (int i = 0; i < VL; i++) store(out, q0 + g * dim + c * VL + i, o[i], bf16);
+        }
     }
+}
+
+// attend_one with `group` a constant for the common GQA ratios.
+static inline __attribute__((always_inline)) void attend_groups(const void *q, const void *k_cache, const void *v_cache,
+                              const int64_t *table, int ctx, void *out, int r, int kvh,
+                              int heads, int group, int dim, int block_size,
+                              int64_t head_stride, float scale, int bf16) {
+#define ATTEND(G) attend_one(q, k_cache, v_cache, table, ctx, out, r, kvh, heads, G, dim, \
+                             block_size, head_stride, scale, bf16)
+    switch (group) {
+    case 1: ATTEND(1); break;
+    case 2: ATTEND(2); break;
+    case 3: ATTEND(3); break;
+    case 4: ATTEND(4); break;
+    case 5: ATTEND(5); break;
+    case 6: ATTEND(6); break;
+    case 7: ATTEND(7); break;
+    case 8: ATTEND(8); break;
+    default: ATTEND(group);
+    }
+#undef ATTEND
 }
 
 // attend_one for token row r, with `dim` a constant for the common head sizes.
@@ -114,11 +178,11 @@ static void attend_row(const void *q, const void *k_cache, const void *v_cache,
                        int group, int dim, int block_size, int64_t head_stride, float scale,
                        int bf16) {
     if (dim == 64) {
-        attend_one(q, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, 64, block_size,
-                   head_stride, scale, bf16);
+        attend_groups(q, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, 64,
+                      block_size, head_stride, scale, bf16);
     } else if (dim == 128) {
-        attend_one(q, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, 128, block_size,
-                   head_stride, scale, bf16);
+        attend_groups(q, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, 128,
+                      block_size, head_stride, scale, bf16);
     } else {
         attend_one(q, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, dim, block_size,
                    head_stride, scale, bf16);
@@ -131,7 +195,7 @@ static int paged_decode(const void *q, const void *k_cache, const void *v_cache,
                         int max_blocks, int64_t head_stride, float scale, int threads,
                         int bf16) {
     const int group = heads / kv_heads;
-    if (dim > MAX_DIM || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
+    if (dim > MAX_DIM || dim % VL || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
     for (int r = 0; r < rows; r++) {
         for (int kvh = 0; kvh < kv_heads; kvh++) {
@@ -167,16 +231,7 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
 // once per KV head into float32 buffers, then each tile of (query, head) rows computes
 // S = Q K^T and O += P V in register-blocked vector code, with an online softmax.
 
-typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));
-enum { VL = 16, TILE_ROWS = 64, TILE_KEYS = 64, MASKED = -1000000000 };
-
-static inline __attribute__((always_inline)) vf16 vload(const float *p) {
-    vf16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline __attribute__((always_inline)) void vstore(float *p, vf16 v) { memcpy(p, &v, sizeof v); }
+enum { TILE_ROWS = 64, TILE_KEYS = 64, MASKED = -1000000000 };
 
 // Keeps four loaded vectors in registers: without it GCC folds their loads into each of
 // the FMAs that use them, and the microkernels below become load-bound.

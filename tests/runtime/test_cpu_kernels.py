@@ -22,7 +22,8 @@ def pool(kv_heads: int, blocks: int, block_size: int, dim: int, dtype: torch.dty
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "block_size"),
-    [(9, 3, 64, 16), (4, 4, 128, 8), (8, 2, 32, 5), (6, 1, 64, 128)],
+    # GQA ratios the kernel specialises (3, 1, 4, 6) and one it does not (12, at head size 96)
+    [(9, 3, 64, 16), (4, 4, 128, 8), (8, 2, 32, 5), (6, 1, 64, 128), (12, 1, 96, 16)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_gather_and_sdpa(
@@ -79,21 +80,23 @@ def test_varlen_kernel_matches_gather_and_sdpa_per_sequence(
         torch.testing.assert_close(got[rows].float(), want.float(), atol=tol, rtol=tol)
 
 
-def test_varlen_kernel_refuses_a_head_size_it_cannot_tile() -> None:
-    assert not kernel.prefill_supports(72, 3, 16)
+def test_kernels_refuse_a_head_size_they_cannot_vectorise() -> None:
+    assert not kernel.supports(72, 3, 16)
     k_cache, v_cache = pool(1, 2, 4, 72, torch.float32)
     q = torch.randn(2, 1, 72)
     tables = torch.ones(1, 1, dtype=torch.long)
     starts, context = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
     with pytest.raises(ValueError, match="multiple of 16"):
         kernel.paged_prefill(q, k_cache, v_cache, tables, starts, context, 1.0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernel.paged_decode(q[:1], k_cache, v_cache, tables, context, 1.0)
 
 
 def test_kernel_refuses_a_head_size_it_cannot_hold() -> None:
     k_cache, v_cache = pool(1, 2, 4, 512, torch.float32)
     q = torch.randn(1, 1, 512)
     tables = torch.ones(1, 1, dtype=torch.long)
-    with pytest.raises(ValueError, match="head_dim <= 256"):
+    with pytest.raises(ValueError, match="up to 256"):
         kernel.paged_decode(q, k_cache, v_cache, tables, torch.tensor([3], dtype=torch.int32), 1.0)
 
 
@@ -162,3 +165,6 @@ def test_steps_with_prompt_chunks_take_the_varlen_kernel_and_decode_steps_the_de
     untileable = builder.prepare([decoding, prompt], [1, 30], None).metadata
     untileable.prepare(3, 72, torch.float32)
     assert not untileable.varlen
+    untileable_decode = builder.prepare([decoding], [1], None).metadata
+    untileable_decode.prepare(3, 72, torch.float32)
+    assert untileable_decode.groups[0].context_lens is None
