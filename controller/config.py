@@ -98,10 +98,16 @@ class ControllerConfig:
     decode worker; `"colocated"` runs no prefill workers: each decode worker's engine
     prefills its batches itself, chunked into its decode steps under the scheduler's
     token budget, so no KV moves and decode never waits behind a whole long prompt.
+    The decode engines schedule by priority (`scheduler.scheduling_policy`): a request
+    ranks by its tenant's priority plus its own, so in the colocated shape, where a
+    batch joins the engine as soon as the pool has room, tenant priorities still order
+    the prompts waiting for the token budget.
     """
 
     runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler: SchedulerConfig = field(
+        default_factory=lambda: SchedulerConfig(scheduling_policy="priority")
+    )
     pipeline_depth: int = 1
     prefill_kv_blocks: int | None = None
     num_prefill: int = 1

@@ -25,7 +25,7 @@ from controller.service_limits import ServiceLimits
 from controller.service_monitor import ServiceMonitor
 from controller.worker_handle import Failure, WorkerHandle
 from controller.worker_pool import WorkerPool
-from kv_worker.messages import PrefillResult, TokenDelta
+from kv_worker.messages import HandoffRequest, PrefillResult, TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +201,11 @@ class Dispatcher:
             state.request_bucket, state.shape_bucket = batch.bucket, batch.shape
         return states
 
+    def _handoff_of(self, state: RequestState) -> HandoffRequest:
+        """`state` as a decode worker's engine takes it, ranked by its tenant's priority."""
+        tenant = self.buckets.tenants.get(state.request.tenant)
+        return state.handoff(tenant.config.priority if tenant else 0)
+
     # -- colocated: one call -----------------------------------------------------------------
 
     async def _colocate(
@@ -211,7 +216,7 @@ class Dispatcher:
         owner, epoch = self.owner, decode.epoch
         decode.pending_blocks += blocks
         try:
-            result = await decode.call("add_requests", [s.handoff() for s in states])
+            result = await decode.call("add_requests", [self._handoff_of(s) for s in states])
         except Exception as exc:
             for state in states:
                 self.requeue(state, f"{decode.name} failed: {exc}")
@@ -248,7 +253,7 @@ class Dispatcher:
                 return
             self._prefilled(states, prefilled.result)
             live = [s for s in states if s.phase == "prefill"]
-            admitted = await handoff.admit([s.handoff() for s in live])
+            admitted = await handoff.admit([self._handoff_of(s) for s in live])
             await self._admitted(handoff.decode, live, admitted)
         finally:
             handoff.close()

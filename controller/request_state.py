@@ -67,9 +67,12 @@ class RequestState:
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.output_token_ids)
 
-    def handoff(self) -> HandoffRequest:
-        """The request as the workers get it: itself, and a snapshot of the tokens so far."""
-        return HandoffRequest(self.request, list(self.output_token_ids))
+    def handoff(self, tenant_priority: int = 0) -> HandoffRequest:
+        """The request as the workers get it: itself, a snapshot of the tokens so far, and
+        its engine priority (its tenant's plus its own)."""
+        return HandoffRequest(
+            self.request, list(self.output_token_ids), tenant_priority + self.request.priority
+        )
 
     def bucket_request(self, max_tokens: int) -> BucketRequest:
         """What the bucket manager queues: this state (as the payload) under the request's

@@ -181,6 +181,7 @@ class DecodeWorker(KVWorker):
                     params,
                     request.request_id,
                     output_token_ids=request.output_token_ids,
+                    priority=request.priority,
                 )
             except ValueError as exc:
                 result.rejected[request.request_id] = str(exc)
@@ -323,6 +324,7 @@ class DecodeWorker(KVWorker):
                     request.sampling_params,
                     rid,
                     output_token_ids=request.output_token_ids[:-1],
+                    priority=request.priority,
                 )
             except (ValueError, IndexError) as exc:
                 self.block_manager.release(blocks)

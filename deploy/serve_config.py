@@ -86,9 +86,10 @@ class ServeConfig:
         max_len = values.get("buckets.max_len")  # L_max
         built = {
             t: _construct(schema, t)
-            for t in ("request_buckets", "scheduler", "prefill_placement", "decode_placement",
-                      "gateway", "batching")
+            for t in ("request_buckets", "prefill_placement", "decode_placement", "gateway",
+                      "batching")
         }
+        built["scheduler"] = _construct(schema, "scheduler", _service_scheduling(schema))
         built["runner"] = _construct(schema, "runner", _runner_len(schema, max_len))
         nested = {k: built[k] for k in ("runner", "scheduler", "prefill_placement",
                                         "decode_placement")}
@@ -308,6 +309,14 @@ def _common_prefix(paths: list[str]) -> str:
         while other[: len(common)] != common:
             common = common[:-1]
     return ".".join(common)
+
+
+def _service_scheduling(schema: ServeConfigSchema) -> dict[str, Any]:
+    """The decode engines' scheduling policy where the YAML gives none: the service's
+    (ControllerConfig's), not the offline engine's FCFS."""
+    if "controller.decode.scheduling_policy" in schema.values:
+        return {}
+    return {"scheduling_policy": ControllerConfig().scheduler.scheduling_policy}
 
 
 def _runner_len(schema: ServeConfigSchema, max_len: int | None) -> dict[str, Any]:

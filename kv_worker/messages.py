@@ -161,6 +161,7 @@ class HandoffRequest:
 
     request: ServeRequest
     output_token_ids: list[int]
+    priority: int = 0  # the engine's: the tenant's priority plus the request's own
 
     @property
     def request_id(self) -> str:

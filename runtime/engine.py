@@ -116,15 +116,19 @@ class LLMEngine:
         prompt_text: str | None = None,
         arrival_time: float | None = None,
         output_token_ids: list[int] | tuple[int, ...] = (),
+        priority: int = 0,
     ) -> str:
         """Queue a prompt (text, or token ids shown as `prompt_text`); returns its request id.
         Raises ValueError, admitting nothing, if the request is malformed or can never fit.
+        `priority`: lower runs first under `scheduling_policy="priority"`.
 
         `output_token_ids`: tokens it generated before (a request resumed elsewhere); they
         are prefilled with the prompt, count towards max_tokens, and its first output holds
         them all, as after `add_prefilled_request`."""
         with self.lock:
-            request = self._prepare(prompt, sampling_params, request_id, prompt_text, arrival_time)
+            request = self._prepare(
+                prompt, sampling_params, request_id, prompt_text, arrival_time, priority
+            )
             if output_token_ids:
                 if len(request.samples) > 1:
                     raise ValueError("a request resumed with its outputs has one sample (n=1)")
@@ -138,15 +142,21 @@ class LLMEngine:
         prompts: list[str | list[int]],
         sampling_params: list[SamplingParams | None],
         prompt_texts: list[str | None] | None = None,
+        priorities: list[int] | None = None,
     ) -> list[str]:
         """Queue several prompts, all or (on any bad one) none; returns their request ids."""
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
+        if priorities is not None and len(priorities) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priorities)} priorities")
         texts = prompt_texts or [None] * len(prompts)
         with self.lock:
             requests = [
-                self._prepare(prompt, params, None, text, None)
-                for prompt, params, text in zip(prompts, sampling_params, texts, strict=True)
+                self._prepare(prompt, params, None, text, None, priority)
+                for prompt, params, text, priority in zip(
+                    prompts, sampling_params, texts, priorities or [0] * len(prompts),
+                    strict=True,
+                )
             ]
             return [self._admit(request) for request in requests]
 
@@ -157,10 +167,11 @@ class LLMEngine:
         request_id: str | None,
         prompt_text: str | None,
         arrival_time: float | None,
+        priority: int = 0,
     ) -> EngineRequest:
         token_ids = self._encode(prompt)
         request = self._new_request(
-            token_ids, sampling_params, request_id, arrival_time, prompt_text
+            token_ids, sampling_params, request_id, arrival_time, prompt_text, priority
         )
         if isinstance(prompt, str):
             request.prompt = prompt
@@ -201,6 +212,7 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         output_token_ids: list[int] | tuple[int, ...] = (),
+        priority: int = 0,
     ) -> str:
         """Take a request whose K/V was written into `block_ids` (reserved with
         `block_manager.reserve`) and whose first token was sampled elsewhere; it joins
@@ -211,7 +223,9 @@ class LLMEngine:
         finishes by max_tokens counting all of them, and its first output holds them all."""
         with self.lock:  # the ids come from the controller, validated at its edge
             token_ids = [int(t) for t in prompt_token_ids]
-            request = self._new_request(token_ids, sampling_params, request_id, arrival_time)
+            request = self._new_request(
+                token_ids, sampling_params, request_id, arrival_time, priority=priority
+            )
             if output_token_ids and len(request.samples) > 1:
                 raise ValueError("a request resumed with its outputs has one sample (n=1)")
             seq = request.seq
@@ -324,6 +338,7 @@ class LLMEngine:
         request_id: str | None,
         arrival_time: float | None,
         prompt_text: str | None = None,
+        priority: int = 0,
     ) -> EngineRequest:
         """The request's `n` sample sequences: sample 0 named `request_id`, sample i
         `request_id#i`, each with its settings (`SamplingParams.sample(i)`)."""
@@ -335,25 +350,20 @@ class LLMEngine:
             request_id = f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
         for seq_id in ids:
             if seq_id in self._requests or seq_id in self._owners:
                 raise ValueError(f"request id {seq_id!r} is already in use")
         settings = [params] if params.n == 1 else [params.sample(i) for i in range(params.n)]
         samples = [
-            SampleState(self._new_seq(token_ids, p, seq_id, arrival_time))
+            SampleState(
+                Sequence(list(token_ids), p, seq_id, arrival_time, priority=priority)
+            )
             for p, seq_id in zip(settings, ids, strict=True)
         ]
         return EngineRequest(request_id, prompt_text, samples)
-
-    @staticmethod
-    def _new_seq(
-        token_ids: list[int],
-        params: SamplingParams,
-        seq_id: str,
-        arrival_time: float | None,
-    ) -> Sequence:
-        return Sequence(list(token_ids), params, seq_id=seq_id, arrival_time=arrival_time)
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -46,10 +46,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Finished outputs in the order of `prompts` (texts or token id lists)."""
+        """Finished outputs in the order of `prompts` (texts or token id lists). `priority`:
+        one per prompt, lower first, with `scheduling_policy="priority"` (as vLLM's)."""
         prompts = _as_list(prompts)
-        return self._run([(p, None) for p in prompts], sampling_params, use_tqdm)
+        return self._run([(p, None) for p in prompts], sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -75,10 +77,11 @@ class LLM:
         requests: list[tuple[Prompt, str | None]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         params = _params_per_prompt(sampling_params, len(requests))
         prompts, texts = [r[0] for r in requests], [r[1] for r in requests]
-        ids = self.engine.add_requests(prompts, params, texts)
+        ids = self.engine.add_requests(prompts, params, texts, priority)
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
             while len(done) < len(ids):

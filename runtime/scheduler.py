@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from runtime.block_manager import BlockManager
 from runtime.scheduler_output import SchedulerOutput
 from runtime.sequence import FinishReason, Sequence, SequenceStatus, finish_reason
+from runtime.waiting_queue import POLICIES, WaitingQueue
 
 
 @dataclass
@@ -19,13 +19,16 @@ class SchedulerConfig:
     With chunked prefill a prompt longer than the step's leftover budget is
     computed over several steps. `watermark` is the fraction of the pool kept
     free when admitting a new prompt, so admission does not cause an
-    immediate preemption of what is already running.
+    immediate preemption of what is already running. `scheduling_policy` orders the
+    waiting queue: `fcfs`, or `priority` (lowest `priority` first, then arrival; under
+    memory pressure the lowest-priority running sequence is preempted first), as vLLM's.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     watermark: float = 0.01
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -34,6 +37,11 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
 
 
 class Scheduler:
@@ -45,12 +53,13 @@ class Scheduler:
     samples their first token; they then run as any other sequence.
 
     A step schedules running sequences first (one decode token each, or the
-    next chunk of a prompt), then admits waiting ones in FCFS order while the
+    next chunk of a prompt), then admits waiting ones in queue order while the
     running limit, the token budget and the free blocks allow. A sequence in
     an in-flight microbatch is never scheduled again until `update` has seen
     that microbatch. When a sequence needs a block and none is free, the
-    newest running sequence is preempted by recompute: its blocks are freed,
-    it keeps its tokens, and it goes back to the front of the waiting queue.
+    newest running sequence (under the priority policy: of the lowest priority)
+    is preempted by recompute: its blocks are freed, it keeps its tokens, and it
+    goes back to the waiting queue (FCFS: to its front).
     """
 
     def __init__(
@@ -74,7 +83,7 @@ class Scheduler:
                 f"({self._length_limits}), got {config.max_num_batched_tokens}"
             )
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._seqs: dict[int | str, Sequence] = {}
@@ -92,7 +101,7 @@ class Scheduler:
         self._check_forks(seq, forks)
         self._seqs[seq.seq_id] = seq
         self._register_forks(seq, forks)
-        self.waiting.append(seq)
+        self.waiting.push(seq)
 
     def check(self, seq: Sequence) -> None:
         """Raise ValueError if `add(seq)` would: `seq` is not new or can never run."""
@@ -125,7 +134,7 @@ class Scheduler:
         seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
         if self._on_token(seq, now):
             return True
-        self.waiting.append(seq)
+        self.waiting.push(seq)
         return False
 
     def _check_forks(self, parent: Sequence, forks: Collection[Sequence]) -> None:
@@ -160,7 +169,7 @@ class Scheduler:
             self.block_manager.fork(parent, child, shared)
             child.num_computed_tokens = shared
             child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
-            self.waiting.appendleft(child)
+            self.waiting.push_front(child)
 
     def _check_new(self, seq: Sequence, prompt_len: int) -> None:
         if seq.seq_id in self._seqs:
@@ -253,10 +262,17 @@ class Scheduler:
         return True, evicted
 
     def _newest_preemptible(self, scheduled: set[int | str]) -> Sequence | None:
-        for seq in reversed(self.running):
-            if seq.seq_id not in self._in_flight and seq.seq_id not in scheduled:
-                return seq
-        return None
+        """The newest running sequence not in this or an earlier microbatch (priority
+        policy: the newest of the lowest priority)."""
+        candidates = [
+            s for s in self.running if s.seq_id not in self._in_flight and s.seq_id not in scheduled
+        ]
+        if not candidates:
+            return None
+        if self.config.scheduling_policy == "priority":
+            lowest = max(s.priority for s in candidates)
+            candidates = [s for s in candidates if s.priority == lowest]
+        return candidates[-1]
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -265,7 +281,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.push_front(seq)
 
     def _admit(
         self,
@@ -282,7 +298,7 @@ class Scheduler:
             and len(out) < max_seqs
             and len(self.running) < self.config.max_num_seqs
         ):
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             n = seq.num_uncomputed_tokens
             if n > budget:
                 if not self.config.enable_chunked_prefill:
@@ -297,7 +313,7 @@ class Scheduler:
                 if bm.blocks_needed(len(seq)) + reserve > bm.num_free_blocks:
                     return
                 bm.allocate(seq)
-            self.waiting.popleft()
+            self.waiting.pop()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._schedule(out, seq, n, scheduled, now)

@@ -61,8 +61,10 @@ class Sequence:
         seq_id: int | str | None = None,
         arrival_time: float | None = None,
         output_token_ids: Iterable[int] = (),
+        priority: int = 0,
     ) -> None:
-        """`output_token_ids`: tokens generated before, for a request that resumes elsewhere."""
+        """`output_token_ids`: tokens generated before, for a request that resumes elsewhere;
+        `priority`: lower is scheduled first under the priority policy."""
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.seq_id = next(_seq_counter) if seq_id is None else seq_id
@@ -70,6 +72,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params or SamplingParams()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
         self.metrics = SequenceMetrics(self.arrival_time)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None

@@ -73,6 +73,7 @@ def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, 
         config,
         buckets=dataclasses.replace(config.buckets, request_buckets=one_bucket),
         pad_to_shape_buckets=spec.padded or name == "shape-only",
+        scheduler=dataclasses.replace(config.scheduler, scheduling_policy="fcfs"),
     )
     return config, None, [TenantShare("default")]
 

@@ -107,6 +107,12 @@ def test_no_file_is_the_embedded_default() -> None:
     assert not config.tenants.auth_required
 
 
+def test_decode_engines_schedule_by_priority_unless_the_yaml_says_fcfs() -> None:
+    assert ServeConfig.from_dict({}).controller.scheduler.scheduling_policy == "priority"
+    fcfs = ServeConfig.from_dict({"controller": {"decode": {"scheduling_policy": "fcfs"}}})
+    assert fcfs.controller.scheduler.scheduling_policy == "fcfs"
+
+
 HPU_CLUSTER = {"cluster": {"resources": {"HPU": 4}}}
 BROKEN = [
     ({"controller": {"prefill": {"num_workers": 0}}},
@@ -122,6 +128,8 @@ BROKEN = [
      "controller.ray_address", "mode 'local' runs every worker in this process"),
     ({"controller": {"decode": {"enable_chunked_prefill": "yes"}}},
      "controller.decode.enable_chunked_prefill", "must be true or false"),
+    ({"controller": {"decode": {"scheduling_policy": "sjf"}}},
+     "controller.decode.scheduling_policy", "must be one of fcfs, priority, got 'sjf'"),
     ({"controller": {"prefill": {"resources": {"HPU": "one"}}}},
      "controller.prefill.resources", "a mapping of names to numbers"),
     ({"controller": {"shape": "disaggregated", "decode": {"num_workers": 3, "accelerator": "hpu"},

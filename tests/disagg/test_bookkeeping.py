@@ -53,13 +53,14 @@ def test_the_admitted_request_is_one_object_from_the_controller_to_the_workers()
     async def abort(request_id: str) -> bool:
         return False
 
-    request = ServeRequest("r", [1, 2, 3], SamplingParams(max_tokens=4), tenant="t")
+    request = ServeRequest("r", [1, 2, 3], SamplingParams(max_tokens=4), tenant="t", priority=-1)
     state = RequestState(request, RequestStream("r", abort))
     state.output_token_ids.extend([7])
     handoff = state.handoff()
     assert handoff.request is request and handoff.prompt_token_ids is request.prompt_token_ids
     assert (handoff.request_id, handoff.sampling_params) == ("r", request.sampling_params)
     assert handoff.output_token_ids == [7] and handoff.num_tokens == 4
+    assert handoff.priority == -1 and state.handoff(tenant_priority=2).priority == 1
     state.output_token_ids.extend([8])  # a snapshot: later tokens are the next handoff's
     assert handoff.output_token_ids == [7]
     entry = state.bucket_request(max_tokens=3)

@@ -108,6 +108,56 @@ def test_a_burst_that_fits_the_pool_waits_in_no_queue(tiny_model_dir: Path, work
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_a_higher_priority_tenant_overtakes_the_engine_queue(
+    tiny_model_dir: Path, policy: str
+) -> None:
+    """A batch tenant's requests fill the colocated engine's queue (one runs at a time);
+    chat requests (a tenant of higher priority) that arrive then run next under the
+    priority policy, and after every batch request under FCFS."""
+    from bucket_manager.config import TenantConfig
+    from deploy.serve_config import with_tenants
+    from kv_worker.messages import ServeRequest
+    from runtime.sampling_params import SamplingParams
+
+    async def main() -> list[str]:
+        one_at_a_time = SchedulerConfig(max_num_seqs=1, scheduling_policy=policy)
+        config = controller_config(
+            tiny_model_dir, mode="local", shape="colocated", scheduler=one_at_a_time
+        )
+        config = with_tenants(config, [TenantConfig("chat"), TenantConfig("batch", priority=1)])
+        controller = Controller(config)
+        await controller.start()
+        done: list[str] = []
+
+        async def run(request_id: str, tenant: str, max_tokens: int) -> None:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            request = ServeRequest(request_id, [5, 6, 7], params, tenant=tenant)
+            await controller.submit(request).collect()
+            done.append(request_id)
+
+        try:
+            batch = [asyncio.ensure_future(run(f"batch-{i}", "batch", 48)) for i in range(4)]
+            for _ in range(400):  # until all four sit in the engine
+                await asyncio.sleep(0.005)
+                if not len(controller.buckets):
+                    break
+            assert len(controller.buckets) == 0
+            chat = [asyncio.ensure_future(run(f"chat-{i}", "chat", 4)) for i in range(2)]
+            await asyncio.gather(*batch, *chat)
+            stats = await controller.drain(30)
+        finally:
+            await controller.shutdown()
+        assert_drained(stats)
+        return done
+
+    done = asyncio.run(main())
+    if policy == "priority":
+        assert done.index("chat-1") < done.index("batch-2"), done
+    else:
+        assert done[-2:] == ["chat-0", "chat-1"], done
+
+
 def _request(request_id: str, prompt: list[int], params: Any) -> Any:
     from kv_worker.messages import ServeRequest
 

@@ -84,6 +84,20 @@ def test_requests_join_as_soon_as_a_slot_frees(tiny_runner):
     assert fourth.first_scheduled_time < third.finished_time
 
 
+def test_priority_policy_runs_lower_priority_values_first_with_the_same_tokens(tiny_runner):
+    prompts, params = token_prompts(4, seed=3), varied_params(4)
+    llm = LLM(runner=tiny_runner, max_num_seqs=1, scheduling_policy="priority")
+    outs = llm.generate(prompts, params, use_tqdm=False, priority=[2, 0, 1, 0])
+    assert [o.token_ids for o in outs] == reference(tiny_runner, prompts, params)
+    order = sorted(range(4), key=lambda i: outs[i].metrics.first_scheduled_time)
+    assert order == [1, 3, 2, 0]  # priority 0 in arrival order, then 1, then 2
+    with pytest.raises(ValueError, match="4 prompts but 3 priorities"):
+        llm.generate(prompts, params, use_tqdm=False, priority=[0, 1, 2])
+    with pytest.raises(ValueError, match="priority must be an integer, got 'high'"):
+        llm.engine.add_request(prompts[0], GREEDY, priority="high")
+    assert not llm.engine.has_unfinished()
+
+
 def test_token_budget_with_chunked_prefill_gives_the_same_tokens(tiny_runner):
     prompts, params = token_prompts(5, seed=1), varied_params(5)
     engine = LLMEngine.from_kwargs(runner=tiny_runner, max_num_batched_tokens=7)

@@ -104,6 +104,52 @@ def test_preemption_takes_the_newest_and_it_resumes_with_its_tokens():
     assert new.num_output_tokens == 6
 
 
+def prio(name: str, n: int, priority: int, arrival: float, **params) -> Sequence:
+    return Sequence(
+        [10 + i for i in range(n)], SamplingParams(**params), seq_id=name, arrival_time=arrival,
+        priority=priority,
+    )
+
+
+def test_priority_policy_admits_the_lowest_priority_value_first_then_by_arrival():
+    s = make(max_num_seqs=2, scheduling_policy="priority")
+    s.add(prio("batch-early", 3, 1, arrival=1.0, max_tokens=1))
+    s.add(prio("chat-late", 3, 0, arrival=3.0, max_tokens=1))
+    s.add(prio("chat-early", 3, 0, arrival=2.0, max_tokens=1))
+    s.add(prio("urgent", 3, -1, arrival=4.0, max_tokens=1))
+    assert [q.seq_id for q in s.waiting] == ["urgent", "chat-early", "chat-late", "batch-early"]
+    assert run(s) == [("urgent", 3), ("chat-early", 3)]
+    assert run(s) == [("chat-late", 3), ("batch-early", 3)]
+    assert not s.has_unfinished() and s.block_manager.num_free_blocks == 64
+
+
+def test_fcfs_policy_ignores_priority():
+    s = make(max_num_seqs=1)
+    s.add(prio("low", 3, 5, arrival=1.0, max_tokens=1))
+    s.add(prio("high", 3, 0, arrival=2.0, max_tokens=1))
+    assert run(s) == [("low", 3)]
+    assert run(s) == [("high", 3)]
+
+
+def test_priority_policy_preempts_the_lowest_priority_and_requeues_it_by_its_arrival():
+    s = make(num_blocks=4, block_size=4, scheduling_policy="priority")
+    s.add(prio("chat", 4, 0, arrival=2.0, max_tokens=10))
+    s.add(prio("batch", 4, 1, arrival=1.0, max_tokens=10))
+    assert run(s) == [("chat", 4), ("batch", 4)]  # priority first: chat joined first
+    for _ in range(4):
+        assert run(s) == [("chat", 1), ("batch", 1)]
+    assert run(s) == [("chat", 1)]  # both need a 3rd block: the low-priority one goes
+    batch = s.get("batch")
+    assert batch.status == SequenceStatus.WAITING and s.num_preemptions == 1
+    s.add(prio("later", 2, 1, arrival=9.0, max_tokens=1))
+    assert [q.seq_id for q in s.waiting] == ["batch", "later"]  # its arrival keeps its place
+
+
+def test_scheduling_policy_must_be_known():
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
+        SchedulerConfig(scheduling_policy="sjf")
+
+
 def test_the_newest_preempts_itself_when_older_ones_were_scheduled_first():
     s = make(num_blocks=4, block_size=4)
     s.add(seq("old", 7, max_tokens=10))
