@@ -38,3 +38,4 @@ bench-peers: $(STAMP)
 	PYTHON=$(PYTHON) bash benchmarks/peers/setup.sh
 	$(PY) -m benchmarks.peers.offline $(PEERS_ARGS)
 	$(PY) -m benchmarks.peers.served $(SERVED_ARGS)
+	$(PY) -m benchmarks.peers.startup

@@ -84,7 +84,11 @@ class Server:
                 self.proc.wait(30)
 
 
-def start(system: str, model: Path, args: argparse.Namespace) -> Server:
+def start(
+    system: str, model: Path, args: argparse.Namespace, env: dict[str, str] | None = None
+) -> Server:
+    """`system` on a free port with the workload's dtype and limits; `env` over the usual."""
+    env = env or {}
     port = free_port()
     if system == "vllm":
         argv = [
@@ -92,7 +96,7 @@ def start(system: str, model: Path, args: argparse.Namespace) -> Server:
             "--port", str(port), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
             "--max-model-len", str(args.max_model_len), "--no-enable-prefix-caching",
         ]
-        return Server(system, argv, PEER_ENV, port)
+        return Server(system, argv, {**PEER_ENV, **env}, port)
     shape = system.removeprefix("bucketserve-")
     config = Path(tempfile.mkstemp(prefix=f"{system}-", suffix=".yaml")[1])
     config.write_text(
@@ -101,7 +105,7 @@ def start(system: str, model: Path, args: argparse.Namespace) -> Server:
         f"gateway: {{http_port: {port}, grpc_port: {free_port()}}}\n"
     )
     argv = [sys.executable, "-m", "bucketserve.cli", "serve", "--config", str(config)]
-    return Server(system, argv, {}, port)
+    return Server(system, argv, env, port)
 
 
 def bench(server: Server, model: Path, rate: float, args: argparse.Namespace, out: Path) -> dict:

