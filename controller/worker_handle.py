@@ -62,8 +62,11 @@ class WorkerHandle(ABC):
         if self.timeout_s is None or method in _UNTIMED:
             return await self._call(method, *args)
         try:
-            return await asyncio.wait_for(self._call(method, *args), self.timeout_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: wait_for runs the call as a task of its own,
+            # and Python 3.11's can hang when cancelled as that task finishes (shutdown)
+            async with asyncio.timeout(self.timeout_s):
+                return await self._call(method, *args)
+        except TimeoutError:
             raise WorkerHungError(
                 f"{self.name} did not answer {method} within {self.timeout_s:g} s "
                 "(controller.worker_timeout_s); declared hung"

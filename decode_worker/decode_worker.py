@@ -7,7 +7,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from decode_worker.config import DecodeWorkerConfig
 from kv_transfer.kv_format import KVBlockHandle
@@ -23,12 +25,14 @@ from kv_worker.messages import (
     WorkerStats,
     deltas_of,
 )
+from kv_worker.worker_env import pin_cpus
 from runtime.engine import LLMEngine
 from runtime.model_runner import ModelRunnerConfig, Shape
 from runtime.outputs import RequestOutput
 from runtime.sequence import Sequence as Seq
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class WorkerFailedError(RuntimeError):
@@ -45,6 +49,11 @@ class DecodeWorker(KVWorker):
     Pure decode microbatches look up their decode shape bucket `(batch, 1,
     blocks)`, blocks counting the whole batch's KV blocks (the flat block list its
     attention reads, as vllm-gaudi counts them), and pad to it when padding is on.
+
+    That thread also builds the model and runs the warm-up (`_on_loop`): OpenMP keeps
+    one thread pool per thread that starts parallel work, and with a second pool in the
+    process (its workers counted against the cores) libgomp stops spinning between
+    parallel regions, so every op of a step waited for its threads to wake.
     """
 
     role = "decode"
@@ -53,6 +62,26 @@ class DecodeWorker(KVWorker):
         self, config: DecodeWorkerConfig | None = None, transport: KVTransport | None = None
     ) -> None:
         self.config = config = config or DecodeWorkerConfig()
+        pin_cpus(config.cpus)  # before the loop thread starts: it inherits the pinning
+        self._outbox: queue.Queue[StepOutput] = queue.Queue()
+        self._tasks: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._steps = 0
+        self._unbucketed_steps = 0
+        self._failure: str | None = None
+        self._admissions = 0
+        self._step_started: float | None = None  # the running step's start
+        built: Future[None] = Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(transport, built), name=f"{config.name}-loop", daemon=True
+        )
+        self._thread.start()
+        built.result()
+
+    def _build(self, transport: KVTransport | None) -> None:
+        """The model, its pool and the engine, built on the loop thread."""
+        config = self.config
         super().__init__(
             config.name,
             config.engine.runner,
@@ -70,23 +99,28 @@ class DecodeWorker(KVWorker):
         self.block_manager = self.engine.block_manager
         self.leases = LeaseTable(f"{self.name}.{self.boot_id}", self._release_lease)
         self._handles: dict[str, KVBlockHandle] = {}
-        self._outbox: queue.Queue[StepOutput] = queue.Queue()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._steps = 0
-        self._unbucketed_steps = 0
-        self._failure: str | None = None
-        self._admissions = 0
-        self._step_started: float | None = None  # the running step's start
-        self._thread = threading.Thread(target=self._loop, name=f"{self.name}-loop", daemon=True)
-        self._thread.start()
 
     def warmup(self) -> dict:
         """Every decode shape once (when padding; see DecodeWorkerConfig.warmup)."""
         # blocks are the batch's total (vllm-gaudi's meaning): at most a full sequence a row
         limit = self.block_manager.blocks_needed(self.runner.max_model_len)
         buckets = [b for b in self.shapes.decode if b[2] <= b[0] * limit]
-        return self._warmup("decode", self.config.warmup, buckets, lambda b: b)
+        return self._on_loop(
+            lambda: self._warmup("decode", self.config.warmup, buckets, lambda b: b)
+        )
+
+    def _on_loop(self, fn: Callable[[], T]) -> T:
+        """`fn()` run on the loop thread between steps; its result or its exception."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        done: Future[T] = Future()
+        self._tasks.put((fn, done))
+        self._wake.set()
+        while True:
+            try:
+                return done.result(timeout=1.0)
+            except TimeoutError:
+                self._check_alive()
 
     # -- handoff -----------------------------------------------------------------------------
 
@@ -257,9 +291,30 @@ class DecodeWorker(KVWorker):
 
     # -- the loop ----------------------------------------------------------------------------
 
+    def _run(self, transport: KVTransport | None, built: Future[None]) -> None:
+        try:
+            self._build(transport)
+        except BaseException as exc:
+            built.set_exception(exc)
+            return
+        built.set_result(None)
+        self._loop()
+
+    def _run_tasks(self) -> None:
+        while True:
+            try:
+                fn, done = self._tasks.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done.set_result(fn())
+            except BaseException as exc:
+                done.set_exception(exc)
+
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
+                self._run_tasks()
                 with self.engine.lock:
                     expired = self.leases.expire()
                 self._log_expired(expired)

@@ -21,7 +21,7 @@ def test_serve_prints_how_to_call_it_and_drains_on_sigint(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     config = {
-        "gateway": {"grpc_port": 0, "http_port": 0, "drain_timeout_s": 0.5},
+        "gateway": {"grpc_port": 0, "http_port": 0, "drain_timeout_s": 0.05},
         "tenants": [{"name": "alice", "api_keys": ["alice-key"]}],
         "model": {"path": str(tiny_model_dir)},
         "kv_cache": {"block_size": 4, "num_blocks": 256},
