@@ -84,6 +84,18 @@ class Server:
                 self.proc.wait(30)
 
 
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """What `start` reads from the command line: both servers' dtype and limits."""
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+
+
+def require_peer_venv() -> None:
+    if not (PEER_BIN / "vllm").is_file():
+        raise SystemExit(f"no peer venv at {PEER_BIN.parent}; run benchmarks/peers/setup.sh")
+
+
 def start(
     system: str, model: Path, args: argparse.Namespace, env: dict[str, str] | None = None
 ) -> Server:
@@ -176,16 +188,13 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=384)
     parser.add_argument("--range-ratio", type=float, default=0.9)
     parser.add_argument("--output-len", type=int, default=96)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    add_server_args(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft", type=float, default=4.0)
     parser.add_argument("--slo-tpot", type=float, default=0.25)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "peers_served")
     args = parser.parse_args()
-    if not (PEER_BIN / "vllm").is_file():
-        raise SystemExit(f"no peer venv at {PEER_BIN.parent}; run benchmarks/peers/setup.sh")
+    require_peer_venv()
     systems = args.systems.split(",")
     for system in systems:
         if system != "vllm" and system.removeprefix("bucketserve-") not in SHAPES:

@@ -22,7 +22,14 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks.peers.harness import RESULTS_DIR, hardware_line
-from benchmarks.peers.served import PEER_BIN, SERVED_NAME, Server, model_dir, start
+from benchmarks.peers.served import (
+    SERVED_NAME,
+    Server,
+    add_server_args,
+    model_dir,
+    require_peer_venv,
+    start,
+)
 
 
 def first_answer(server: Server, timeout_s: float = 600) -> tuple[float, float]:
@@ -73,13 +80,10 @@ def cache_env(root: Path) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default="bucketserve-colocated,vllm")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    add_server_args(parser)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "peers_startup.json")
     args = parser.parse_args()
-    if not (PEER_BIN / "vllm").is_file():
-        raise SystemExit(f"no peer venv at {PEER_BIN.parent}; run benchmarks/peers/setup.sh")
+    require_peer_venv()
     model = model_dir()
     rows = []
     for system in args.systems.split(","):
