@@ -121,6 +121,8 @@ class DecodeWorker(KVWorker):
                 return done.result(timeout=1.0)
             except TimeoutError:
                 self._check_alive()
+                if not self._thread.is_alive():
+                    raise WorkerFailedError(f"{self.name}: the loop has stopped") from None
 
     # -- handoff -----------------------------------------------------------------------------
 
