@@ -203,8 +203,7 @@ class Dispatcher:
 
     def _handoff_of(self, state: RequestState) -> HandoffRequest:
         """`state` as a decode worker's engine takes it, ranked by its tenant's priority."""
-        tenant = self.buckets.tenants.get(state.request.tenant)
-        return state.handoff(tenant.config.priority if tenant else 0)
+        return state.handoff(self.buckets.tenants[state.request.tenant].config.priority)
 
     # -- colocated: one call -----------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -86,13 +87,11 @@ class ServeConfig:
         max_len = values.get("buckets.max_len")  # L_max
         built = {
             t: _construct(schema, t)
-            for t in ("request_buckets", "prefill_placement", "decode_placement", "gateway",
-                      "batching")
+            for t in ("request_buckets", "scheduler", "prefill_placement", "decode_placement",
+                      "gateway", "batching")
         }
-        built["scheduler"] = _construct(schema, "scheduler", _service_scheduling(schema))
         built["runner"] = _construct(schema, "runner", _runner_len(schema, max_len))
-        nested = {k: built[k] for k in ("runner", "scheduler", "prefill_placement",
-                                        "decode_placement")}
+        nested = {k: built[k] for k in _CONTROLLER_SECTIONS}
         controller = _construct(schema, "controller", nested)
         config = cls(
             source=source,
@@ -279,12 +278,20 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 # -- builders -----------------------------------------------------------------------------------
 
 
+_CONTROLLER_SECTIONS = ("runner", "scheduler", "prefill_placement", "decode_placement")
+
+
 def _construct(schema: ServeConfigSchema, target: str, extra: dict[str, Any] | None = None) -> Any:
-    """TARGETS[target] from its keys' values; a ValueError from the config's own validation
-    is pinned to the key whose value alone fails it, else to the section."""
+    """TARGETS[target] from its keys' values over its defaults: a section of the controller
+    starts from ControllerConfig's (its decode engines schedule by priority, the offline
+    engine's SchedulerConfig by FCFS). A ValueError from the config's own validation is
+    pinned to the key whose value alone fails it, else to the section."""
     cls, kwargs = TARGETS[target], schema.kwargs(target)
+    make = cls
+    if target in _CONTROLLER_SECTIONS:
+        make = functools.partial(dataclasses.replace, getattr(ControllerConfig(), target))
     try:
-        return cls(**kwargs, **(extra or {}))
+        return make(**kwargs, **(extra or {}))
     except (ValueError, TypeError) as exc:
         for path in schema.paths(target):
             name = FIELDS[path][1]
@@ -309,14 +316,6 @@ def _common_prefix(paths: list[str]) -> str:
         while other[: len(common)] != common:
             common = common[:-1]
     return ".".join(common)
-
-
-def _service_scheduling(schema: ServeConfigSchema) -> dict[str, Any]:
-    """The decode engines' scheduling policy where the YAML gives none: the service's
-    (ControllerConfig's), not the offline engine's FCFS."""
-    if "controller.decode.scheduling_policy" in schema.values:
-        return {}
-    return {"scheduling_policy": ControllerConfig().scheduler.scheduling_policy}
 
 
 def _runner_len(schema: ServeConfigSchema, max_len: int | None) -> dict[str, Any]:

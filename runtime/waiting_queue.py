@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections.abc import Iterator
 
 from runtime.sequence import Sequence
@@ -23,8 +22,6 @@ class WaitingQueue:
     def __init__(self, policy: str = "fcfs") -> None:
         self.policy = policy
         self._seqs: list[Sequence] = []
-        self._keys: list[tuple[int, float, int]] = []  # priority policy: sorted, like _seqs
-        self._order = itertools.count()
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -42,32 +39,25 @@ class WaitingQueue:
         return self._seqs[0]
 
     def pop(self) -> Sequence:
-        if self.policy == "priority":
-            self._keys.pop(0)
         return self._seqs.pop(0)
 
     def push(self, seq: Sequence) -> None:
         """A new arrival."""
         if self.policy == "priority":
-            self._insert(seq)
+            bisect.insort(self._seqs, seq, key=_rank)  # after its equals: ties stay FCFS
         else:
             self._seqs.append(seq)
 
     def push_front(self, seq: Sequence) -> None:
         """A sequence put back."""
         if self.policy == "priority":
-            self._insert(seq)
+            bisect.insort(self._seqs, seq, key=_rank)
         else:
             self._seqs.insert(0, seq)
 
     def remove(self, seq: Sequence) -> None:
-        i = self._seqs.index(seq)
-        del self._seqs[i]
-        if self.policy == "priority":
-            del self._keys[i]
+        self._seqs.remove(seq)
 
-    def _insert(self, seq: Sequence) -> None:
-        key = (seq.priority, seq.arrival_time, next(self._order))
-        i = bisect.bisect(self._keys, key)
-        self._keys.insert(i, key)
-        self._seqs.insert(i, seq)
+
+def _rank(seq: Sequence) -> tuple[int, float]:
+    return seq.priority, seq.arrival_time
