@@ -202,8 +202,9 @@ class Dispatcher:
         return states
 
     def _handoff_of(self, state: RequestState) -> HandoffRequest:
-        """`state` as a decode worker's engine takes it, ranked by its tenant's priority."""
-        return state.handoff(self.buckets.tenants[state.request.tenant].config.priority)
+        """`state` as a decode worker's engine takes it: ranked by its tenant's priority,
+        due by its (or its tenant's) TTFT target."""
+        return state.handoff(self.buckets.tenants[state.request.tenant].config)
 
     # -- colocated: one call -----------------------------------------------------------------
 

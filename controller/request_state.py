@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+from bucket_manager.config import TenantConfig
 from bucket_manager.request import BucketRequest
 from controller.request_stream import RequestStream
 from kv_worker.messages import HandoffRequest, RequestTimings, ServeRequest, StreamDelta, TokenDelta
@@ -67,12 +68,17 @@ class RequestState:
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.output_token_ids)
 
-    def handoff(self, tenant_priority: int = 0) -> HandoffRequest:
-        """The request as the workers get it: itself, a snapshot of the tokens so far, and
-        its engine priority (its tenant's plus its own)."""
-        return HandoffRequest(
-            self.request, list(self.output_token_ids), tenant_priority + self.request.priority
-        )
+    def handoff(self, tenant: TenantConfig | None = None) -> HandoffRequest:
+        """The request as the workers get it: itself, a snapshot of the tokens so far, its
+        engine priority (its tenant's plus its own) and the time left to its TTFT target
+        (its own, else its tenant's)."""
+        r = self.request
+        target = r.slo_ttft_s or (tenant.ttft_slo_s if tenant else None)
+        left = None
+        if target is not None and not self.output_token_ids:
+            left = target - (time.monotonic() - r.arrival_time)
+        priority = (tenant.priority if tenant else 0) + r.priority
+        return HandoffRequest(r, list(self.output_token_ids), priority, left)
 
     def bucket_request(self, max_tokens: int) -> BucketRequest:
         """What the bucket manager queues: this state (as the payload) under the request's

@@ -207,7 +207,9 @@ class DecodeWorker(KVWorker):
         (prompt and any tokens streamed before a re-queue) within its decode steps."""
         self._check_alive()
         result = AdmitResult(admitted=[])
+        now = time.monotonic()
         for request in requests:
+            left = request.ttft_left_s
             params = request.sampling_params
             if params.stop:  # stop strings are the controller's output processor's
                 params = dataclasses.replace(params, stop=[])
@@ -218,6 +220,7 @@ class DecodeWorker(KVWorker):
                     request.request_id,
                     output_token_ids=request.output_token_ids,
                     priority=request.priority,
+                    ttft_deadline=None if left is None else now + left,
                 )
             except ValueError as exc:
                 result.rejected[request.request_id] = str(exc)

@@ -4,23 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from bucket_manager.config import TenantConfig
+from bucket_manager.config import DEFAULT_TENANT, TenantConfig, default_tenant
 from gateway.errors import AuthenticationError
 from gateway.tenant_quota import TenantQuota
 from gateway.tenant_spec import TenantSpec, hash_api_key
 
-DEFAULT_TENANT = "default"
-
 
 class TenantRegistry:
     """With no tenants every request belongs to the online FCFS tenant `default` and needs
-    no key (vLLM without --api-key); otherwise each request must carry a tenant's key."""
+    no key (vLLM without --api-key); a lone tenant named `default` without keys sets that
+    tenant's targets and limits and keeps the service open. Otherwise each request must
+    carry a tenant's key."""
 
     def __init__(self, specs: list[TenantSpec] | tuple[TenantSpec, ...] = ()) -> None:
-        specs = list(specs)
-        self.auth_required = bool(specs)
-        if not specs:
-            specs = [TenantSpec(TenantConfig(DEFAULT_TENANT))]
+        specs = list(specs) or [TenantSpec(default_tenant())]
+        open_default = (
+            len(specs) == 1 and specs[0].name == DEFAULT_TENANT and not specs[0].api_key_hashes
+        )
+        self.auth_required = not open_default
         self.specs = {s.name: s for s in specs}
         if len(self.specs) != len(specs):
             names = [s.name for s in specs]

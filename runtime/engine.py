@@ -117,10 +117,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         output_token_ids: list[int] | tuple[int, ...] = (),
         priority: int = 0,
+        ttft_deadline: float | None = None,
     ) -> str:
         """Queue a prompt (text, or token ids shown as `prompt_text`); returns its request id.
         Raises ValueError, admitting nothing, if the request is malformed or can never fit.
-        `priority`: lower runs first under `scheduling_policy="priority"`.
+        `priority`: lower runs first under `scheduling_policy="priority"`. `ttft_deadline`
+        (`time.monotonic()`): when its first token is due; once that passes, it waits
+        behind the requests of its priority that can still meet theirs.
 
         `output_token_ids`: tokens it generated before (a request resumed elsewhere); they
         are prefilled with the prompt, count towards max_tokens, and its first output holds
@@ -129,6 +132,13 @@ class LLMEngine:
             request = self._prepare(
                 prompt, sampling_params, request_id, prompt_text, arrival_time, priority
             )
+            if ttft_deadline is not None:
+                if isinstance(ttft_deadline, bool) or not isinstance(ttft_deadline, (int, float)):
+                    raise ValueError(
+                        f"ttft_deadline must be a time.monotonic() value, got {ttft_deadline!r}"
+                    )
+                for sample in request.samples:
+                    sample.seq.ttft_deadline = float(ttft_deadline)
             if output_token_ids:
                 if len(request.samples) > 1:
                     raise ValueError("a request resumed with its outputs has one sample (n=1)")

@@ -54,7 +54,8 @@ class Scheduler:
 
     A step schedules running sequences first (one decode token each, or the
     next chunk of a prompt), then admits waiting ones in queue order while the
-    running limit, the token budget and the free blocks allow. A sequence in
+    running limit, the token budget and the free blocks allow (a waiting sequence past its
+    TTFT deadline goes after those of its priority still on time). A sequence in
     an in-flight microbatch is never scheduled again until `update` has seen
     that microbatch. When a sequence needs a block and none is free, the
     newest running sequence (under the priority policy: of the lowest priority)
@@ -298,7 +299,7 @@ class Scheduler:
             and len(out) < max_seqs
             and len(self.running) < self.config.max_num_seqs
         ):
-            seq = self.waiting.peek()
+            seq = self.waiting.peek(now)
             n = seq.num_uncomputed_tokens
             if n > budget:
                 if not self.config.enable_chunked_prefill:
@@ -313,7 +314,7 @@ class Scheduler:
                 if bm.blocks_needed(len(seq)) + reserve > bm.num_free_blocks:
                     return
                 bm.allocate(seq)
-            self.waiting.pop()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._schedule(out, seq, n, scheduled, now)

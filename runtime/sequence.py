@@ -62,9 +62,11 @@ class Sequence:
         arrival_time: float | None = None,
         output_token_ids: Iterable[int] = (),
         priority: int = 0,
+        ttft_deadline: float | None = None,
     ) -> None:
         """`output_token_ids`: tokens generated before, for a request that resumes elsewhere;
-        `priority`: lower is scheduled first under the priority policy."""
+        `priority`: lower is scheduled first under the priority policy; `ttft_deadline`:
+        when (`time.monotonic()`) its first token is due, if it has a TTFT target."""
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.seq_id = next(_seq_counter) if seq_id is None else seq_id
@@ -73,6 +75,7 @@ class Sequence:
         self.sampling_params = sampling_params or SamplingParams()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
+        self.ttft_deadline = ttft_deadline
         self.metrics = SequenceMetrics(self.arrival_time)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
@@ -95,6 +98,11 @@ class Sequence:
             f"Sequence(id={self.seq_id}, prompt={self.num_prompt_tokens}, "
             f"output={self.num_output_tokens}, status={self.status.name})"
         )
+
+    def is_late(self, now: float) -> bool:
+        """Its first token was due before `now` and it has none yet."""
+        deadline = self.ttft_deadline
+        return deadline is not None and now > deadline and not self.num_output_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -17,6 +17,12 @@ class WaitingQueue:
     computed the prompt) goes to the front. `priority` (vLLM's `scheduling_policy`):
     lowest `Sequence.priority` first, then earliest arrival; a sequence put back keeps its
     place by that key, so it still goes before later arrivals of its priority.
+
+    Under either policy a sequence whose TTFT deadline has passed (`Sequence.is_late`)
+    yields to every sequence of its priority that can still meet its own: once a queue
+    forms, serving the late one first would only make the on-time ones late too, so a
+    burst past capacity costs the SLO of the requests it overflows, not of every request
+    behind it. Without deadlines (the offline engine) the order is the policy's alone.
     """
 
     def __init__(self, policy: str = "fcfs") -> None:
@@ -35,11 +41,16 @@ class WaitingQueue:
     def __reversed__(self) -> Iterator[Sequence]:
         return reversed(self._seqs)
 
-    def peek(self) -> Sequence:
-        return self._seqs[0]
-
-    def pop(self) -> Sequence:
-        return self._seqs.pop(0)
+    def peek(self, now: float) -> Sequence:
+        """The sequence to start next at time `now` (monotonic): the first in queue order
+        that is not late among those of the front's priority; the front if all are late."""
+        front = self._seqs[0]
+        for seq in self._seqs:
+            if seq.priority != front.priority and self.policy == "priority":
+                break
+            if not seq.is_late(now):
+                return seq
+        return front
 
     def push(self, seq: Sequence) -> None:
         """A new arrival."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -45,6 +46,7 @@ def test_worker_messages_carry_token_ids_and_no_text() -> None:
 def test_the_admitted_request_is_one_object_from_the_controller_to_the_workers() -> None:
     """Nothing after admission copies a ServeRequest's fields: the controller's state holds
     it, the bucket manager's entry carries that state, a HandoffRequest carries it."""
+    from bucket_manager.config import TenantConfig
     from controller.request_state import RequestState
     from controller.request_stream import RequestStream
     from kv_worker.messages import ServeRequest
@@ -60,8 +62,21 @@ def test_the_admitted_request_is_one_object_from_the_controller_to_the_workers()
     assert handoff.request is request and handoff.prompt_token_ids is request.prompt_token_ids
     assert (handoff.request_id, handoff.sampling_params) == ("r", request.sampling_params)
     assert handoff.output_token_ids == [7] and handoff.num_tokens == 4
-    assert handoff.priority == -1 and state.handoff(tenant_priority=2).priority == 1
+    assert handoff.priority == -1 and state.handoff(TenantConfig("t", priority=2)).priority == 1
+    assert handoff.ttft_left_s is None  # it has streamed a token: its TTFT is behind it
     state.output_token_ids.extend([8])  # a snapshot: later tokens are the next handoff's
+    assert handoff.output_token_ids == [7]
+    fresh = RequestState(
+        ServeRequest("f", [1], SamplingParams(), arrival_time=time.monotonic() - 1.0),
+        RequestStream("f", abort),
+    )
+    left = fresh.handoff(TenantConfig("t", ttft_slo_s=4.0)).ttft_left_s
+    assert 2.0 < left < 3.0  # its tenant's 4 s target, less the second it has waited
+    fresh.request.slo_ttft_s = 10.0  # the request's own target wins
+    assert 8.0 < fresh.handoff(TenantConfig("t", ttft_slo_s=4.0)).ttft_left_s < 9.0
+    assert fresh.handoff(TenantConfig("t")).ttft_left_s < 9.0
+    fresh.request.slo_ttft_s = None
+    assert fresh.handoff(TenantConfig("t")).ttft_left_s is None  # no target at all
     assert handoff.output_token_ids == [7]
     entry = state.bucket_request(max_tokens=3)
     assert entry.payload is state

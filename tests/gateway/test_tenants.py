@@ -84,7 +84,23 @@ def test_open_registry_is_default_tenant_without_keys() -> None:
         spec = registry.authenticate(None)
         assert spec.name == "default"
         assert registry.authenticate("anything").name == "default"
-        assert registry.bucket_configs() == (TenantConfig("default"),)
+        assert registry.bucket_configs() == (
+            TenantConfig("default", ttft_slo_s=4.0, tpot_slo_s=0.25),
+        )
+
+
+def test_a_lone_default_tenant_without_keys_sets_its_targets_and_stays_open() -> None:
+    registry = TenantRegistry.from_dict({"default": {"ttft_slo_s": 1.5, "max_wait_s": None}})
+    assert not registry.auth_required
+    assert registry.authenticate(None).config == TenantConfig(
+        "default", ttft_slo_s=1.5, max_wait_s=None
+    )
+    keyed = TenantRegistry.from_dict([{"name": "default", "api_keys": ["k"]}])
+    assert keyed.auth_required  # with a key it guards the service as any tenant does
+    with pytest.raises(AuthenticationError):
+        keyed.authenticate(None)
+    with pytest.raises(ValueError, match="tenant 'default' has no api_keys"):
+        TenantRegistry.from_dict([{"name": "default"}, {"name": "x"}])
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 
@@ -96,6 +97,24 @@ def test_priority_policy_runs_lower_priority_values_first_with_the_same_tokens(t
     with pytest.raises(ValueError, match="priority must be an integer, got 'high'"):
         llm.engine.add_request(prompts[0], GREEDY, priority="high")
     assert not llm.engine.has_unfinished()
+
+
+def test_a_request_past_its_ttft_deadline_yields_with_the_same_tokens(tiny_runner):
+    prompts, params = token_prompts(3, seed=4), varied_params(3)
+    engine = LLMEngine.from_kwargs(runner=tiny_runner, max_num_seqs=1)
+    now = time.monotonic()
+    ids = [
+        engine.add_request(prompts[0], params[0], ttft_deadline=now - 1.0),  # already late
+        engine.add_request(prompts[1], params[1], ttft_deadline=now + 600.0),
+        engine.add_request(prompts[2], params[2]),  # no target: never late
+    ]
+    streams = drain(engine)
+    assert [streams[i][-1].token_ids for i in ids] == reference(tiny_runner, prompts, params)
+    started = [streams[i][-1].metrics.first_scheduled_time for i in ids]
+    assert started[1] < started[2] < started[0]
+    with pytest.raises(ValueError, match=r"ttft_deadline must be a time\.monotonic"):
+        engine.add_request(prompts[0], GREEDY, ttft_deadline="soon")
+    assert not engine.has_unfinished()
 
 
 def test_token_budget_with_chunked_prefill_gives_the_same_tokens(tiny_runner):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from runtime.block_manager import BlockManager
@@ -143,6 +145,45 @@ def test_priority_policy_preempts_the_lowest_priority_and_requeues_it_by_its_arr
     assert batch.status == SequenceStatus.WAITING and s.num_preemptions == 1
     s.add(prio("later", 2, 1, arrival=9.0, max_tokens=1))
     assert [q.seq_id for q in s.waiting] == ["batch", "later"]  # its arrival keeps its place
+
+
+def due(name: str, deadline: float | None, priority: int = 0) -> Sequence:
+    seq = prio(name, 3, priority, arrival=0.0, max_tokens=2)
+    seq.ttft_deadline = deadline
+    return seq
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_request_past_its_ttft_deadline_waits_behind_those_still_on_time(policy):
+    """The first in line is late; the two behind it can still make their first token's
+    deadline, so they start first, and the late one runs as soon as room allows."""
+    now = time.monotonic()
+    s = make(max_num_seqs=1, scheduling_policy=policy)
+    for q in (due("late", now - 1), due("on-time", now + 60), due("no-target", None)):
+        s.add(q)
+    assert not s.get("on-time").is_late(now) and s.get("late").is_late(now)
+    assert run(s) == [("on-time", 3)]
+    assert run(s) == [("on-time", 1)]
+    assert run(s) == [("no-target", 3)]
+    assert run(s) == [("no-target", 1)]
+    assert run(s) == [("late", 3)]
+
+
+def test_only_late_requests_keep_their_order_and_priority_still_comes_first():
+    now = time.monotonic()
+    s = make(max_num_seqs=1, scheduling_policy="priority")
+    for q in (due("late-a", now - 1), due("late-b", now - 2), due("batch", now + 60, 1)):
+        s.add(q)
+    order = [run(s)[0][0] for _ in range(6)]
+    # all of priority 0 are late: arrival order; the on-time one of priority 1 still waits
+    assert order == ["late-a", "late-a", "late-b", "late-b", "batch", "batch"]
+
+
+def test_a_preempted_request_past_its_deadline_is_not_late_once_it_has_a_token():
+    seq = due("r", time.monotonic() - 1)
+    assert seq.is_late(time.monotonic())
+    seq.append_token(7)
+    assert not seq.is_late(time.monotonic())
 
 
 def test_scheduling_policy_must_be_known():
