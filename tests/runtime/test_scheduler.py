@@ -179,7 +179,7 @@ def test_only_late_requests_keep_their_order_and_priority_still_comes_first():
     assert order == ["late-a", "late-a", "late-b", "late-b", "batch", "batch"]
 
 
-def test_a_preempted_request_past_its_deadline_is_not_late_once_it_has_a_token():
+def test_a_request_past_its_deadline_is_not_late_once_it_has_a_token():
     seq = due("r", time.monotonic() - 1)
     assert seq.is_late(time.monotonic())
     seq.append_token(7)
