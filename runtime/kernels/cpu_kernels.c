@@ -58,6 +58,18 @@ static inline __attribute__((always_inline)) vf16 vload_as(const void *p, int64_
     return (vf16)u;
 }
 
+// VL floats to p + i as float32 or bfloat16 (each rounded as `store` rounds it).
+static inline __attribute__((always_inline)) void vstore_as(void *p, int64_t i, vf16 f, int bf16) {
+    if (!bf16) {
+        vstore((float *)p + i, f);
+        return;
+    }
+    const vu16 u = (vu16)f;
+    const vu16 nan = (vu16)((u & 0x7fffffffu) > 0x7f800000u);
+    const vu16 r = ((u + 0x7fffu + ((u >> 16) & 1u)) & ~nan) | ((u | 0x400000u) & nan);
+    *(vh16 *)((uint16_t *)p + i) = __builtin_convertvector(r >> 16, vh16);
+}
+
 static inline __attribute__((always_inline)) float hsum(vf16 v) {
 #if defined(__AVX512F__)
     return _mm512_reduce_add_ps((__m512)v);
@@ -514,6 +526,18 @@ static void rms_norm(const void *x, const void *weight, void *out, int tokens, i
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int t = 0; t < tokens; t++) {
         const int64_t base = (int64_t)t * size;
+        if (size % VL == 0) {  // every hidden size in practice: whole vectors, no tail
+            vf16 acc = {0};
+            for (int i = 0; i < size; i += VL) {
+                const vf16 v = vload_as(x, base + i, bf16);
+                acc += v * v;
+            }
+            const float inv = 1.0f / sqrtf(hsum(acc) / size + eps);
+            for (int i = 0; i < size; i += VL)
+                vstore_as(out, base + i,
+                          vload_as(x, base + i, bf16) * inv * vload_as(weight, i, bf16), bf16);
+            continue;
+        }
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int i = 0; i < size; i++) {

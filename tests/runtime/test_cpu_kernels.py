@@ -134,14 +134,18 @@ def test_rope_in_place_matches_the_torch_ops(dtype: torch.dtype) -> None:
     assert torch.equal(qkv[:, 3 * 32 :], v_before)  # v untouched
 
 
+@pytest.mark.parametrize("size", [576, 100])  # whole vectors, and the scalar path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_matches_torch(dtype: torch.dtype) -> None:
-    x = (torch.randn(5, 576) * 3).to(dtype)
-    weight = torch.randn(576).to(dtype)
-    want = torch.nn.functional.rms_norm(x, (576,), weight, 1e-5)
+def test_rms_norm_matches_torch(dtype: torch.dtype, size: int) -> None:
+    x = (torch.randn(5, size) * 3).to(dtype)
+    weight = torch.randn(size).to(dtype)
+    want = torch.nn.functional.rms_norm(x, (size,), weight, 1e-5)
+    got = kernel.rms_norm(x, weight, 1e-5)
+    if dtype == torch.bfloat16:  # rounded to nearest even from the same float32 values
+        exact = torch.nn.functional.rms_norm(x.float(), (size,), weight.float(), 1e-5)
+        assert (got.float() - exact.to(dtype).float()).abs().max() <= exact.abs().max() / 128
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(kernel.rms_norm(x, weight, 1e-5).float(), want.float(),
-                               atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_steps_with_prompt_chunks_take_the_varlen_kernel_and_decode_steps_the_decode_one() -> None:
