@@ -75,6 +75,11 @@ def register(subparsers: Any) -> None:
     cmp.add_argument("--padded", action="store_true",
                      help="every system pads its batches to the shape buckets, as HPU and CUDA "
                      "graphs do (on the CPU nothing is padded by default)")
+    cmp.add_argument("--execution", choices=("auto", "eager", "graphs"), default="auto",
+                     help="the started services' execution mode: graphs compiles one graph per "
+                     "shape bucket at warm-up (and so pads, like --padded); auto is eager on CPU")
+    cmp.add_argument("--shape", choices=("colocated", "disaggregated"),
+                     help="the started services' deployment shape (default: the service's)")
     cmp.add_argument("--aggregate", type=Path, nargs="+", metavar="JSON",
                      help="print the medians of earlier --compare results and exit")
     p.set_defaults(func=run)
@@ -159,8 +164,9 @@ def _compare(args: argparse.Namespace, config: Any) -> int:
     from benchmarks.loadgen.report import compare_table
 
     spec = ServiceSpec(model=args.serve_model, max_model_len=args.max_model_len,
-                       num_kv_blocks=args.num_kv_blocks, padded=args.padded)
-    names = args.systems or ("bucketserve,fcfs" if args.padded else "bucketserve,fcfs,shape-only")
+                       num_kv_blocks=args.num_kv_blocks, padded=args.padded,
+                       execution=args.execution, shape=args.shape)
+    names = args.systems or ("bucketserve,fcfs" if spec.pads else "bucketserve,fcfs,shape-only")
     systems = tuple(s.strip() for s in names.split(",") if s.strip())
     comparison = Comparison(config, spec, systems)
     result = comparison.run()

@@ -172,6 +172,7 @@ class WorkerPool:
             admit_delay_s=c.admit_delay_s,
             admit_delay_count=c.admit_delay_count,
             stall_timeout_s=c.worker_timeout_s,
+            prefills=c.colocated,
         )
 
     def _shared(self, role: str, index: int) -> dict[str, Any]:

@@ -18,6 +18,8 @@ class DecodeWorkerConfig(WorkerConfig):
     acknowledgements that come too late (the first `admit_delay_count` of
     them; 0 means every one). A step running longer than `stall_timeout_s`
     makes every later call fail: the worker is hung and gets restarted.
+    `prefills`: the colocated shape, where this worker's engine also prefills, so in
+    graphs mode its warm-up compiles the prompt buckets too.
     """
 
     name: str = "decode-0"
@@ -25,6 +27,7 @@ class DecodeWorkerConfig(WorkerConfig):
     admit_delay_s: float = 0.0
     admit_delay_count: int = 0
     stall_timeout_s: float | None = None
+    prefills: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -101,13 +101,19 @@ class DecodeWorker(KVWorker):
         self._handles: dict[str, KVBlockHandle] = {}
 
     def warmup(self) -> dict:
-        """Every decode shape once (when padding; see DecodeWorkerConfig.warmup)."""
+        """Every decode shape once (when padding; see DecodeWorkerConfig.warmup), and in
+        graphs mode every prompt shape too when this worker prefills (colocated)."""
         # blocks are the batch's total (vllm-gaudi's meaning): at most a full sequence a row
         limit = self.block_manager.blocks_needed(self.runner.max_model_len)
         buckets = [b for b in self.shapes.decode if b[2] <= b[0] * limit]
-        return self._on_loop(
-            lambda: self._warmup("decode", self.config.warmup, buckets, lambda b: b)
-        )
+        mode = self.config.warmup
+
+        def warm() -> dict:
+            if self.config.prefills and self.runner.graphs is not None:
+                self._warmup("prompt", mode, self.shapes.prompt, self.prompt_shape)
+            return self._warmup("decode", mode, buckets, lambda b: b)
+
+        return self._on_loop(warm)
 
     def _on_loop(self, fn: Callable[[], T]) -> T:
         """`fn()` run on the loop thread between steps; its result or its exception."""

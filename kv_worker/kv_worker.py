@@ -25,6 +25,7 @@ from kv_worker.worker_env import (
     resolve_padding,
     warmup_selection,
 )
+from runtime.block_manager import BlockManager
 from runtime.model_runner import ModelRunnerConfig, Shape
 from runtime.pipeline.pipeline_runner import PipelineRunner
 from runtime.pipeline.stage_clock import StageSpan
@@ -37,6 +38,7 @@ class KVWorker:
     buckets and whether steps pad to them, and the KV transport."""
 
     role = "worker"
+    block_manager: BlockManager  # each role's pool bookkeeping, built by the subclass
 
     def __init__(
         self,
@@ -125,6 +127,14 @@ class KVWorker:
     def ping(self) -> str:
         return self.boot_id
 
+    def prompt_shape(self, bucket: Shape) -> Shape:
+        """A prompt bucket (batch, query, context blocks) as the runner's (batch, query,
+        block-table width): the query's own blocks come on top of the context. A query of
+        one token is a decode shape to the runner, its blocks the batch's total."""
+        bs, query, ctx = bucket
+        width = ctx + self.block_manager.blocks_needed(query)
+        return (bs, query, bs * width if query == 1 else width)  # query 1: a decode shape
+
     def _warmup(
         self,
         kind: str,
@@ -148,7 +158,7 @@ class KVWorker:
                 "%s: [warm-up][%s][%d/%d] %s as %s in %.2f s (%s)",
                 self.name, kind, i, len(chosen), bucket, shape, seconds, execution,
             )  # fmt: skip
-        self.warmup_s = time.perf_counter() - start
+        self.warmup_s += time.perf_counter() - start
         if self.runner.graphs is not None:
             self.graph_compile_s = self.runner.graphs.stats.total_compile_s
         logger.info(

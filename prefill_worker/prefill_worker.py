@@ -69,15 +69,7 @@ class PrefillWorker(KVWorker):
 
     def warmup(self) -> dict:
         """Every prompt shape once (when padding; see PrefillWorkerConfig.warmup)."""
-        return self._warmup("prompt", self.config.warmup, self.shapes.prompt, self.runner_shape)
-
-    def runner_shape(self, bucket: tuple[int, int, int]) -> tuple[int, int, int]:
-        """A prompt bucket (batch, query, context blocks) as the runner's (batch, query,
-        block-table width): the query's own blocks come on top of the context. A query of
-        one token is a decode shape to the runner, its blocks the batch's total."""
-        bs, query, ctx = bucket
-        width = ctx + self.block_manager.blocks_needed(query)
-        return (bs, query, bs * width if query == 1 else width)  # query 1: a decode shape
+        return self._warmup("prompt", self.config.warmup, self.shapes.prompt, self.prompt_shape)
 
     # -- serving -----------------------------------------------------------------------------
 
@@ -233,7 +225,7 @@ class PrefillWorker(KVWorker):
     def _pad_to(self, task: PrefillTask, seqs: list[Sequence]) -> tuple[int, int, int] | None:
         if not self.padding or task.graph_miss:
             return None
-        shape = self.runner_shape(task.shape)
+        shape = self.prompt_shape(task.shape)
         if shape[0] < len(seqs) or shape[1] < max(len(s) for s in seqs):
             raise ValueError(f"batch {task.batch_id} does not fit its shape bucket {task.shape}")
         return shape

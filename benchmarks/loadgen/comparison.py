@@ -8,7 +8,9 @@
 
 `ServiceSpec.padded` pads every system's batches to the shape buckets, as HPU and CUDA graphs
 do: it measures on the CPU the padding that request buckets save on that hardware (then
-`shape-only` is `fcfs`, so it is refused).
+`shape-only` is `fcfs`, so it is refused). `ServiceSpec.execution="graphs"` runs every system
+on compiled graphs, one per shape bucket, all compiled at warm-up: padding is then what the
+graphs impose, not a setting, and `shape-only` is refused the same way.
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ class ServiceSpec:
     num_kv_blocks: int | None = None
     mode: str = "local"
     padded: bool = False
+    execution: str = "auto"
+    shape: str | None = None  # the controller's default unless set
+
+    @property
+    def pads(self) -> bool:
+        """Every system pads to the shape buckets: asked for, or graphs need it."""
+        return self.padded or self.execution == "graphs"
 
 
 def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, list[TenantShare]]:
@@ -55,11 +64,14 @@ def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, 
 
     runner = ModelRunnerConfig(
         model=spec.model, block_size=spec.block_size, num_kv_blocks=spec.num_kv_blocks,
-        max_model_len=spec.max_model_len,
+        max_model_len=spec.max_model_len, execution=spec.execution,
     )
-    padding = True if spec.padded else "auto"
+    padding = True if spec.pads else "auto"
+    # graphs: every bucket compiled before serving; eager: one shape is enough
+    warmup = "all" if spec.execution == "graphs" else "smallest"
+    shape = {} if spec.shape is None else {"shape": spec.shape}
     base = ControllerConfig(
-        runner=runner, mode=spec.mode, warmup="smallest", pad_to_shape_buckets=padding
+        runner=runner, mode=spec.mode, warmup=warmup, pad_to_shape_buckets=padding, **shape
     )
     if name == "bucketserve":
         config = with_tenants(base, TenantRegistry.from_dict(TENANTS).bucket_configs())
@@ -72,7 +84,7 @@ def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, 
     config = dataclasses.replace(
         config,
         buckets=dataclasses.replace(config.buckets, request_buckets=one_bucket),
-        pad_to_shape_buckets=spec.padded or name == "shape-only",
+        pad_to_shape_buckets=spec.pads or name == "shape-only",
         scheduler=dataclasses.replace(config.scheduler, scheduling_policy="fcfs"),
     )
     return config, None, [TenantShare("default")]
@@ -89,8 +101,9 @@ class Comparison:
         bad = [s for s in systems if s not in SYSTEMS]
         if bad:
             raise ValueError(f"unknown systems {bad}; choose from {SYSTEMS}")
-        if spec.padded and "shape-only" in systems:
-            raise ValueError("with --padded every system pads to the shape buckets, so "
+        if spec.pads and "shape-only" in systems:
+            why = "--padded" if spec.padded else "--execution graphs"
+            raise ValueError(f"with {why} every system pads to the shape buckets, so "
                              "shape-only is fcfs: leave it out of --systems")
         if not bench.rates:
             raise ValueError("the comparison sweeps request rates: give --rates")

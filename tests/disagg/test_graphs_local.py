@@ -64,3 +64,37 @@ def test_graphs_mode_1p1d_matches_the_engine(
     asyncio.run(main())
     assert "prefill-0: [warm-up][prompt][3/3]" in caplog.text
     assert "decode-0: warmed 8 of 8 decode shapes" in caplog.text
+
+
+@pytest.mark.slow
+def test_colocated_graphs_mode_compiles_prompt_and_decode_buckets_at_warmup(
+    tiny_model_dir: Path, work: list, reference: list, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The colocated worker prefills too, so its warm-up compiles the prompt buckets beside
+    the decode ones; its engine then serves the burst (all 16 prompts in one step: up to 8
+    rows of one query level) without compiling anything."""
+    caplog.set_level(logging.INFO, logger="kv_worker.kv_worker")
+    buckets = few_buckets()
+    prompt = dataclasses.replace(buckets.shape_buckets.prompt, bs=BucketRange(1, 1, 16, 5))
+    buckets = dataclasses.replace(
+        buckets, shape_buckets=dataclasses.replace(buckets.shape_buckets, prompt=prompt)
+    )
+    config = controller_config(tiny_model_dir, mode="local", shape="colocated", buckets=buckets)
+    config.runner = dataclasses.replace(config.runner, execution="graphs")
+
+    async def main() -> None:
+        controller = Controller(config)
+        await controller.start()
+        shapes = controller.pool.infos["decode-0"]["shapes"]
+        assert [tuple(s) for s in shapes[:5]] == [(b, 64, 16) for b in (1, 2, 4, 8, 16)]
+        assert len(shapes) == 5 + 8
+        warmed = counters["stats"]["unique_graphs"]
+        outputs, stats = await serve_and_drain(controller, work, "colocated-graphs")
+        assert outputs == reference
+        assert counters["stats"]["unique_graphs"] == warmed  # nothing compiled while serving
+        (worker,) = stats.workers
+        assert (worker.execution, worker.graph_misses, worker.graphs) == ("graphs", 0, 13)
+
+    asyncio.run(main())
+    assert "decode-0: [warm-up][prompt][5/5]" in caplog.text
+    assert "decode-0: warmed 8 of 8 decode shapes" in caplog.text

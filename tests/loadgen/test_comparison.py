@@ -49,6 +49,19 @@ def test_padded_pads_every_system_and_refuses_shape_only(tiny_model_dir: Path) -
         Comparison(BenchConfig(), spec, ("bucketserve", "shape-only"))
 
 
+def test_graphs_execution_compiles_every_bucket_in_every_system(tiny_model_dir: Path) -> None:
+    spec = ServiceSpec(model=str(tiny_model_dir), max_model_len=256, block_size=4,
+                       execution="graphs", shape="disaggregated")
+    for name in ("bucketserve", "fcfs"):
+        config, _, _ = system_setup(name, spec)
+        assert config.runner.execution == "graphs" and config.shape == "disaggregated"
+        assert config.warmup == "all" and config.pad_to_shape_buckets is True
+    eager, _, _ = system_setup("fcfs", ServiceSpec(model=str(tiny_model_dir), max_model_len=256))
+    assert (eager.runner.execution, eager.warmup, eager.shape) == ("auto", "smallest", "colocated")
+    with pytest.raises(ValueError, match=r"with --execution graphs .* shape-only is fcfs"):
+        Comparison(BenchConfig(), spec, ("bucketserve", "shape-only"))
+
+
 @pytest.mark.slow
 def test_a_comparison_run_over_the_tiny_model(tiny_model_dir: Path) -> None:
     spec = ServiceSpec(model=str(tiny_model_dir), max_model_len=256, block_size=4,
