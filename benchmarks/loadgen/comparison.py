@@ -49,6 +49,12 @@ class ServiceSpec:
     shape: str | None = None  # the controller's default unless set
 
     @property
+    def start_timeout_s(self) -> float:
+        """How long a system may take to come up: graphs compile every bucket first
+        (about 5 minutes for max_model_len 512 on two cores)."""
+        return 1800.0 if self.execution == "graphs" else 300.0
+
+    @property
     def pads(self) -> bool:
         """Every system pads to the shape buckets: asked for, or graphs need it."""
         return self.padded or self.execution == "graphs"
@@ -124,7 +130,9 @@ class Comparison:
             tokenizer = None
             for name in self.systems:
                 controller, tenants, mix = system_setup(name, self.spec)
-                service = stack.enter_context(ServiceHarness(controller, tenants))
+                service = stack.enter_context(
+                    ServiceHarness(controller, tenants, self.spec.start_timeout_s)
+                )
                 config = dataclasses.replace(
                     self.bench, backend="grpc", target=service.target, tenants=mix,
                     metrics_url=service.http_url + "/metrics",

@@ -56,6 +56,7 @@ def test_graphs_execution_compiles_every_bucket_in_every_system(tiny_model_dir: 
         config, _, _ = system_setup(name, spec)
         assert config.runner.execution == "graphs" and config.shape == "disaggregated"
         assert config.warmup == "all" and config.pad_to_shape_buckets is True
+    assert spec.start_timeout_s > ServiceSpec().start_timeout_s
     eager, _, _ = system_setup("fcfs", ServiceSpec(model=str(tiny_model_dir), max_model_len=256))
     assert (eager.runner.execution, eager.warmup, eager.shape) == ("auto", "smallest", "colocated")
     with pytest.raises(ValueError, match=r"with --execution graphs .* shape-only is fcfs"):
