@@ -100,6 +100,8 @@ def main() -> None:
     parser.add_argument("--slo-tpot", type=float, default=0.25)
     parser.add_argument("--served", type=Path, default=RESULTS_DIR / "peers_served" / "served.json",
                         help="the served sweep's JSON whose vllm rows are shown beside")
+    parser.add_argument("--out", default="peers_engine_poisson.json",
+                        help="results file (a name under benchmarks/results, or a path)")
     args = parser.parse_args()
 
     from runtime.engine import LLMEngine
@@ -132,7 +134,7 @@ def main() -> None:
     out = {"hardware": hardware_line(), "args": {k: str(v) for k, v in vars(args).items()},
            "engine": rows, "vllm_serve": [vllm[r["rate"]] for r in rows if r["rate"] in vllm],
            "vllm_served_prompts": served.get("workload", {}).get("num_prompts")}
-    print(f"wrote {write_json(out, 'peers_engine_poisson.json')}")
+    print(f"wrote {write_json(out, args.out)}")
 
 
 if __name__ == "__main__":
