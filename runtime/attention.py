@@ -129,7 +129,12 @@ def write_slots(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """In place into the layer's own cache tensors (graph-capturable: they are inputs)."""
+    """In place into the layer's own cache tensors (graph-capturable: they are inputs);
+    `slots` hold no padding (-1)."""
+    kernel = kernels.for_tensors(k.dtype, k.device)
+    if kernel and kernel.writes(k, v, k_cache) and v_cache.is_contiguous():
+        kernel.write_kv(k, v, k_cache, v_cache, slots.contiguous())
+        return
     heads, dim = k.shape[1], k.shape[2]
     k_cache.view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
     v_cache.view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))

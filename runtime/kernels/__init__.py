@@ -43,6 +43,7 @@ _SIGNATURES = {
     "paged_prefill": [_P] * 7 + [_I] * 6 + [_I64, _F, _I],
     "rope": [_P, _P, _I, _I, _I, _I64, _I],
     "rms_norm": [_P, _P, _P, _I, _I, _F, _I],
+    "write_kv": [_P, _P, _I64, _I64, _P, _P, _P, _I, _I, _I, _I64, _I],
 }
 
 
@@ -171,6 +172,32 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         return out
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """Token t's K/V `[T, kv_heads, dim]` (rows may be strided, each row's heads
+        contiguous) into pool slot `slots[t]` (int64, contiguous) of every head's plane of
+        the contiguous caches `[kv_heads, ...]`; torch's `index_copy_` over that view takes
+        a slow strided path (73 us a layer at batch 32)."""
+        tokens, kv_heads, dim = k.shape
+        self._fns["write_kv", k.dtype](
+            k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
+            v_cache.data_ptr(), slots.data_ptr(), tokens, kv_heads, dim,
+            k_cache[0].numel(), torch.get_num_threads(),
+        )
+
+    @staticmethod
+    def writes(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether `write_kv` takes these tensors' layouts."""
+        return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v)) and (
+            k_cache.is_contiguous() and v.dtype == k.dtype == k_cache.dtype
+        )
 
 
 def _shape(q: torch.Tensor, k_cache: torch.Tensor) -> str:

@@ -1,5 +1,6 @@
 // CPU kernels torch lacks, for float32 and bfloat16 (computed in float32): decode
-// attention read through the block table, rotary embedding in place, RMSNorm. Built and
+// attention read through the block table, rotary embedding in place, RMSNorm, the K/V
+// write into pool slots. Built and
 // loaded by runtime/kernels/__init__.py; the torch code each replaces computes the same
 // thing and is what tests/runtime/test_cpu_kernels.py compares it with.
 #include <float.h>
@@ -110,7 +111,9 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
         const int64_t base = (int64_t)kvh * head_stride + table[j] * block_size * dim;
         // The next block sits anywhere in the pool, out of the hardware prefetcher's
         // stride: key t's loop fetches the next block's key and value t. Spread out, the
-        // prefetches never stall on full miss buffers, which one burst per block did.
+        // prefetches never stall on full miss buffers, which one burst per block did. Into
+        // every cache level: non-temporal prefetches made decode attention 1.8x slower on a
+        // Sapphire Rapids class VM (the line was gone again by the time the loop read it).
         const int64_t next = (j + 1) * block_size < ctx
                                  ? (int64_t)kvh * head_stride + table[j + 1] * block_size * dim
                                  : base;
@@ -118,8 +121,8 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
         for (int t = 0; t < n; t++) {
             const int64_t at = base + (int64_t)t * dim;
             for (int64_t b = 0; b < dim * es; b += 64) {
-                __builtin_prefetch((const char *)k_cache + (next + t * dim) * es + b, 0, 0);
-                __builtin_prefetch((const char *)v_cache + (next + t * dim) * es + b, 0, 0);
+                __builtin_prefetch((const char *)k_cache + (next + t * dim) * es + b, 0, 3);
+                __builtin_prefetch((const char *)v_cache + (next + t * dim) * es + b, 0, 3);
             }
             vf16 k[MAX_VECS];
             for (int c = 0; c < nv; c++) k[c] = vload_as(k_cache, at + c * VL, bf16);
@@ -559,5 +562,38 @@ int rms_norm_f32(const float *x, const float *weight, float *out, int tokens, in
 int rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int tokens,
                   int size, float eps, int threads) {
     rms_norm(x, weight, out, tokens, size, eps, threads, 1);
+    return 0;
+}
+
+// The step's K and V into their pool slots: token t's KV head h goes to slot slots[t] of
+// head h's plane ([kv_heads, head_stride] caches). k and v rows are `k_stride` and
+// `v_stride` elements apart (columns of the qkv GEMM's output), each row's heads contiguous.
+static void write_kv(const void *k, const void *v, int64_t k_stride, int64_t v_stride,
+                     void *k_cache, void *v_cache, const int64_t *slots, int tokens,
+                     int kv_heads, int dim, int64_t head_stride, int threads, int es) {
+    const size_t bytes = (size_t)dim * es;
+#pragma omp parallel for schedule(static) num_threads(threads) if (tokens >= 256)
+    for (int t = 0; t < tokens; t++) {
+        for (int h = 0; h < kv_heads; h++) {
+            const int64_t to = ((int64_t)h * head_stride + slots[t] * dim) * es;
+            memcpy((char *)k_cache + to, (const char *)k + (t * k_stride + h * dim) * es, bytes);
+            memcpy((char *)v_cache + to, (const char *)v + (t * v_stride + h * dim) * es, bytes);
+        }
+    }
+}
+
+int write_kv_f32(const float *k, const float *v, int64_t k_stride, int64_t v_stride,
+                 float *k_cache, float *v_cache, const int64_t *slots, int tokens, int kv_heads,
+                 int dim, int64_t head_stride, int threads) {
+    write_kv(k, v, k_stride, v_stride, k_cache, v_cache, slots, tokens, kv_heads, dim,
+             head_stride, threads, 4);
+    return 0;
+}
+
+int write_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t k_stride, int64_t v_stride,
+                  uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int tokens,
+                  int kv_heads, int dim, int64_t head_stride, int threads) {
+    write_kv(k, v, k_stride, v_stride, k_cache, v_cache, slots, tokens, kv_heads, dim,
+             head_stride, threads, 2);
     return 0;
 }

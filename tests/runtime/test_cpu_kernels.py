@@ -172,3 +172,21 @@ def test_steps_with_prompt_chunks_take_the_varlen_kernel_and_decode_steps_the_de
     untileable_decode = builder.prepare([decoding], [1], None).metadata
     untileable_decode.prepare(3, 72, torch.float32)
     assert untileable_decode.groups[0].context_lens is None
+
+
+@pytest.mark.parametrize("tokens", [5, 300])  # serial, and the threaded loop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_exactly_what_index_copy_stores(dtype: torch.dtype, tokens: int) -> None:
+    kv_heads, dim, blocks, block_size = 3, 64, 40, 16
+    # k and v: column slices of a qkv output, rows strided by the whole width
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * dim).to(dtype)
+    k = qkv[:, 9 * dim : (9 + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (9 + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    want_k, want_v = pool(kv_heads, blocks, block_size, dim, dtype)
+    got_k, got_v = want_k.clone(), want_v.clone()
+    want_k.view(kv_heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
+    want_v.view(kv_heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
+    assert kernel.writes(k, v, got_k)
+    kernel.write_kv(k, v, got_k, got_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
