@@ -173,14 +173,8 @@ class CpuKernels:
         )
         return out
 
-    def write_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slots: torch.Tensor) -> None:
         """Token t's K/V `[T, kv_heads, dim]` (rows may be strided, each row's heads
         contiguous) into pool slot `slots[t]` (int64, contiguous) of every head's plane of
         the contiguous caches `[kv_heads, ...]`; torch's `index_copy_` over that view takes
