@@ -3,6 +3,10 @@ time, under the same `vllm bench serve` sweep from vLLM's own client.
 
     python -m benchmarks.peers.served --rates 1,2,3,4 --num-prompts 100
 
+A bucketserve system is `bucketserve-<shape>` (Ray actors, the default) or
+`bucketserve-<shape>-local` (`controller.mode: local`: the workers on threads of the server
+process, no Ray).
+
 Each system is started, sent the sweep's rates in order, and stopped before the next starts.
 For every run: requests completed and failed, output tok/s, TTFT and TPOT p50/p90, and the
 share of requests meeting the SLO (TTFT <= 4 s and TPOT <= 0.25 s by default); per system
@@ -109,15 +113,22 @@ def start(
             "--max-model-len", str(args.max_model_len), "--no-enable-prefix-caching",
         ]
         return Server(system, argv, {**PEER_ENV, **env}, port)
-    shape = system.removeprefix("bucketserve-")
+    shape, local = _shape_mode(system)
     config = Path(tempfile.mkstemp(prefix=f"{system}-", suffix=".yaml")[1])
     config.write_text(
         f"model: {{dtype: {args.dtype}, max_model_len: {args.max_model_len}}}\n"
-        f"controller:\n  shape: {shape}\n  decode: {{max_num_seqs: {args.max_num_seqs}}}\n"
+        f"controller:\n  shape: {shape}\n  mode: {'local' if local else 'ray'}\n"
+        f"  decode: {{max_num_seqs: {args.max_num_seqs}}}\n"
         f"gateway: {{http_port: {port}, grpc_port: {free_port()}}}\n"
     )
     argv = [sys.executable, "-m", "bucketserve.cli", "serve", "--config", str(config)]
     return Server(system, argv, env, port)
+
+
+def _shape_mode(system: str) -> tuple[str, bool]:
+    """`bucketserve-<shape>[-local]` -> (shape, whether the workers run without Ray)."""
+    shape = system.removeprefix("bucketserve-")
+    return shape.removesuffix("-local"), shape.endswith("-local")
 
 
 def bench(server: Server, model: Path, rate: float, args: argparse.Namespace, out: Path) -> dict:
@@ -197,8 +208,10 @@ def main() -> None:
     require_peer_venv()
     systems = args.systems.split(",")
     for system in systems:
-        if system != "vllm" and system.removeprefix("bucketserve-") not in SHAPES:
-            raise SystemExit(f"unknown system {system!r}: vllm or bucketserve-<{'|'.join(SHAPES)}>")
+        if system != "vllm" and _shape_mode(system)[0] not in SHAPES:
+            raise SystemExit(
+                f"unknown system {system!r}: vllm or bucketserve-<{'|'.join(SHAPES)}>[-local]"
+            )
     rates = [float(r) for r in args.rates.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     model = model_dir()
