@@ -1,8 +1,8 @@
 // CPU kernels torch lacks, for float32 and bfloat16 (computed in float32): decode
 // attention read through the block table, rotary embedding in place, RMSNorm, the K/V
-// write into pool slots. Built and
-// loaded by runtime/kernels/__init__.py; the torch code each replaces computes the same
-// thing and is what tests/runtime/test_cpu_kernels.py compares it with.
+// write into pool slots. Built and loaded by runtime/kernels/__init__.py; the torch code
+// each replaces computes the same thing and is what tests/runtime/test_cpu_kernels.py
+// compares it with.
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
