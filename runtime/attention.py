@@ -132,7 +132,7 @@ def write_slots(
     """In place into the layer's own cache tensors (graph-capturable: they are inputs);
     `slots` hold no padding (-1)."""
     kernel = kernels.for_tensors(k.dtype, k.device)
-    if kernel and kernel.writes(k, v, k_cache) and v_cache.is_contiguous():
+    if kernel and kernel.writes(k, v, k_cache, v_cache):
         kernel.write_kv(k, v, k_cache, v_cache, slots.contiguous())
         return
     heads, dim = k.shape[1], k.shape[2]

@@ -187,11 +187,13 @@ class CpuKernels:
         )
 
     @staticmethod
-    def writes(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    def writes(
+        k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> bool:
         """Whether `write_kv` takes these tensors' layouts."""
-        return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v)) and (
-            k_cache.is_contiguous() and v.dtype == k.dtype == k_cache.dtype
-        )
+        rows = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+        caches = k_cache.is_contiguous() and v_cache.is_contiguous()
+        return rows and caches and v.dtype == k.dtype == k_cache.dtype == v_cache.dtype
 
 
 def _shape(q: torch.Tensor, k_cache: torch.Tensor) -> str:

@@ -187,6 +187,7 @@ def test_write_kv_stores_exactly_what_index_copy_stores(dtype: torch.dtype, toke
     got_k, got_v = want_k.clone(), want_v.clone()
     want_k.view(kv_heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
     want_v.view(kv_heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
-    assert kernel.writes(k, v, got_k)
+    assert kernel.writes(k, v, got_k, got_v)
+    assert not kernel.writes(k, v, got_k, got_v.transpose(1, 2))  # a cache it cannot address
     kernel.write_kv(k, v, got_k, got_v, slots)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)

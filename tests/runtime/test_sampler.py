@@ -32,6 +32,15 @@ def test_greedy_and_top_k_1_are_argmax():
     assert Sampler(0)(logits, params, [0, 5, 9, 2]) == logits.argmax(-1).tolist()
 
 
+def test_greedy_breaks_a_tie_at_the_first_maximum():
+    logits = torch.zeros(3, VOCAB)
+    logits[0, [4, 9, 40]] = 2.0  # three-way tie
+    logits[1, [VOCAB - 1, 0]] = 1.0  # tie at both ends
+    logits[2] = 0.5  # every token tied
+    greedy = [SamplingParams(temperature=0)] * 3
+    assert Sampler(0)(logits, greedy, [0, 0, 0]) == [4, 0, 0]
+
+
 def test_seeded_rows_ignore_batch_companions_and_position():
     logits = random_logits(1, seed=1)
     mine = SamplingParams(temperature=1.0, seed=42)
