@@ -227,6 +227,7 @@ class DecodeWorker(KVWorker):
                     output_token_ids=request.output_token_ids,
                     priority=request.priority,
                     ttft_deadline=None if left is None else now + left,
+                    tpot_target=request.tpot_s,
                 )
             except ValueError as exc:
                 result.rejected[request.request_id] = str(exc)
@@ -279,6 +280,7 @@ class DecodeWorker(KVWorker):
                 running=len(sched.running),
                 waiting=len(sched.waiting),
                 preemptions=sched.num_preemptions,
+                slo_holds=0 if sched.slo is None else sched.slo.num_holds,
                 graph_misses=self.graph_misses(self.shapes.graph_misses + self._unbucketed_steps),
                 boot_id=self.boot_id,
                 transport=self.transport_name,

@@ -184,6 +184,11 @@ def _service_metrics(stats: Any) -> Iterator[Metric]:
     yield counter(
         "num_preemptions", "Sequences preempted.", sum(w.preemptions for w in workers)
     )
+    yield counter(
+        "slo_admission_holds",
+        "Decode steps that held a new prompt back to keep running requests' TPOT targets.",
+        sum(w.slo_holds for w in workers),
+    )
     waste = buckets.mean_waste_ratio
     yield gauge("padding_waste_ratio", "Mean padding waste of prefill batches (Eq. 2).", waste)
     yield counter(

@@ -166,6 +166,7 @@ class HandoffRequest:
     # request's or its tenant's); None without a target or once it has streamed a token.
     # A duration, not a time: the worker's clock may be another node's.
     ttft_left_s: float | None = None
+    tpot_s: float | None = None  # its TPOT target (the request's or its tenant's)
 
     @property
     def request_id(self) -> str:
@@ -213,6 +214,7 @@ class WorkerStats:
     running: int = 0
     waiting: int = 0
     preemptions: int = 0
+    slo_holds: int = 0  # steps whose SLO-aware admission held a new prompt back
     graph_misses: int = 0
     boot_id: str = ""
     alive: bool = True

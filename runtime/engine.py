@@ -118,12 +118,15 @@ class LLMEngine:
         output_token_ids: list[int] | tuple[int, ...] = (),
         priority: int = 0,
         ttft_deadline: float | None = None,
+        tpot_target: float | None = None,
     ) -> str:
         """Queue a prompt (text, or token ids shown as `prompt_text`); returns its request id.
         Raises ValueError, admitting nothing, if the request is malformed or can never fit.
         `priority`: lower runs first under `scheduling_policy="priority"`. `ttft_deadline`
         (`time.monotonic()`): when its first token is due; once that passes, it waits
-        behind the requests of its priority that can still meet theirs.
+        behind the requests of its priority that can still meet theirs. `tpot_target`
+        (seconds per output token after the first): with `slo_admission`, new prompts wait
+        rather than make it miss that.
 
         `output_token_ids`: tokens it generated before (a request resumed elsewhere); they
         are prefilled with the prompt, count towards max_tokens, and its first output holds
@@ -139,6 +142,17 @@ class LLMEngine:
                     )
                 for sample in request.samples:
                     sample.seq.ttft_deadline = float(ttft_deadline)
+            if tpot_target is not None:
+                if (
+                    isinstance(tpot_target, bool)
+                    or not isinstance(tpot_target, (int, float))
+                    or not tpot_target > 0
+                ):
+                    raise ValueError(
+                        f"tpot_target must be a positive number of seconds, got {tpot_target!r}"
+                    )
+                for sample in request.samples:
+                    sample.seq.tpot_target = float(tpot_target)
             if output_token_ids:
                 if len(request.samples) > 1:
                     raise ValueError("a request resumed with its outputs has one sample (n=1)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from runtime.block_manager import BlockManager
 from runtime.scheduler_output import SchedulerOutput
 from runtime.sequence import FinishReason, Sequence, SequenceStatus, finish_reason
+from runtime.slo_admission import SloAdmission
 from runtime.waiting_queue import POLICIES, WaitingQueue
 
 
@@ -22,6 +24,8 @@ class SchedulerConfig:
     immediate preemption of what is already running. `scheduling_policy` orders the
     waiting queue: `fcfs`, or `priority` (lowest `priority` first, then arrival; under
     memory pressure the lowest-priority running sequence is preempted first), as vLLM's.
+    `slo_admission`: a new prompt waits while prefilling it would make a running sequence
+    miss its TPOT target (`runtime.slo_admission`); inert for sequences without targets.
     """
 
     max_num_seqs: int = 64
@@ -29,6 +33,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     watermark: float = 0.01
     scheduling_policy: str = "fcfs"
+    slo_admission: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -91,6 +96,7 @@ class Scheduler:
         self._forks: dict[int | str, list[Sequence]] = {}  # parent id -> samples waiting for it
         self._in_flight: set[int | str] = set()
         self._watermark_blocks = int(config.watermark * block_manager.num_total_blocks)
+        self.slo = SloAdmission() if config.slo_admission else None
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -229,6 +235,7 @@ class Scheduler:
         preempted = False
         now = time.monotonic()
         earlier_in_flight = bool(self._in_flight)  # microbatches submitted before this one
+        out.scheduled_at, out.alone = now, not earlier_in_flight
         for seq in list(self.running):
             if budget == 0 or len(out) == max_seqs:
                 break
@@ -299,7 +306,14 @@ class Scheduler:
             and len(out) < max_seqs
             and len(self.running) < self.config.max_num_seqs
         ):
-            seq = self.waiting.peek(now)
+            slo = self.slo
+            if slo is None:
+                seq = self.waiting.peek(now)
+            else:
+                backlog = slo.backlog(self.running)
+                seq = self.waiting.peek(now, functools.partial(slo.lead_s, backlog=backlog))
+                if not slo.allows(seq, self.running, now):
+                    return
             n = seq.num_uncomputed_tokens
             if n > budget:
                 if not self.config.enable_chunked_prefill:
@@ -333,6 +347,8 @@ class Scheduler:
         """Apply a finished microbatch: advance computed counts, append sampled tokens, check
         stop conditions. Returns the sequences that got a token (finished ones included)."""
         now = time.monotonic()
+        if self.slo is not None and out.alone:
+            self.slo.times.record(out, now - out.scheduled_at)
         changed: list[Sequence] = []
         finished = False
         for seq, n, token in zip(out.seqs, out.num_new_tokens, token_ids, strict=True):

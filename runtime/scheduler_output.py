@@ -13,6 +13,8 @@ class SchedulerOutput:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    scheduled_at: float = 0.0  # time.monotonic() when it was scheduled
+    alone: bool = True  # no other microbatch was in flight then: its time is its own
 
     def __len__(self) -> int:
         return len(self.seqs)

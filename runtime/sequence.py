@@ -63,10 +63,12 @@ class Sequence:
         output_token_ids: Iterable[int] = (),
         priority: int = 0,
         ttft_deadline: float | None = None,
+        tpot_target: float | None = None,
     ) -> None:
         """`output_token_ids`: tokens generated before, for a request that resumes elsewhere;
         `priority`: lower is scheduled first under the priority policy; `ttft_deadline`:
-        when (`time.monotonic()`) its first token is due, if it has a TTFT target."""
+        when (`time.monotonic()`) its first token is due, if it has a TTFT target;
+        `tpot_target`: the mean seconds per output token after the first it should keep."""
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.seq_id = next(_seq_counter) if seq_id is None else seq_id
@@ -76,6 +78,7 @@ class Sequence:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.ttft_deadline = ttft_deadline
+        self.tpot_target = tpot_target
         self.metrics = SequenceMetrics(self.arrival_time)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None

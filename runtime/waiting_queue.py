@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from runtime.sequence import Sequence
 
@@ -41,14 +41,16 @@ class WaitingQueue:
     def __reversed__(self) -> Iterator[Sequence]:
         return reversed(self._seqs)
 
-    def peek(self, now: float) -> Sequence:
+    def peek(self, now: float, lead_s: Callable[[Sequence], float] | None = None) -> Sequence:
         """The sequence to start next at time `now` (monotonic): the first in queue order
-        that is not late among those of the front's priority; the front if all are late."""
+        that is not late among those of the front's priority; the front if all are late.
+        `lead_s(seq)`: the seconds `seq` needs from its start to its first token; one that
+        cannot make its deadline even if started now counts as late already."""
         front = self._seqs[0]
         for seq in self._seqs:
             if seq.priority != front.priority and self.policy == "priority":
                 break
-            if not seq.is_late(now):
+            if not seq.is_late(now + (lead_s(seq) if lead_s else 0.0)):
                 return seq
         return front
 

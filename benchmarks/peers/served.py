@@ -1,17 +1,25 @@
 """Served comparison: `vllm serve` and `bucketserve serve` on the same weights, one server at a
 time, under the same `vllm bench serve` sweep from vLLM's own client.
 
-    python -m benchmarks.peers.served --rates 1,2,3,4 --num-prompts 100
+    python -m benchmarks.peers.served --rates 1,2,3,4 --num-prompts 100 --seeds 0,1,2
 
 A bucketserve system is `bucketserve-<shape>` (Ray actors, the default) or
 `bucketserve-<shape>-local` (`controller.mode: local`: the workers on threads of the server
 process, no Ray).
 
-Each system is started, sent the sweep's rates in order, and stopped before the next starts.
+Every system is started first and waits idle (all of them together measured 0.07 busy cores
+on the 2-core VM) while one at a time serves a run; the runs interleave: for each seed, for
+each rate, every system in turn, the order rotating with the rate. A shared VM drifts by
+more than the systems differ between a sweep of one and a later sweep of the other (the
+same server, rate and seed measured 64 % and 96 % SLO attainment an hour apart), so each
+rate's systems run minutes apart instead. `--sequential` runs one server at a time instead,
+each through the whole sweep, stopped before the next starts.
+
 For every run: requests completed and failed, output tok/s, TTFT and TPOT p50/p90, and the
-share of requests meeting the SLO (TTFT <= 4 s and TPOT <= 0.25 s by default); per system
-the rate at 80 % attainment (interpolated) and the ratio of each bucketserve shape's to
-vLLM's. Writes a table, JSON and a plot (TTFT p90 and TPOT p90 against rate).
+share of requests meeting the SLO (TTFT <= 4 s and TPOT <= 0.25 s by default). Per system
+and rate the medians over the seeds; the rate at 80 % attainment (interpolated over the
+median attainment, and per seed) and the ratio of each bucketserve system's to vLLM's.
+Writes a table, JSON and a plot (TTFT p90 and TPOT p90 against rate).
 """
 
 from __future__ import annotations
@@ -200,7 +208,9 @@ def main() -> None:
     parser.add_argument("--range-ratio", type=float, default=0.9)
     parser.add_argument("--output-len", type=int, default=96)
     add_server_args(parser)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="comma-separated; medians over them")
+    parser.add_argument("--sequential", action="store_true",
+                        help="one server at a time through the whole sweep")
     parser.add_argument("--slo-ttft", type=float, default=4.0)
     parser.add_argument("--slo-tpot", type=float, default=0.25)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "peers_served")
@@ -213,31 +223,64 @@ def main() -> None:
                 f"unknown system {system!r}: vllm or bucketserve-<{'|'.join(SHAPES)}>[-local]"
             )
     rates = [float(r) for r in args.rates.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     model = model_dir()
-    results: dict[str, list[dict]] = {}
+    by_seed: dict[str, dict[int, list[dict]]] = {s: {seed: [] for seed in seeds} for s in systems}
+
+    def run(server: Server, rate: float, seed: int) -> None:
+        args.seed = seed
+        raw = bench(server, model, rate, args, args.out)
+        row = summarize(raw, rate, args.slo_ttft, args.slo_tpot)
+        by_seed[server.name][seed].append(row)
+        print(server.name, f"seed {seed}", json.dumps(row), flush=True)
+
     startup: dict[str, float] = {}
-    for system in systems:
-        server = start(system, model, args)
+    if args.sequential:
+        for system in systems:
+            server = start(system, model, args)
+            try:
+                startup[system] = server.wait_ready()
+                for seed in seeds:
+                    for rate in rates:
+                        run(server, rate, seed)
+            finally:
+                server.stop()
+    else:
+        servers: list[Server] = []
         try:
-            startup[system] = server.wait_ready()
-            results[system] = []
-            for rate in rates:
-                raw = bench(server, model, rate, args, args.out)
-                results[system].append(summarize(raw, rate, args.slo_ttft, args.slo_tpot))
-                print(system, json.dumps(results[system][-1]), flush=True)
+            for system in systems:
+                servers.append(start(system, model, args))
+            for server in servers:
+                startup[server.name] = server.wait_ready()
+            for seed in seeds:
+                for i, rate in enumerate(rates):
+                    for server in servers[i % len(servers):] + servers[: i % len(servers)]:
+                        run(server, rate, seed)
         finally:
-            server.stop()
+            for server in servers:
+                server.stop()
+    results = {s: _medians([runs for runs in by_seed[s].values()]) for s in systems}
     at = {
         s: rate_at([r["rate"] for r in runs], [r["slo_attainment"] for r in runs])
         for s, runs in results.items()
     }
+    at_by_seed = {
+        s: {
+            seed: rate_at([r["rate"] for r in runs], [r["slo_attainment"] for r in runs])
+            for seed, runs in by_seed[s].items()
+        }
+        for s in systems
+    }
     report = {
         "command": " ".join(sys.argv),
         "workload": vars(args) | {"out": str(args.out)},
+        "interleaved": not args.sequential,
         "startup_s": startup,
         "runs": results,
+        "runs_by_seed": by_seed,
         "rate_at_80pct_slo": at,
+        "rate_at_80pct_slo_by_seed": at_by_seed,
         "ratio_vs_vllm": {
             s: (at[s] / at["vllm"]) if at.get("vllm") and at[s] else None
             for s in results if s != "vllm"
@@ -245,16 +288,26 @@ def main() -> None:
     }
     (args.out / "served.json").write_text(json.dumps(report, indent=2))
     plot(results, args.out / "served.png")
+    print(f"medians over seeds {seeds}")
     header = f"{'system':28} {'R':>4} {'ok/fail':>8} {'tok/s':>7} {'TTFT p50/p90 s':>15} " \
              f"{'TPOT p50/p90 ms':>16} {'SLO':>5}"
     print(header)
     for system, runs in results.items():
         for r in runs:
-            print(f"{system:28} {r['rate']:4g} {r['completed']:>4}/{r['failed']:<3} "
+            print(f"{system:28} {r['rate']:4g} {r['completed']:>4g}/{r['failed']:<3g} "
                   f"{r['output_tok_s']:7.1f} {r['ttft_p50_s']:7.2f}/{r['ttft_p90_s']:<7.2f} "
                   f"{r['tpot_p50_ms']:8.0f}/{r['tpot_p90_ms']:<7.0f} {r['slo_attainment']:5.0%}")
-    print("rate at 80 % SLO:", {s: round(v, 2) for s, v in at.items()})
+    print("rate at 80 % SLO:", {s: round(v, 2) if v else v for s, v in at.items()})
+    print("  per seed:", at_by_seed)
     print("ratio vs vllm:", report["ratio_vs_vllm"])
+
+
+def _medians(sweeps: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per rate, the median of each figure over the seeds' sweeps (same rates in order)."""
+    return [
+        {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        for rows in zip(*sweeps, strict=True)
+    ]
 
 
 if __name__ == "__main__":

@@ -77,6 +77,10 @@ def test_the_admitted_request_is_one_object_from_the_controller_to_the_workers()
     assert fresh.handoff(TenantConfig("t")).ttft_left_s < 9.0
     fresh.request.slo_ttft_s = None
     assert fresh.handoff(TenantConfig("t")).ttft_left_s is None  # no target at all
+    assert fresh.handoff(TenantConfig("t", tpot_slo_s=0.2)).tpot_s == 0.2
+    fresh.request.slo_tpot_s = 0.1  # the request's own TPOT target wins, too
+    assert fresh.handoff(TenantConfig("t", tpot_slo_s=0.2)).tpot_s == 0.1
+    assert state.handoff().tpot_s is None
     assert handoff.output_token_ids == [7]
     entry = state.bucket_request(max_tokens=3)
     assert entry.payload is state

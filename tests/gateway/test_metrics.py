@@ -87,6 +87,7 @@ def test_metrics_parse_and_move_with_traffic(
     assert all(0.0 <= s.value <= 1.0 for s in usage)
     for name in (
         "bucketserve:num_preemptions_total",
+        "bucketserve:slo_admission_holds_total",
         "bucketserve:bucket_splits_total",
         "bucketserve:bucket_merges_total",
         "bucketserve:padding_waste_ratio",

@@ -117,6 +117,22 @@ def test_a_request_past_its_ttft_deadline_yields_with_the_same_tokens(tiny_runne
     assert not engine.has_unfinished()
 
 
+def test_tpot_targets_hold_prompts_back_without_changing_a_token(tiny_runner):
+    prompts, params = token_prompts(6, seed=5), varied_params(6)
+    engine = LLMEngine.from_kwargs(runner=tiny_runner, max_num_seqs=6)
+    ids = [
+        engine.add_request(p, s, tpot_target=0.002)
+        for p, s in zip(prompts, params, strict=True)
+    ]
+    streams = drain(engine)
+    assert [streams[i][-1].token_ids for i in ids] == reference(tiny_runner, prompts, params)
+    for bad in (0, -1.0, "fast", True):
+        with pytest.raises(ValueError, match="tpot_target must be a positive number"):
+            engine.add_request(prompts[0], GREEDY, tpot_target=bad)
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
 def test_token_budget_with_chunked_prefill_gives_the_same_tokens(tiny_runner):
     prompts, params = token_prompts(5, seed=1), varied_params(5)
     engine = LLMEngine.from_kwargs(runner=tiny_runner, max_num_batched_tokens=7)

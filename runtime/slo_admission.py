@@ -1,0 +1,111 @@
+"""SLO-aware admission: a new prompt waits while prefilling it would cost a running request
+its TPOT target (torch-free)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from runtime.scheduler_output import SchedulerOutput
+from runtime.sequence import Sequence
+
+
+class StepTimes:
+    """Running estimates of what a step costs, from the steps the engine ran: the seconds of
+    a step of decode rows alone, and the seconds each prompt token adds to a step.
+
+    Exponential moving averages (weight `alpha` on the newest step), so they follow the
+    batch size and the machine's load as they drift.
+    """
+
+    def __init__(self, alpha: float = 0.2, min_prefill_tokens: int = 32) -> None:
+        self.alpha = alpha
+        self.min_prefill_tokens = min_prefill_tokens  # fewer: too little signal in the step
+        self.decode_s: float | None = None
+        self.prefill_token_s: float | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.decode_s is not None and self.prefill_token_s is not None
+
+    def record(self, out: SchedulerOutput, seconds: float) -> None:
+        prefill = sum(n for n in out.num_new_tokens if n > 1)
+        if prefill == 0:
+            self.decode_s = self._mix(self.decode_s, seconds)
+        elif prefill >= self.min_prefill_tokens and self.decode_s is not None:
+            per_token = max(0.0, seconds - self.decode_s) / prefill
+            self.prefill_token_s = self._mix(self.prefill_token_s, per_token)
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)
+
+
+class SloAdmission:
+    """Admits a new prompt only if every running sequence with a TPOT target can still meet
+    it after paying for that prompt's prefill.
+
+    A running sequence's slack is its decode budget (`tpot_target x (max_tokens - 1)` from
+    its first token, less `headroom` for what the estimates miss) less the time gone since
+    its first token and the decode steps it still needs. Every prefill computed from now on
+    delays every running sequence: the prompts already admitted and not yet computed, then
+    the candidate. When that would break a running sequence's target, the candidate waits
+    while its own TTFT deadline allows; at its last chance it goes in if it breaks only
+    one (a sure first token for a likely miss). A running sequence already past its budget
+    is not protected, and a sequence that already streamed tokens (a preempted one
+    resuming) is never held: its own TPOT is running. Until both step costs are measured,
+    and with no running sequence that has a target (the offline engine), nothing is held.
+
+    Past capacity this turns an overload that would make every running request miss its
+    TPOT into prompts that wait; those past their TTFT deadline then yield to those still
+    on time (`WaitingQueue`), so the SLOs lost are the overflow's.
+    """
+
+    def __init__(self, times: StepTimes | None = None, headroom: float = 0.05) -> None:
+        self.times = times or StepTimes()
+        self.headroom = headroom  # of each target, kept for what the estimates miss
+        self.num_holds = 0  # admissions held back, counted once per step that held one
+
+    def lead_s(self, seq: Sequence, backlog: int = 0) -> float:
+        """Seconds from admitting `seq` to its next token: a step, and the prefill of its
+        prompt behind `backlog` prompt tokens admitted before it."""
+        times = self.times
+        if not times.ready:
+            return 0.0
+        assert times.decode_s is not None and times.prefill_token_s is not None
+        return times.decode_s + (backlog + seq.num_uncomputed_tokens - 1) * times.prefill_token_s
+
+    @staticmethod
+    def backlog(running: Iterable[Sequence]) -> int:
+        """Prompt tokens admitted and not computed yet."""
+        return sum(seq.num_uncomputed_tokens - 1 for seq in running)  # a decoding row: 1
+
+    def allows(self, candidate: Sequence, running: Iterable[Sequence], now: float) -> bool:
+        times = self.times
+        if candidate.num_output_tokens or not times.ready:
+            return True
+        assert times.decode_s is not None and times.prefill_token_s is not None
+        backlog = self.backlog(running)
+        slacks = []
+        for seq in running:
+            target, first = seq.tpot_target, seq.metrics.first_token_time
+            if target is None or first is None:
+                continue
+            total = seq.sampling_params.max_tokens
+            left = total - seq.num_output_tokens
+            budget = (1 - self.headroom) * target * (total - 1)
+            own = budget - (now - first) - left * times.decode_s
+            if own >= 0:  # below 0 its target is lost whatever waits: not worth holding for
+                slacks.append(own)
+        cost = (backlog + candidate.num_uncomputed_tokens) * times.prefill_token_s
+        broken = sum(own < cost for own in slacks)
+        if broken == 0 or (broken == 1 and self._last_chance(candidate, backlog, now)):
+            return True
+        self.num_holds += 1
+        return False
+
+    def _last_chance(self, seq: Sequence, backlog: int, now: float) -> bool:
+        """`seq` meets its TTFT target only if it starts within about a step from now."""
+        deadline, lead = seq.ttft_deadline, self.lead_s(seq, backlog)
+        if deadline is None or now + lead > deadline:
+            return False
+        assert self.times.decode_s is not None
+        return deadline - now - lead < 2 * self.times.decode_s
