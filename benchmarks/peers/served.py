@@ -141,7 +141,7 @@ def _shape_mode(system: str) -> tuple[str, bool]:
 
 def bench(server: Server, model: Path, rate: float, args: argparse.Namespace, out: Path) -> dict:
     """One `vllm bench serve` run; its saved result with per-request details."""
-    name = f"{server.name}-r{rate:g}.json"
+    name = f"{server.name}-r{rate:g}-s{args.seed}.json"
     argv = [
         str(PEER_BIN / "vllm"), "bench", "serve", "--backend", "openai-chat",
         "--endpoint", "/v1/chat/completions", "--base-url", f"http://127.0.0.1:{server.port}",
@@ -211,6 +211,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="0", help="comma-separated; medians over them")
     parser.add_argument("--sequential", action="store_true",
                         help="one server at a time through the whole sweep")
+    parser.add_argument("--add-to", type=Path, default=None,
+                        help="an earlier served.json of the same systems and seeds: its runs "
+                        "at other rates join this sweep's in the report (fills in a rate)")
     parser.add_argument("--slo-ttft", type=float, default=4.0)
     parser.add_argument("--slo-tpot", type=float, default=0.25)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "peers_served")
@@ -260,6 +263,9 @@ def main() -> None:
         finally:
             for server in servers:
                 server.stop()
+    earlier = json.loads(args.add_to.read_text()) if args.add_to else None
+    if earlier is not None:
+        by_seed = _merged(earlier["runs_by_seed"], by_seed)
     results = {s: _medians([runs for runs in by_seed[s].values()]) for s in systems}
     at = {
         s: rate_at([r["rate"] for r in runs], [r["slo_attainment"] for r in runs])
@@ -274,8 +280,9 @@ def main() -> None:
     }
     report = {
         "command": " ".join(sys.argv),
-        "workload": vars(args) | {"out": str(args.out)},
+        "workload": vars(args) | {"out": str(args.out), "add_to": str(args.add_to)},
         "interleaved": not args.sequential,
+        "added_to": earlier and {"command": earlier["command"], "path": str(args.add_to)},
         "startup_s": startup,
         "runs": results,
         "runs_by_seed": by_seed,
@@ -300,6 +307,21 @@ def main() -> None:
     print("rate at 80 % SLO:", {s: round(v, 2) if v else v for s, v in at.items()})
     print("  per seed:", at_by_seed)
     print("ratio vs vllm:", report["ratio_vs_vllm"])
+
+
+def _merged(
+    earlier: dict[str, dict[str, list[dict]]], now: dict[str, dict[int, list[dict]]]
+) -> dict[str, dict[int, list[dict]]]:
+    """`now`'s runs with `earlier`'s (JSON: seeds as strings) at the rates `now` lacks,
+    each sweep in rate order."""
+    merged = {}
+    for system, seeds in now.items():
+        merged[system] = {}
+        for seed, runs in seeds.items():
+            have = {r["rate"] for r in runs}
+            old = [r for r in earlier[system][str(seed)] if r["rate"] not in have]
+            merged[system][seed] = sorted(runs + old, key=lambda r: r["rate"])
+    return merged
 
 
 def _medians(sweeps: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
