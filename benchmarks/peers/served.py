@@ -11,15 +11,16 @@ Every system is started first and waits idle (all of them together measured 0.07
 on the 2-core VM) while one at a time serves a run; the runs interleave: for each seed, for
 each rate, every system in turn, the order rotating with the rate. A shared VM drifts by
 more than the systems differ between a sweep of one and a later sweep of the other (the
-same server, rate and seed measured 64 % and 96 % SLO attainment an hour apart), so each
-rate's systems run minutes apart instead. `--sequential` runs one server at a time instead,
-each through the whole sweep, stopped before the next starts.
+same server, rate and seed measured 64 % and 96 % SLO attainment a day apart), so each
+rate's systems run minutes apart instead. `--sequential` runs one server at a time
+instead, each through the whole sweep, stopped before the next starts. `--add-to` fills
+a rate into an earlier report.
 
 For every run: requests completed and failed, output tok/s, TTFT and TPOT p50/p90, and the
 share of requests meeting the SLO (TTFT <= 4 s and TPOT <= 0.25 s by default). Per system
 and rate the medians over the seeds; the rate at 80 % attainment (interpolated over the
 median attainment, and per seed) and the ratio of each bucketserve system's to vLLM's.
-Writes a table, JSON and a plot (TTFT p90 and TPOT p90 against rate).
+Writes a table, JSON and a plot (TTFT p90, TPOT p90 and attainment against rate).
 """
 
 from __future__ import annotations
@@ -186,13 +187,16 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for system, runs in results.items():
         rates = [r["rate"] for r in runs]
         axes[0].plot(rates, [r["ttft_p90_s"] for r in runs], marker="o", label=system)
         axes[1].plot(rates, [r["tpot_p90_ms"] for r in runs], marker="o", label=system)
+        axes[2].plot(rates, [100 * r["slo_attainment"] for r in runs], marker="o", label=system)
     axes[0].set(xlabel="request rate (req/s)", ylabel="TTFT p90 (s)", yscale="log")
     axes[1].set(xlabel="request rate (req/s)", ylabel="TPOT p90 (ms)")
+    axes[2].set(xlabel="request rate (req/s)", ylabel="SLO attainment (%)")
+    axes[2].axhline(80, color="grey", linestyle=":")
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
