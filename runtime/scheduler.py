@@ -312,7 +312,7 @@ class Scheduler:
             else:
                 backlog = slo.backlog(self.running)
                 seq = self.waiting.peek(now, functools.partial(slo.lead_s, backlog=backlog))
-                if not slo.allows(seq, self.running, now):
+                if not slo.allows(seq, self.running, now, backlog):
                     return
             n = seq.num_uncomputed_tokens
             if n > budget:

@@ -78,12 +78,14 @@ class SloAdmission:
         """Prompt tokens admitted and not computed yet."""
         return sum(seq.num_uncomputed_tokens - 1 for seq in running)  # a decoding row: 1
 
-    def allows(self, candidate: Sequence, running: Iterable[Sequence], now: float) -> bool:
+    def allows(
+        self, candidate: Sequence, running: Iterable[Sequence], now: float, backlog: int
+    ) -> bool:
+        """`backlog`: `backlog(running)`, which the caller has for `lead_s` already."""
         times = self.times
         if candidate.num_output_tokens or not times.ready:
             return True
         assert times.decode_s is not None and times.prefill_token_s is not None
-        backlog = self.backlog(running)
         slacks = []
         for seq in running:
             target, first = seq.tpot_target, seq.metrics.first_token_time

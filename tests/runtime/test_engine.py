@@ -117,7 +117,7 @@ def test_a_request_past_its_ttft_deadline_yields_with_the_same_tokens(tiny_runne
     assert not engine.has_unfinished()
 
 
-def test_tpot_targets_hold_prompts_back_without_changing_a_token(tiny_runner):
+def test_tpot_targets_change_no_token_and_bad_ones_are_rejected(tiny_runner):
     prompts, params = token_prompts(6, seed=5), varied_params(6)
     engine = LLMEngine.from_kwargs(runner=tiny_runner, max_num_seqs=6)
     ids = [

@@ -39,6 +39,10 @@ def step(rows: list[int]) -> SchedulerOutput:
     return out
 
 
+def admits(slo: SloAdmission, candidate: Sequence, running: list[Sequence], now: float) -> bool:
+    return slo.allows(candidate, running, now, SloAdmission.backlog(running))
+
+
 def times(decode_s: float = 0.1, prefill_token_s: float = 0.001) -> StepTimes:
     t = StepTimes()
     t.decode_s, t.prefill_token_s = decode_s, prefill_token_s
@@ -64,32 +68,32 @@ def test_a_prompt_waits_only_when_its_prefill_would_break_a_running_target():
     # budget 0.25 x 95 = 23.75 s; 40 s gone would be lost anyway, so look at a tight one:
     # 10 outputs, 4 s since the first: slack 23.75 - 4 - 86 x 0.1 = 11.15 s
     roomy = decoding("roomy", 10, 4.0, now, tpot=0.25)
-    assert slo.allows(seq("small", 400), [roomy], now)
-    assert not slo.allows(seq("huge", 12_000), [roomy], now)  # 12 s of prefill > 11.15
+    assert admits(slo, seq("small", 400), [roomy], now)
+    assert not admits(slo, seq("huge", 12_000), [roomy], now)  # 12 s of prefill > 11.15
     assert slo.num_holds == 1
     # 80 outputs, 17 s since the first: slack 23.75 - 17 - 16 x 0.1 = 5.15 s
     tight = decoding("tight", 80, 17.0, now, tpot=0.25)
-    assert slo.allows(seq("p", 5_000), [roomy, tight], now)
-    assert not slo.allows(seq("p", 5_300), [roomy, tight], now)
+    assert admits(slo, seq("p", 5_000), [roomy, tight], now)
+    assert not admits(slo, seq("p", 5_300), [roomy, tight], now)
     # prompts admitted but not yet computed are paid from the same slack
     chunked = seq("chunked", 3_000)
     chunked.status = SequenceStatus.RUNNING
-    assert not slo.allows(seq("p", 2_500), [roomy, tight, chunked], now)
+    assert not admits(slo, seq("p", 2_500), [roomy, tight, chunked], now)
 
 
 def test_nothing_is_held_without_targets_measurements_or_a_target_to_save():
     now = time.monotonic()
     big = seq("big", 50_000)
     no_target = decoding("offline", 10, 1.0, now)
-    assert SloAdmission(times()).allows(big, [no_target], now)
+    assert admits(SloAdmission(times()), big, [no_target], now)
     tight = decoding("tight", 10, 1.0, now, tpot=0.25)
-    assert SloAdmission(StepTimes()).allows(big, [tight], now)  # nothing measured yet
-    assert not SloAdmission(times()).allows(big, [tight], now)
+    assert admits(SloAdmission(StepTimes()), big, [tight], now)  # nothing measured yet
+    assert not admits(SloAdmission(times()), big, [tight], now)
     lost = decoding("lost", 10, 30.0, now, tpot=0.25)  # past its budget already
-    assert SloAdmission(times()).allows(big, [lost], now)
+    assert admits(SloAdmission(times()), big, [lost], now)
     resumed = seq("resumed", 50_000)
     resumed.token_ids.append(5)  # streamed a token before: its own TPOT is running
-    assert SloAdmission(times()).allows(resumed, [tight], now)
+    assert admits(SloAdmission(times()), resumed, [tight], now)
 
 
 def test_the_scheduler_holds_a_prompt_until_the_tight_request_ends():
