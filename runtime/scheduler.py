@@ -25,7 +25,8 @@ class SchedulerConfig:
     waiting queue: `fcfs`, or `priority` (lowest `priority` first, then arrival; under
     memory pressure the lowest-priority running sequence is preempted first), as vLLM's.
     `slo_admission`: a new prompt waits while prefilling it would make a running sequence
-    miss its TPOT target (`runtime.slo_admission`); inert for sequences without targets.
+    miss its TPOT target, or an admitted prompt its TTFT deadline (`runtime.slo_admission`);
+    inert for sequences without targets.
     """
 
     max_num_seqs: int = 64

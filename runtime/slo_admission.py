@@ -1,5 +1,5 @@
-"""SLO-aware admission: a new prompt waits while prefilling it would cost a running request
-its TPOT target (torch-free)."""
+"""SLO-aware admission: a new prompt waits while computing it would cost a running request
+its TPOT target or an admitted prompt its TTFT target (torch-free)."""
 
 from __future__ import annotations
 
@@ -41,18 +41,26 @@ class StepTimes:
 
 class SloAdmission:
     """Admits a new prompt only if every running sequence with a TPOT target can still meet
-    it after paying for that prompt's prefill.
+    it after paying for that prompt's prefill, and every admitted prompt its TTFT deadline.
 
     A running sequence's slack is its decode budget (`tpot_target x (max_tokens - 1)` from
     its first token, less `headroom` for what the estimates miss) less the time gone since
     its first token and the decode steps it still needs. Every prefill computed from now on
     delays every running sequence: the prompts already admitted and not yet computed, then
-    the candidate. When that would break a running sequence's target, the candidate waits
-    while its own TTFT deadline allows; at its last chance it goes in if it breaks only
-    one (a sure first token for a likely miss). A running sequence already past its budget
-    is not protected, and a sequence that already streamed tokens (a preempted one
-    resuming) is never held: its own TPOT is running. Until both step costs are measured,
-    and with no running sequence that has a target (the offline engine), nothing is held.
+    the candidate. The candidate also adds a row to each decode step they share, priced as
+    one prompt token (the same row through the same GEMMs). When that would break a running
+    sequence's target, the candidate waits while its own TTFT deadline allows; at its last
+    chance it goes in if it breaks only one (a sure first token for a likely miss).
+
+    Nor may the candidate push an admitted prompt that can still make its TTFT deadline
+    past it: prompts admitted together are computed in one step, so each one's first token
+    waits for all of them (without this check most TTFT misses of the served sweep were a
+    few tenths of a second late).
+
+    A running sequence already past its budget is not protected, and a sequence that
+    already streamed tokens (a preempted one resuming) is never held: its own TPOT is
+    running. Until both step costs are measured, and with no running sequence that has a
+    target (the offline engine), nothing is held.
 
     Past capacity this turns an overload that would make every running request miss its
     TPOT into prompts that wait; those past their TTFT deadline then yield to those still
@@ -96,13 +104,37 @@ class SloAdmission:
             budget = (1 - self.headroom) * target * (total - 1)
             own = budget - (now - first) - left * times.decode_s
             if own >= 0:  # below 0 its target is lost whatever waits: not worth holding for
-                slacks.append(own)
-        cost = (backlog + candidate.num_uncomputed_tokens) * times.prefill_token_s
-        broken = sum(own < cost for own in slacks)
-        if broken == 0 or (broken == 1 and self._last_chance(candidate, backlog, now)):
+                slacks.append((own, left))
+        prefill = (backlog + candidate.num_uncomputed_tokens) * times.prefill_token_s
+        rows = candidate.sampling_params.max_tokens - 1  # the candidate's decode steps
+        broken = sum(
+            own < prefill + min(left, rows) * times.prefill_token_s for own, left in slacks
+        )
+        last_chance = broken == 1 and self._last_chance(candidate, backlog, now)
+        if (broken == 0 or last_chance) and self._keeps_first_tokens(
+            candidate, running, now, backlog
+        ):
             return True
         self.num_holds += 1
         return False
+
+    def _keeps_first_tokens(
+        self, candidate: Sequence, running: Iterable[Sequence], now: float, backlog: int
+    ) -> bool:
+        """No admitted prompt that can still make its TTFT deadline loses it to the
+        candidate: prompts admitted together are computed in one step (up to the token
+        budget), so each one's first token waits for the whole backlog, the candidate's
+        tokens included."""
+        times = self.times
+        assert times.decode_s is not None and times.prefill_token_s is not None
+        first_token = now + times.decode_s + backlog * times.prefill_token_s
+        later = first_token + candidate.num_uncomputed_tokens * times.prefill_token_s
+        return not any(
+            seq.ttft_deadline is not None
+            and not seq.num_output_tokens
+            and first_token <= seq.ttft_deadline < later
+            for seq in running
+        )
 
     def _last_chance(self, seq: Sequence, backlog: int, now: float) -> bool:
         """`seq` meets its TTFT target only if it starts within about a step from now."""

@@ -75,6 +75,10 @@ def test_a_prompt_waits_only_when_its_prefill_would_break_a_running_target():
     tight = decoding("tight", 80, 17.0, now, tpot=0.25)
     assert admits(slo, seq("p", 5_000), [roomy, tight], now)
     assert not admits(slo, seq("p", 5_300), [roomy, tight], now)
+    # the candidate's decode row joins tight's 16 remaining steps at a prompt token's cost
+    assert admits(slo, seq("p", 5_130), [roomy, tight], now)  # 5.13 + 0.016 < 5.15
+    assert not admits(slo, seq("p", 5_135), [roomy, tight], now)  # 5.135 + 0.016
+    assert admits(slo, seq("p", 5_135, max_tokens=1), [roomy, tight], now)  # no decode row
     # prompts admitted but not yet computed are paid from the same slack
     chunked = seq("chunked", 3_000)
     chunked.status = SequenceStatus.RUNNING
@@ -148,3 +152,19 @@ def test_a_prompt_that_cannot_make_its_deadline_if_started_now_yields():
     assert s.waiting.peek(now) is doomed  # without lead times: queue order
     # behind 200 prompt tokens admitted first, neither makes it: the front goes first
     assert s.waiting.peek(now, functools.partial(s.slo.lead_s, backlog=200)) is doomed
+
+
+def test_a_prompt_waits_rather_than_push_an_admitted_one_past_its_first_token_deadline():
+    now = time.monotonic()
+    slo = SloAdmission(times(decode_s=0.1, prefill_token_s=0.001))
+    admitted = seq("admitted", 500)  # admitted, not computed: first token at now + 0.1 + 0.499
+    admitted.status = SequenceStatus.RUNNING
+    admitted.ttft_deadline = now + 0.9
+    assert admits(slo, seq("fits", 300), [admitted], now)  # the step ends at now + 0.899
+    assert not admits(slo, seq("too_big", 302), [admitted], now)  # now + 0.901
+    assert slo.num_holds == 1
+    admitted.ttft_deadline = now + 0.5  # lost whatever waits: not protected
+    assert admits(slo, seq("too_big", 302), [admitted], now)
+    admitted.ttft_deadline = now + 0.9
+    admitted.token_ids.append(5)  # its first token is out
+    assert admits(slo, seq("too_big", 302), [admitted], now)
