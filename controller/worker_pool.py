@@ -306,7 +306,7 @@ class WorkerPool:
         return await handle.warm_up()
 
     def _all_on_accelerators(self) -> bool:
-        kinds = {info["device"].split(":")[0] for info in self.infos.values()}
+        kinds = {info["device_type"] for info in self.infos.values()}
         return len(kinds) == 1 and kinds <= set(_COLLECTIVE_DEVICES)
 
     async def _form_collective(self, revived: WorkerHandle | None = None) -> None:

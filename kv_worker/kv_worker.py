@@ -95,6 +95,7 @@ class KVWorker:
             "boot_id": self.boot_id,
             "node_id": self.node_id,
             "device": str(self.runner.device),
+            "device_type": self.runner.device.type,  # cpu / cuda / hpu
             "accelerator_ids": accelerator_ids(),
             "kv_format": self.kv_format,
             "num_kv_blocks": self.runner.num_kv_blocks,

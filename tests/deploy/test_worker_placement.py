@@ -74,3 +74,17 @@ def test_a_worker_that_fails_to_start_fails_the_start() -> None:
     with pytest.raises(ValueError, match="model not found"):
         asyncio.run(pool._placed([PendingOrPlaced("prefill-0", True),
                                       Broken("decode-0", True)]))
+
+
+@pytest.mark.parametrize(
+    ("types", "collective"),
+    [(["cuda", "cuda"], True), (["hpu", "hpu"], True), (["cpu", "cpu"], False),
+     (["cuda", "cpu"], False), (["cuda", "hpu"], False)],
+)
+def test_auto_transport_is_collective_only_when_every_worker_is_on_one_accelerator_kind(
+    types: list[str], collective: bool
+) -> None:
+    pool = WorkerPool(ControllerConfig(), BucketManagerConfig())
+    pool.infos = {f"w-{i}": {"device": f"Device({t}:0)", "device_type": t}
+                  for i, t in enumerate(types)}
+    assert pool._all_on_accelerators() is collective

@@ -68,6 +68,8 @@ def test_padded_to_warmed_shape_buckets_matches_the_engine(
         assert len(prompt["shapes"]) == 5 * 8  # batch 1..16 x query 4..512, all warmed
         assert len(infos["decode-0"]["shapes"]) == 77  # batch b in 1..64 x blocks 1..b * 128
         assert buckets.block_size == BLOCK_SIZE
+        assert {i["device_type"] for i in infos.values()} == {"cpu"}
+        assert not controller.pool._all_on_accelerators()  # auto transport: not collective
 
     asyncio.run(main())
     text = caplog.text
