@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from gateway.gateway_config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+from gateway.gateway_config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, BindError
 from gateway.log_setup import LEVELS, configure_logging
 
 
@@ -58,7 +58,11 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"bucketserve serve: {exc}", file=sys.stderr)
         return 2
-    return runner.run()
+    try:
+        return runner.run()
+    except BindError as exc:  # a port taken: the message says which key or flag to change
+        print(f"bucketserve serve: {exc}", file=sys.stderr)
+        return 1
 
 
 def run_check(args: argparse.Namespace, out: TextIO | None = None) -> int:

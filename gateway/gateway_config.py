@@ -13,6 +13,10 @@ DEFAULT_GRPC_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
 
 
+class BindError(OSError):
+    """A front end could not bind its port; the message names the key and flag to change."""
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """Port 0 picks a free port (tests); `http_port=None` serves gRPC only.

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.access_log import AccessLog
 from gateway.admission import Admission
-from gateway.gateway_config import GatewayConfig
+from gateway.gateway_config import BindError, GatewayConfig
 from gateway.grpc_servicer import GenerationServicer
 from gateway.proto.bucketserve.v1 import serving_pb2 as pb
 from gateway.proto.bucketserve.v1 import serving_pb2_grpc as pb_grpc
@@ -46,7 +46,10 @@ class GrpcServer:
         else:
             self.port = self.server.add_insecure_port(address)
         if not self.port:
-            raise OSError(f"cannot bind gRPC to {address}; is the port in use?")
+            raise BindError(
+                f"cannot bind gRPC to {address}: is the port in use? "
+                "Choose another port with gateway.grpc_port or --grpc-port"
+            )
         await self.server.start()
         await self._set_health(True)
         return self.port

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -22,7 +23,7 @@ from gateway.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
-from gateway.gateway_config import GatewayConfig
+from gateway.gateway_config import BindError, GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import OpenAIApi
 from gateway.openai_format import error_body
@@ -67,7 +68,16 @@ class HttpServer:
         site = web.TCPSite(
             self.runner, self.config.host, self.config.http_port, ssl_context=self._ssl()
         )
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.runner.cleanup()
+            where = f"{self.config.host}:{self.config.http_port}"
+            reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+            raise BindError(
+                f"cannot bind HTTP to {where}: {reason}. "
+                "Choose another port with gateway.http_port or --http-port"
+            ) from None
         self.port = int(self.runner.addresses[0][1])
         return self.port
 

@@ -21,6 +21,7 @@ from bucketserve import (
     SamplingParams,
     UnavailableError,
 )
+from gateway.gateway_config import BindError
 from tests.gateway.conftest import start_server, wait_for, wait_until_idle
 
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -101,3 +102,13 @@ def test_tls_from_config(loop_thread: Any, backend: Any, certificate: tuple[Path
             assert response.status == 200
     finally:
         loop_thread.run(server.stop(0))
+
+
+def test_a_taken_http_port_is_a_clear_error_naming_the_key_and_flag(
+    loop_thread: Any, backend: Any, open_server: Any
+) -> None:
+    taken = open_server.http.port
+    with pytest.raises(BindError, match=rf":{taken}: address already in use\. .*--http-port"):
+        start_server(loop_thread, backend, http_port=taken)
+    with urllib.request.urlopen(f"{open_server.http_url}/health", timeout=10) as reply:
+        assert reply.status == 200  # the running server is untouched
