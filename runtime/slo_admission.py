@@ -3,7 +3,7 @@ its TPOT target or an admitted prompt its TTFT target (torch-free)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from runtime.scheduler_output import SchedulerOutput
 from runtime.sequence import Sequence
@@ -87,7 +87,7 @@ class SloAdmission:
         return sum(seq.num_uncomputed_tokens - 1 for seq in running)  # a decoding row: 1
 
     def allows(
-        self, candidate: Sequence, running: Iterable[Sequence], now: float, backlog: int
+        self, candidate: Sequence, running: Collection[Sequence], now: float, backlog: int
     ) -> bool:
         """`backlog`: `backlog(running)`, which the caller has for `lead_s` already."""
         times = self.times
@@ -119,7 +119,7 @@ class SloAdmission:
         return False
 
     def _keeps_first_tokens(
-        self, candidate: Sequence, running: Iterable[Sequence], now: float, backlog: int
+        self, candidate: Sequence, running: Collection[Sequence], now: float, backlog: int
     ) -> bool:
         """No admitted prompt that can still make its TTFT deadline loses it to the
         candidate: prompts admitted together are computed in one step (up to the token
@@ -128,7 +128,7 @@ class SloAdmission:
         times = self.times
         assert times.decode_s is not None and times.prefill_token_s is not None
         first_token = now + times.decode_s + backlog * times.prefill_token_s
-        later = first_token + candidate.num_uncomputed_tokens * times.prefill_token_s
+        later = now + self.lead_s(candidate, backlog)
         return not any(
             seq.ttft_deadline is not None
             and not seq.num_output_tokens

@@ -284,7 +284,7 @@ def main() -> None:
     }
     report = {
         "command": " ".join(sys.argv),
-        "workload": vars(args) | {"out": str(args.out), "add_to": str(args.add_to)},
+        "workload": vars(args) | {"out": str(args.out), "add_to": args.add_to and str(args.add_to)},
         "interleaved": not args.sequential,
         "added_to": earlier and {"command": earlier["command"], "path": str(args.add_to)},
         "startup_s": startup,

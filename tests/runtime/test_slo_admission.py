@@ -160,11 +160,12 @@ def test_a_prompt_waits_rather_than_push_an_admitted_one_past_its_first_token_de
     admitted = seq("admitted", 500)  # admitted, not computed: first token at now + 0.1 + 0.499
     admitted.status = SequenceStatus.RUNNING
     admitted.ttft_deadline = now + 0.9
-    assert admits(slo, seq("fits", 300), [admitted], now)  # the step ends at now + 0.899
-    assert not admits(slo, seq("too_big", 302), [admitted], now)  # now + 0.901
+    # the candidate's lead: 0.1 + (499 + its tokens - 1) x 0.001
+    assert admits(slo, seq("fits", 301), [admitted], now)  # the step ends at now + 0.899
+    assert not admits(slo, seq("too_big", 303), [admitted], now)  # now + 0.901
     assert slo.num_holds == 1
     admitted.ttft_deadline = now + 0.5  # lost whatever waits: not protected
-    assert admits(slo, seq("too_big", 302), [admitted], now)
+    assert admits(slo, seq("too_big", 303), [admitted], now)
     admitted.ttft_deadline = now + 0.9
     admitted.token_ids.append(5)  # its first token is out
-    assert admits(slo, seq("too_big", 302), [admitted], now)
+    assert admits(slo, seq("too_big", 303), [admitted], now)
