@@ -1,10 +1,11 @@
-"""Eager vs graphs execution on CPU, in one run: the offline workload's tok/s, the decode
-step at batch 1/8/32, warm-up time of the default shape-bucket set, the compile time of one
-graph miss and the prefill padding share.
+"""Eager vs graphs execution on one device, in one run: the offline workload's tok/s, the
+decode step at batch 1/8/32, warm-up time of the default shape-bucket set, the compile time
+of one graph miss and the prefill padding share.
 
-Graphs mode compiles each shape bucket with inductor (static shapes). The inductor cache
-goes to a fresh directory, so every compile here is a cold one (a restarted worker on the
-same machine finds its graphs in the cache and compiles far faster).
+Graphs mode compiles each shape bucket with the device's backend (`Device.graph_backend`):
+inductor with static shapes on CPU, a captured CUDA graph per bucket on CUDA. The inductor
+cache goes to a fresh directory, so every compile here is a cold one (a restarted worker on
+the same machine finds its graphs in the cache and compiles far faster).
 
 - offline: `runtime.LLM` over the offline workload (offline_throughput's prompts, greedy).
   In graphs mode a first pass compiles the step shapes it meets (powers of two, see
@@ -15,15 +16,20 @@ same machine finds its graphs in the cache and compiles far faster).
   `--warmup-sample` buckets spread over it are compiled and timed, and the total is that
   median times the bucket count (`--warmup-sample 0`: all of them, measured).
 - miss: the compile seconds of a decode batch beyond every warmed bucket (2 x
-  `--max-num-seqs` rows).
+  `--max-num-seqs` rows, at least 64).
 
     flock /tmp/bench.lock python -m benchmarks.graph_modes \\
         --out benchmarks/results/graph_modes.json
+
+On a GPU box without the SmolLM2 weights: `--device cuda --dtype bfloat16 --model DIR
+--random-weights --ignore-eos`, DIR holding config.json and the tokenizer
+(`benchmarks.random_model --config-only`); benchmarks/device_check.sh does that.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import tempfile
@@ -31,6 +37,7 @@ import time
 from typing import Any
 
 MODES = ("eager", "graphs")
+DECODE_BATCHES = (1, 8, 32)
 
 
 def decode_step_ms(runner, batch: int, context: int, iters: int, graphs: bool) -> float:
@@ -58,10 +65,12 @@ def decode_step_ms(runner, batch: int, context: int, iters: int, graphs: bool) -
     return 1000 * statistics.median(times)
 
 
-def offline(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+def offline(
+    llm, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False
+) -> dict[str, Any]:
     from runtime.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
@@ -73,9 +82,9 @@ def offline(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
 def warmup_set(args: argparse.Namespace, block_size: int) -> list[tuple[int, int, int]]:
     """The default buckets (prompt ones as the runner's shapes: query blocks added)."""
     from bucket_manager.shape_buckets import ShapeBuckets
-    from controller.service_limits import default_buckets
+    from controller.service_limits import ServiceLimits
 
-    config = default_buckets(args.warmup_max_model_len, block_size, args.max_num_seqs)
+    config = ServiceLimits.default_buckets(args.warmup_max_model_len, block_size, args.max_num_seqs)
     shapes = ShapeBuckets(config.shape_buckets, log=False)
     prompt = [(b, q, c + -(-q // block_size)) for b, q, c in shapes.prompt]
     per_seq = -(-args.warmup_max_model_len // block_size)
@@ -85,16 +94,19 @@ def warmup_set(args: argparse.Namespace, block_size: int) -> list[tuple[int, int
 def run_mode(mode: str, args: argparse.Namespace, prompts) -> dict[str, Any]:
     from runtime.llm import LLM
 
-    llm = LLM(args.model, dtype="float32", device="cpu", max_num_seqs=args.max_num_seqs,
-              execution=mode, max_model_len=args.max_model_len)
+    extra = {} if args.kv_memory_fraction is None else {
+        "kv_memory_fraction": args.kv_memory_fraction}
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+              execution=mode, max_model_len=args.max_model_len, **extra)
     runner = llm.engine.runner
     out: dict[str, Any] = {}
     start = time.perf_counter()
-    first = offline(llm, prompts, args.max_new_tokens)
+    first = offline(llm, prompts, args.max_new_tokens, args.ignore_eos)
     out["first_pass_s"] = time.perf_counter() - start
     stats = runner.graph_stats
     misses0 = stats.misses if stats else 0
-    runs = [offline(llm, prompts, args.max_new_tokens) for _ in range(args.repeats)]
+    runs = [offline(llm, prompts, args.max_new_tokens, args.ignore_eos)
+            for _ in range(args.repeats)]
     out["tok_s"] = statistics.median(r["tok_s"] for r in runs)
     out["tok_s_runs"] = [r["tok_s"] for r in runs]
     out["same_tokens_as_first_pass"] = all(r["token_ids"] == first["token_ids"] for r in runs)
@@ -108,10 +120,16 @@ def run_mode(mode: str, args: argparse.Namespace, prompts) -> dict[str, Any]:
         out["prefill_padding_share"] = 0.0
     out["decode_step_ms"] = {
         b: decode_step_ms(runner, b, args.decode_context, args.iters, mode == "graphs")
-        for b in (1, 8, 32)
+        for b in DECODE_BATCHES
     }
     if mode == "graphs":
         out |= warmup_and_miss(args, runner)
+    del llm, runner  # the next mode's KV pool sizes itself from the memory this frees
+    gc.collect()
+    if args.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
     return out
 
 
@@ -127,8 +145,9 @@ def warmup_and_miss(args: argparse.Namespace, runner) -> dict[str, Any]:
     stats = runner.graph_stats
     before = stats.miss_compile_s
     misses = stats.misses
-    # a decode batch of 2 x max_num_seqs rows: beyond every bucket, the offline pass's too
-    decode_step_ms(runner, 2 * args.max_num_seqs, args.decode_context, 1, graphs=False)
+    # beyond every bucket: the default set's, the offline pass's and the decode steps' (32)
+    rows = 2 * max(args.max_num_seqs, max(DECODE_BATCHES))
+    decode_step_ms(runner, rows, args.decode_context, 1, graphs=False)
     assert stats.misses == misses + 1
     return {
         "warmup_buckets": len(buckets),
@@ -153,6 +172,14 @@ def main() -> None:
     parser.add_argument("--warmup-max-model-len", type=int, default=1024)
     parser.add_argument("--warmup-sample", type=int, default=8)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:<i> or hpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-memory-fraction", type=float, default=None)
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="every request makes --max-new-tokens tokens")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="seeded random weights shaped like --model (its config.json and "
+                        "tokenizer alone are read); use with --ignore-eos")
     parser.add_argument("--out", default="benchmarks/results/graph_modes.json")
     args = parser.parse_args()
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
@@ -162,19 +189,40 @@ def main() -> None:
     from runtime.tokenizer import Tokenizer
     from runtime.weights import resolve_model
 
+    if args.random_weights:
+        from pathlib import Path
+
+        from benchmarks.random_model import random_model
+
+        like = Path(args.model) if args.model else resolve_model(None)
+        args.model = str(random_model(like, Path(tempfile.mkdtemp(prefix="random-model-"))))
     tokenizer = Tokenizer.from_dir(resolve_model(args.model))
     prompts = encode_chats(tokenizer, chat_prompts(args.num_prompts))
     results = {mode: run_mode(mode, args, prompts) for mode in MODES}
     eager, graphs = results["eager"], results["graphs"]
     same = eager.pop("token_ids") == graphs.pop("token_ids")
+    hardware = device_name(args.device)
+    print(f"{hardware}, {args.dtype}, model {args.model or 'embedded SmolLM2'}"
+          f"{' (random weights)' if args.random_weights else ''}")
     print_table(eager, graphs, same)
-    write_json({"args": vars(args), "same_tokens": same, **results}, args.out)
+    write_json({"args": vars(args), "hardware": hardware, "same_tokens": same, **results},
+               args.out)
+
+
+def device_name(device: str) -> str:
+    import platform
+
+    import torch
+
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
+    return f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
 
 
 def print_table(eager: dict, graphs: dict, same: bool) -> None:
     rows = [("offline tok/s", eager["tok_s"], graphs["tok_s"])]
     rows += [(f"decode step b={b} ms", eager["decode_step_ms"][b], graphs["decode_step_ms"][b])
-             for b in (1, 8, 32)]
+             for b in DECODE_BATCHES]
     rows.append(("prefill padding share", eager["prefill_padding_share"],
                  graphs["prefill_padding_share"]))
     print(f"{'':28} {'eager':>10} {'graphs':>10}")

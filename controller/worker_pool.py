@@ -306,8 +306,14 @@ class WorkerPool:
         return await handle.warm_up()
 
     def _all_on_accelerators(self) -> bool:
+        """Every worker on one accelerator kind, and no prefill worker on a chip a decode
+        worker uses: NCCL refuses two ranks of a group on one GPU ("Duplicate GPU")."""
         kinds = {info["device_type"] for info in self.infos.values()}
-        return len(kinds) == 1 and kinds <= set(_COLLECTIVE_DEVICES)
+        if len(kinds) != 1 or not kinds <= set(_COLLECTIVE_DEVICES):
+            return False
+        chips = {role: set().union(*(_chips(i) for i in self.infos.values() if i["role"] == role))
+                 for role in ("prefill", "decode")}
+        return not chips["prefill"] & chips["decode"]
 
     async def _form_collective(self, revived: WorkerHandle | None = None) -> None:
         """Form one KV group per prefill/decode pair, or after a restart only the pairs of the
@@ -360,3 +366,13 @@ def _check_feasible(options: list[dict[str, Any]], cluster: dict[str, float]) ->
             f"the workers cannot all be placed ({detail}); lower num_prefill / num_decode, "
             "change the placement, or add nodes"
         )
+
+
+def _chips(info: dict) -> set[str]:
+    """The physical accelerators a worker computes on: the ids Ray assigned it on its node,
+    else (one process, local mode) its device."""
+    node = info.get("node_id") or "local"
+    ids = info.get("accelerator_ids") or {}
+    if ids:
+        return {f"{node}/{kind}:{i}" for kind, values in ids.items() for i in values}
+    return {f"{node}/{info['device']}"}

@@ -95,13 +95,25 @@ class CollectiveTransport(KVTransport):
         that is not named keeps its group and its stream."""
         with ThreadPoolExecutor(max(1, len(pairs))) as pool:
             groups = list(pool.map(
-                lambda p: pair_group(backend, host, port, p.prefix, p.rank, timeout_s), pairs
+                lambda p: self._form(backend, host, port, p, timeout_s), pairs
             ))
         for pair, group in zip(pairs, groups, strict=True):
             if pair.rank == SENDER_RANK:
                 self._out[pair.peer] = _Outbound(group)
             else:
                 self._in[pair.peer] = _Inbound(group)
+
+    def _form(self, backend: str, host: str, port: int, pair: PairSpec, timeout_s: float) -> Any:
+        """The pair's group, its communicator formed now by one handshake message: NCCL
+        forms it at the first send and recv, which would otherwise be the first batch's,
+        whose recv waits for that send to finish (a deadlock)."""
+        group = pair_group(backend, host, port, pair.prefix, pair.rank, timeout_s)
+        token = torch.zeros(1, dtype=torch.int32, device=self.device)
+        if pair.rank == SENDER_RANK:
+            group.send([token], RECEIVER_RANK, 0).wait()
+        else:
+            group.recv([token], SENDER_RANK, 0).wait()
+        return group
 
     def peers(self) -> list[str]:
         return sorted({*self._out, *self._in})

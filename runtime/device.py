@@ -248,9 +248,10 @@ class Device:
 
     def free_memory(self) -> int:
         """Bytes that can still be allocated on this device."""
-        if self.type == "cuda":
+        if self.type == "cuda":  # blocks torch's caching allocator holds unused are free too
             free, _ = torch.cuda.mem_get_info(self.torch_device)
-            return int(free)
+            cached = torch.cuda.memory_reserved(self.torch_device)
+            return int(free + cached - torch.cuda.memory_allocated(self.torch_device))
         if self.type == "hpu":
             hpu = importlib.import_module("habana_frameworks.torch.hpu")
             stats = hpu.memory_stats()

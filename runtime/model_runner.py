@@ -302,6 +302,7 @@ class ModelRunner:
         if pad_to is not None:
             parts = [(np.arange(len(seqs)), pad_to)]
         else:
+            self.inputs.validate(seqs, num_new_tokens, padded=False)  # before rows are grouped
             counts = np.asarray(num_new_tokens)
             parts = []
             # decode rows together; prefill rows grouped by query length (a power of two),

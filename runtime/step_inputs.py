@@ -90,7 +90,13 @@ class InputBuilder:
             return (len(seqs), 1, sum(blocks))
         return (len(seqs), max(num_new_tokens), max(blocks))
 
-    def validate(self, seqs: list[Sequence], num_new_tokens: list[int]) -> None:
+    def validate(
+        self, seqs: list[Sequence], num_new_tokens: list[int], padded: bool = True
+    ) -> None:
+        """ValueError naming what is wrong with a step; no rows at all only when `padded`
+        (warm-up runs a shape on dummy rows)."""
+        if not seqs and not padded:
+            raise ValueError("execute needs at least one sequence")
         if len(seqs) != len(num_new_tokens):
             raise ValueError(f"{len(seqs)} sequences but {len(num_new_tokens)} num_new_tokens")
         for seq, n in zip(seqs, num_new_tokens, strict=True):
@@ -125,9 +131,7 @@ class InputBuilder:
     ) -> StepInputs:
         """Device tensors for a step (validated first); the logits rows of prompt-logprob
         `spans` follow the sequences' own."""
-        self.validate(seqs, num_new_tokens)
-        if not seqs and pad_to is None:
-            raise ValueError("execute needs at least one sequence")
+        self.validate(seqs, num_new_tokens, padded=pad_to is not None)
         b = _Batch(seqs, num_new_tokens, self.block_size)
         rows, max_q, max_blocks = b.n, int(b.qlens.max(initial=1)), int(b.nblocks.max(initial=1))
         if pad_to is not None:

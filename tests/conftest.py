@@ -34,6 +34,23 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def accelerator_in_float32() -> Any:
+    """On a GPU box the runtime tests run on the GPU (device "auto") in float32, so they
+    meet transformers' float32 reference as they do on CPU (bf16, the GPU default, flips
+    greedy tokens). Nothing changes where no GPU is visible."""
+    import torch
+
+    if not torch.cuda.is_available():
+        yield
+        return
+    from runtime.device import Device
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Device, "default_dtype", property(lambda self: torch.float32))
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tokenizer.json + tokenizer_config.json extracted from the embedded GGUF (no weights).

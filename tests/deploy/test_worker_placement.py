@@ -85,6 +85,30 @@ def test_auto_transport_is_collective_only_when_every_worker_is_on_one_accelerat
     types: list[str], collective: bool
 ) -> None:
     pool = WorkerPool(ControllerConfig(), BucketManagerConfig())
-    pool.infos = {f"w-{i}": {"device": f"Device({t}:0)", "device_type": t}
+    pool.infos = {f"w-{i}": {"device": f"Device({t}:0)", "device_type": t, "node_id": "n",
+                             "role": ("prefill", "decode")[i],
+                             "accelerator_ids": {t.upper(): [str(i)]}}
                   for i, t in enumerate(types)}
+    assert pool._all_on_accelerators() is collective
+
+
+@pytest.mark.parametrize(
+    ("placed", "collective"),
+    [
+        ([("n1", ["0"]), ("n1", ["1"])], True),  # two GPUs of one node
+        ([("n1", ["0"]), ("n2", ["0"])], True),  # GPU 0 of two nodes
+        ([("n1", ["0"]), ("n1", ["0"])], False),  # halves of one GPU: NCCL's "Duplicate GPU"
+        ([("n1", ["0", "1"]), ("n1", ["1"])], False),  # a pipelined prefill shares GPU 1
+        ([("local", []), ("local", [])], False),  # local mode: one process, one cuda:0
+    ],
+)
+def test_auto_transport_is_not_collective_when_prefill_and_decode_share_a_gpu(
+    placed: list[tuple[str, list[str]]], collective: bool
+) -> None:
+    pool = WorkerPool(ControllerConfig(), BucketManagerConfig())
+    pool.infos = {
+        role: {"device": "Device(cuda:0)", "device_type": "cuda", "node_id": node,
+               "role": role, "accelerator_ids": {"GPU": ids} if ids else {}}
+        for role, (node, ids) in zip(("prefill", "decode"), placed, strict=True)
+    }
     assert pool._all_on_accelerators() is collective

@@ -1,6 +1,8 @@
-"""The collective KV transport's ordered streams over real gloo groups, with tags ignored as
-NCCL and HCCL ignore them: two batches in flight, an expired lease, a failed prefill, a
-restarted peer, and a backend registered as a plugin (the way Habana registers HCCL)."""
+"""The collective KV transport's ordered streams over real gloo groups that behave as NCCL
+does where it matters (tags ignored; the communicator formed at the pair's first send and
+recv, each blocking until the other side's arrives): two batches in flight, an expired lease,
+a failed prefill, a restarted peer, and a backend registered as a plugin (the way Habana
+registers HCCL)."""
 
 from __future__ import annotations
 
@@ -24,18 +26,28 @@ from kv_transfer.transport import TransferError
 FMT = KVFormat(dtype="float32", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
 
 
-class TagBlindGroup:
-    """Hands every send and recv to gloo with tag 0, so only posting order can match them."""
+class NcclLikeGroup:
+    """Hands every send and recv to gloo with tag 0, so only posting order can match them;
+    the first op on each side waits (5 s at most) for the other side's first op, as NCCL's
+    lazily formed communicator does."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, formed: threading.Barrier) -> None:
         self.group = group
+        self.formed: threading.Barrier | None = formed
         self.tags: set[int] = set()
 
+    def _first_op(self) -> None:
+        if self.formed is not None:
+            self.formed.wait()  # BrokenBarrierError when the peer never arrives
+            self.formed = None
+
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        self._first_op()
         self.tags.add(tag)
         return self.group.send(tensors, dst, 0)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        self._first_op()
         self.tags.add(tag)
         return self.group.recv(tensors, src, 0)
 
@@ -46,9 +58,17 @@ def store() -> Any:
 
 
 @pytest.fixture(autouse=True)
-def tag_blind(monkeypatch: pytest.MonkeyPatch) -> None:
+def nccl_like(monkeypatch: pytest.MonkeyPatch) -> None:
     real = collective_group.pair_group
-    monkeypatch.setattr(collective, "pair_group", lambda *a: TagBlindGroup(real(*a)))
+    barriers: dict[str, threading.Barrier] = {}
+    lock = threading.Lock()
+
+    def pair_group(backend: str, host: str, port: int, prefix: str, *rest: Any) -> Any:
+        with lock:
+            formed = barriers.setdefault(prefix, threading.Barrier(2, timeout=5.0))
+        return NcclLikeGroup(real(backend, host, port, prefix, *rest), formed)
+
+    monkeypatch.setattr(collective, "pair_group", pair_group)
 
 
 def connect(store: Any, links: list[tuple[CollectiveTransport, CollectiveTransport]],

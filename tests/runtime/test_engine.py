@@ -8,6 +8,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from runtime.engine import LLMEngine
 from runtime.llm import LLM
@@ -235,6 +236,11 @@ def test_abort_during_a_pipelined_flight_frees_blocks_when_it_lands(tiny_runner)
     assert engine.block_manager.num_free_blocks == 96
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="on CUDA the bad id trips a device-side assert, which poisons the process's CUDA "
+    "context: the worker is restarted instead (the controller's fault recovery)",
+)
 def test_a_failing_microbatch_ends_its_requests_with_an_error(tiny_runner):
     engine = LLMEngine.from_kwargs(runner=tiny_runner)
     bad = engine.add_request([5, 6, 7], GREEDY)

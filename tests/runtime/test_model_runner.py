@@ -170,7 +170,12 @@ def test_prefill_decode_handoff_through_kv_export(runner, tiny_model_dir):
     assert generate(decode_runner, seqs, 5, decode_blocks) == reference
 
 
-def test_bad_steps_raise_and_change_nothing(runner):
+@pytest.mark.parametrize("execution", ["eager", "graphs"])
+def test_bad_steps_raise_and_change_nothing(tiny_model_dir, execution):
+    """Validated before anything runs, in both modes (graphs mode groups rows first)."""
+    runner = ModelRunner(ModelRunnerConfig(
+        model=str(tiny_model_dir), block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, execution=execution
+    ))
     seq = new_seqs([[5, 6, 7, 8, 9]])[0]
     seq.block_table = [1, 2]
     pool = runner.kv_cache.kv.clone()
@@ -233,7 +238,8 @@ def test_kv_pool_sized_from_cpu_cap(tiny_model_dir):
     assert per_block == 2 * 2 * BLOCK * 2 * 16 * 4
     runner = ModelRunner(
         ModelRunnerConfig(
-            model=str(tiny_model_dir), block_size=BLOCK, cpu_kv_cache_bytes=10 * per_block
+            model=str(tiny_model_dir), block_size=BLOCK, cpu_kv_cache_bytes=10 * per_block,
+            device="cpu",
         )
     )
     assert runner.num_kv_blocks == 10
