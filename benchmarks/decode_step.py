@@ -70,9 +70,21 @@ def read_bandwidth() -> float:
     return big.numel() * 4 / timed(lambda: big.sum(), 5)
 
 
+def weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Every weight once, a Linear's by its shape (once packed, its plain tensor is gone)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            total += module.in_features * module.out_features * dtype.itemsize
+            total += 0 if module.bias is None else module.bias.numel() * dtype.itemsize
+        else:
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return total
+
+
 def step_bytes(runner: ModelRunner, batch: int, context: int) -> int:
     """What a decode step must read at least: every weight once, and each row's K/V."""
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weights = weight_bytes(runner.model, runner.dtype)
     c = runner.model_config
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * (context + 1) * batch
     return weights + kv * runner.kv_cache.dtype.itemsize

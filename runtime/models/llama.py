@@ -43,7 +43,12 @@ class Linear(nn.Linear):
     packed: tuple[torch.Tensor, ...] | None = None
 
     def pack(self, batch_hint: int, parts: int = 1) -> None:
-        self.packed = tuple(pack_weight(w, batch_hint) for w in self.weight.chunk(parts))
+        """From now on the GEMMs read packed copies, and the plain weight is dropped (it
+        would double the layer's memory) unless packing kept it as it was (no oneDNN)."""
+        chunks = self.weight.chunk(parts)
+        self.packed = tuple(pack_weight(w, batch_hint) for w in chunks)
+        if all(p is not w for p, w in zip(self.packed, chunks, strict=True)):
+            self.weight = nn.Parameter(self.weight.new_empty((0, self.in_features)), False)
 
     def gemm_weights(self, parts: int = 1) -> tuple[torch.Tensor, ...]:
         return self.packed if self.packed is not None else self.weight.chunk(parts)
@@ -270,8 +275,10 @@ class LlamaForCausalLM(nn.Module):
         return self.compute_logits(self.model.norm(x), rows)
 
     def pack_weights(self, batch_hint: int, head: bool = True) -> None:
-        """Eager CPU steps: every GEMM reads a copy of its weight packed for oneDNN (the
-        plain weights stay, for graphs, stages and checkpoints)."""
+        """Eager CPU steps: every GEMM reads a copy of its weight packed for oneDNN, which
+        replaces the plain weight; the embedding table stays beside the LM head's packed
+        copy of it (lookups read it). Graphs mode never packs: its compiled regions take
+        the plain weights as inputs."""
         for layer in self.model.layers:
             layer.self_attn.qkv_proj.pack(batch_hint)
             layer.self_attn.o_proj.pack(batch_hint)

@@ -292,3 +292,13 @@ def test_device_choice_on_a_cpu_machine():
             Device("cuda:0")
     x, w, b = torch.randn(5, 8), torch.randn(3, 8), torch.randn(3)
     torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+def test_packed_weights_replace_the_plain_ones(tiny_model_dir):
+    """Eager CPU steps read oneDNN-packed copies, so the plain Linear weights are dropped
+    rather than held twice (the packed model's tokens: test_greedy_generation_matches_...)."""
+    runner = ModelRunner(ModelRunnerConfig(model=str(tiny_model_dir), block_size=BLOCK,
+                                           num_kv_blocks=NUM_BLOCKS, device="cpu"))
+    linears = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
+    assert all(m.packed is not None and m.weight.numel() == 0 for m in linears)
