@@ -56,6 +56,7 @@ class WorkerPool:
         if self.config.transport == "auto" and self._all_on_accelerators():
             self.transport = "collective"
         if self.transport == "collective":
+            self._check_chips_apart()
             await self._form_collective()
         logger.info(
             "started %d prefill + %d decode workers (%s mode, %s transport)",
@@ -311,9 +312,30 @@ class WorkerPool:
         kinds = {info["device_type"] for info in self.infos.values()}
         if len(kinds) != 1 or not kinds <= set(_COLLECTIVE_DEVICES):
             return False
-        chips = {role: set().union(*(_chips(i) for i in self.infos.values() if i["role"] == role))
-                 for role in ("prefill", "decode")}
-        return not chips["prefill"] & chips["decode"]
+        try:
+            self._check_chips_apart()
+        except ValueError:
+            return False
+        return True
+
+    def _check_chips_apart(self) -> None:
+        """ValueError where a prefill and a decode worker share an accelerator: NCCL refuses
+        two ranks of a group on one GPU ("Duplicate GPU detected"), deep in the first
+        transfer otherwise."""
+        by_role = {role: [(n, _chips(i)) for n, i in self.infos.items() if i["role"] == role]
+                   for role in ("prefill", "decode")}
+        for p, p_chips in by_role["prefill"]:
+            for d, d_chips in by_role["decode"]:
+                shared = p_chips & d_chips
+                if shared and self.infos[p]["device_type"] in _COLLECTIVE_DEVICES:
+                    raise ValueError(
+                        f"controller.transport 'collective' needs each prefill and decode "
+                        f"worker on its own accelerator, but {p} and {d} share "
+                        f"{sorted(shared)[0]} (NCCL refuses two ranks on one GPU): set "
+                        "controller.transport to 'auto' or 'ray', or give each worker a whole "
+                        "card (controller.prefill.accelerator and controller.decode."
+                        "accelerator: gpu or hpu)"
+                    )
 
     async def _form_collective(self, revived: WorkerHandle | None = None) -> None:
         """Form one KV group per prefill/decode pair, or after a restart only the pairs of the

@@ -112,3 +112,18 @@ def test_auto_transport_is_not_collective_when_prefill_and_decode_share_a_gpu(
         for role, (node, ids) in zip(("prefill", "decode"), placed, strict=True)
     }
     assert pool._all_on_accelerators() is collective
+
+
+def test_an_explicit_collective_transport_on_a_shared_gpu_is_a_clear_error() -> None:
+    """NCCL would refuse the pair deep in its first transfer ("Duplicate GPU detected")."""
+    pool = WorkerPool(ControllerConfig(transport="collective"), BucketManagerConfig())
+    pool.infos = {
+        f"{role}-0": {"device": "Device(cuda:0)", "device_type": "cuda", "node_id": "n1",
+                      "role": role, "accelerator_ids": {"GPU": ["0"]}}
+        for role in ("prefill", "decode")
+    }
+    with pytest.raises(ValueError, match=r"prefill-0 and decode-0 share n1/GPU:0 .*"
+                                         r"controller.transport to 'auto' or 'ray'"):
+        pool._check_chips_apart()
+    pool.infos["decode-0"]["accelerator_ids"] = {"GPU": ["1"]}
+    pool._check_chips_apart()  # apart: nothing to say
