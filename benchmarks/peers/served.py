@@ -7,14 +7,14 @@ A bucketserve system is `bucketserve-<shape>` (Ray actors, the default) or
 `bucketserve-<shape>-local` (`controller.mode: local`: the workers on threads of the server
 process, no Ray).
 
-Every system is started first and waits idle (all of them together measured 0.07 busy cores
-on the 2-core VM) while one at a time serves a run; the runs interleave: for each seed, for
-each rate, every system in turn, the order rotating with the rate. A shared VM drifts by
-more than the systems differ between a sweep of one and a later sweep of the other (the
-same server, rate and seed measured 64 % and 96 % SLO attainment a day apart), so each
-rate's systems run minutes apart instead. `--sequential` runs one server at a time
-instead, each through the whole sweep, stopped before the next starts. `--add-to` fills
-a rate into an earlier report.
+One server at a time: each runs the whole sweep and is stopped before the next starts.
+`--interleaved` starts every system first and lets them take turns (for each seed, for
+each rate, every system, the order rotating with the rate): a shared VM drifts by more
+than the systems differ between a sweep of one and a later sweep of the other (the same
+server, rate and seed measured 64 % and 96 % SLO attainment a day apart), but the
+waiting servers keep using the cores (idle, ours about 7 % of a core and `vllm serve`
+about 2 %; a few percent of TPOT at 1 req/s). `--add-to` fills a rate into an earlier
+report.
 
 For every run: requests completed and failed, output tok/s, TTFT and TPOT p50/p90, and the
 share of requests meeting the SLO (TTFT <= 4 s and TPOT <= 0.25 s by default). Per system
@@ -213,8 +213,10 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=96)
     add_server_args(parser)
     parser.add_argument("--seeds", default="0", help="comma-separated; medians over them")
-    parser.add_argument("--sequential", action="store_true",
-                        help="one server at a time through the whole sweep")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="every server up at once, taking turns per rate (cancels "
+                        "drift; the idle ones share the cores)")
+    parser.add_argument("--sequential", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--add-to", type=Path, default=None,
                         help="an earlier served.json of the same systems and seeds: its runs "
                         "at other rates join this sweep's in the report (fills in a rate)")
@@ -243,7 +245,7 @@ def main() -> None:
         print(server.name, f"seed {seed}", json.dumps(row), flush=True)
 
     startup: dict[str, float] = {}
-    if args.sequential:
+    if not args.interleaved:  # one server at a time (--sequential: the default now)
         for system in systems:
             server = start(system, model, args)
             try:
@@ -285,7 +287,7 @@ def main() -> None:
     report = {
         "command": " ".join(sys.argv),
         "workload": vars(args) | {"out": str(args.out), "add_to": args.add_to and str(args.add_to)},
-        "interleaved": not args.sequential,
+        "interleaved": args.interleaved,
         "added_to": earlier and {"command": earlier["command"], "path": str(args.add_to)},
         "startup_s": startup,
         "runs": results,
