@@ -310,32 +310,32 @@ class WorkerPool:
         """Every worker on one accelerator kind, and no prefill worker on a chip a decode
         worker uses: NCCL refuses two ranks of a group on one GPU ("Duplicate GPU")."""
         kinds = {info["device_type"] for info in self.infos.values()}
-        if len(kinds) != 1 or not kinds <= set(_COLLECTIVE_DEVICES):
-            return False
-        try:
-            self._check_chips_apart()
-        except ValueError:
-            return False
-        return True
+        return len(kinds) == 1 and kinds <= set(_COLLECTIVE_DEVICES) and not self._shared_chip()
+
+    def _shared_chip(self) -> tuple[str, str, str] | None:
+        """(prefill worker, decode worker, chip) of the first pair on one accelerator."""
+        chips = {name: _chips(info) for name, info in self.infos.items()}
+        roles = {name: info["role"] for name, info in self.infos.items()}
+        for p in (n for n in chips if roles[n] == "prefill"):
+            for d in (n for n in chips if roles[n] == "decode"):
+                shared = chips[p] & chips[d]
+                if shared and self.infos[p]["device_type"] in _COLLECTIVE_DEVICES:
+                    return p, d, sorted(shared)[0]
+        return None
 
     def _check_chips_apart(self) -> None:
-        """ValueError where a prefill and a decode worker share an accelerator: NCCL refuses
-        two ranks of a group on one GPU ("Duplicate GPU detected"), deep in the first
-        transfer otherwise."""
-        by_role = {role: [(n, _chips(i)) for n, i in self.infos.items() if i["role"] == role]
-                   for role in ("prefill", "decode")}
-        for p, p_chips in by_role["prefill"]:
-            for d, d_chips in by_role["decode"]:
-                shared = p_chips & d_chips
-                if shared and self.infos[p]["device_type"] in _COLLECTIVE_DEVICES:
-                    raise ValueError(
-                        f"controller.transport 'collective' needs each prefill and decode "
-                        f"worker on its own accelerator, but {p} and {d} share "
-                        f"{sorted(shared)[0]} (NCCL refuses two ranks on one GPU): set "
-                        "controller.transport to 'auto' or 'ray', or give each worker a whole "
-                        "card (controller.prefill.accelerator and controller.decode."
-                        "accelerator: gpu or hpu)"
-                    )
+        """ValueError where a prefill and a decode worker share an accelerator, which NCCL
+        would refuse deep in the first transfer."""
+        shared = self._shared_chip()
+        if shared is not None:
+            p, d, chip = shared
+            raise ValueError(
+                f"controller.transport 'collective' needs each prefill and decode worker on "
+                f"its own accelerator, but {p} and {d} share {chip} (NCCL refuses two ranks "
+                "on one GPU): set controller.transport to 'auto' or 'ray', or give each "
+                "worker a whole card (controller.prefill.accelerator and "
+                "controller.decode.accelerator: gpu or hpu)"
+            )
 
     async def _form_collective(self, revived: WorkerHandle | None = None) -> None:
         """Form one KV group per prefill/decode pair, or after a restart only the pairs of the

@@ -196,7 +196,9 @@ class ModelRunner:
         pad_to: Shape | None = None,
         on_layer: LayerHook | None = None,
     ) -> list[int | None]:
-        """Run one step; returns each sequence's sampled token, or None for a partial chunk."""
+        """Run one step; returns each sequence's sampled token, or None for a partial chunk.
+        The step is validated here, once, before any path groups or pads its rows."""
+        self.inputs.validate(seqs, num_new_tokens, padded=pad_to is not None)
         spans = prompt_spans(seqs, num_new_tokens)
         if spans:
             logits = self._run_eager(seqs, num_new_tokens, None, on_layer, spans)
@@ -278,7 +280,7 @@ class ModelRunner:
         spans: list[PromptSpan] | None = None,
     ) -> torch.Tensor:
         """Logits of each sequence's last new token, then those of the `spans`."""
-        inputs = self.inputs.prepare(seqs, num_new_tokens, pad_to, spans)
+        inputs = self.inputs.build(seqs, num_new_tokens, pad_to, spans)
         logits = self._forward(inputs, on_layer)
         if on_layer is not None:
             on_layer(self.kv_cache.num_layers - 1)
@@ -302,7 +304,6 @@ class ModelRunner:
         if pad_to is not None:
             parts = [(np.arange(len(seqs)), pad_to)]
         else:
-            self.inputs.validate(seqs, num_new_tokens, padded=False)  # before rows are grouped
             counts = np.asarray(num_new_tokens)
             parts = []
             # decode rows together; prefill rows grouped by query length (a power of two),
@@ -336,8 +337,8 @@ class ModelRunner:
     def _prepare(self, seqs: list[Sequence], counts: list[int], shape: Shape) -> StepInputs:
         """A padded step's inputs: decode shapes `(batch, 1, blocks)` as a flat block list."""
         if shape[1] == 1:
-            return self.inputs.prepare_flat(seqs, counts, shape)
-        return self.inputs.prepare(seqs, counts, shape)
+            return self.inputs.build_flat(seqs, counts, shape)
+        return self.inputs.build(seqs, counts, shape)
 
     def _miss_shape(self, need: Shape) -> Shape:
         """The shape a step no warmed graph holds compiles: each dimension rounded up to a

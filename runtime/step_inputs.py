@@ -132,6 +132,16 @@ class InputBuilder:
         """Device tensors for a step (validated first); the logits rows of prompt-logprob
         `spans` follow the sequences' own."""
         self.validate(seqs, num_new_tokens, padded=pad_to is not None)
+        return self.build(seqs, num_new_tokens, pad_to, spans)
+
+    def build(
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        pad_to: Shape | None,
+        spans: list[PromptSpan] | None = None,
+    ) -> StepInputs:
+        """`prepare` of a step its caller has validated (`ModelRunner.execute`)."""
         b = _Batch(seqs, num_new_tokens, self.block_size)
         rows, max_q, max_blocks = b.n, int(b.qlens.max(initial=1)), int(b.nblocks.max(initial=1))
         if pad_to is not None:
@@ -195,13 +205,12 @@ class InputBuilder:
             write = t(np.where(slots >= 0, slots, self.null_block * self.block_size))
         return StepInputs(t(input_ids), t(positions), t(logits_rows), metadata, b.n, write)
 
-    def prepare_flat(
+    def build_flat(
         self, seqs: list[Sequence], num_new_tokens: list[int], pad_to: Shape
     ) -> StepInputs:
-        """A decode step at `pad_to = (B, 1, NB)`, NB the batch's total blocks as
+        """A validated decode step at `pad_to = (B, 1, NB)`, NB the batch's total blocks as
         vllm-gaudi counts them: the flat list of every row's blocks, each with its row and
         the slots that hold context (`attend_flat`)."""
-        self.validate(seqs, num_new_tokens)
         if any(n != 1 for n in num_new_tokens):
             raise ValueError("a decode shape (batch, 1, blocks) takes one new token per row")
         b = _Batch(seqs, num_new_tokens, self.block_size)
