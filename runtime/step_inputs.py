@@ -122,18 +122,6 @@ class InputBuilder:
                     f"seq {seq.seq_id}: block ids must be in [0, {self.num_blocks})"
                 )
 
-    def prepare(
-        self,
-        seqs: list[Sequence],
-        num_new_tokens: list[int],
-        pad_to: Shape | None,
-        spans: list[PromptSpan] | None = None,
-    ) -> StepInputs:
-        """Device tensors for a step (validated first); the logits rows of prompt-logprob
-        `spans` follow the sequences' own."""
-        self.validate(seqs, num_new_tokens, padded=pad_to is not None)
-        return self.build(seqs, num_new_tokens, pad_to, spans)
-
     def build(
         self,
         seqs: list[Sequence],
@@ -141,7 +129,8 @@ class InputBuilder:
         pad_to: Shape | None,
         spans: list[PromptSpan] | None = None,
     ) -> StepInputs:
-        """`prepare` of a step its caller has validated (`ModelRunner.execute`)."""
+        """Device tensors for a step its caller has validated (`validate`); the logits rows
+        of prompt-logprob `spans` follow the sequences' own."""
         b = _Batch(seqs, num_new_tokens, self.block_size)
         rows, max_q, max_blocks = b.n, int(b.qlens.max(initial=1)), int(b.nblocks.max(initial=1))
         if pad_to is not None:

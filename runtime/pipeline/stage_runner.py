@@ -65,7 +65,9 @@ class StageRunner(ModelRunner):
     def _run_stage(self, step: StageStep, hidden: torch.Tensor | None) -> StageOutput:
         seqs, counts = step.seqs, step.num_new_tokens
         spans = prompt_spans(seqs, counts) if self.spec.is_last else []
-        inputs = self.inputs.prepare(seqs, counts, self._stage_shape(step.pad_to), spans or None)
+        pad_to = self._stage_shape(step.pad_to)
+        self.inputs.validate(seqs, counts, padded=pad_to is not None)
+        inputs = self.inputs.build(seqs, counts, pad_to, spans or None)
         if hidden is not None:
             hidden = hidden.to(self.device.torch_device, non_blocking=True)
         out = self.model(inputs.input_ids, hidden, inputs.positions, self.kv_cache, inputs.metadata)
@@ -93,7 +95,7 @@ class StageRunner(ModelRunner):
             shape = self._stage_shape(shape)
             if shape is None:
                 continue
-            inputs = self.inputs.prepare([], [], shape)
+            inputs = self.inputs.build([], [], shape)
             hidden = None
             if not self.spec.is_first:
                 tokens = inputs.input_ids.shape[0]

@@ -154,22 +154,22 @@ def test_steps_with_prompt_chunks_take_the_varlen_kernel_and_decode_steps_the_de
     decoding.block_table, decoding.num_computed_tokens = [1, 2, 3], 39
     prompt.block_table = [4, 5]
 
-    mixed = builder.prepare([decoding, prompt], [1, 30], None).metadata
+    mixed = builder.build([decoding, prompt], [1, 30], None).metadata
     mixed.prepare(3, 64, torch.float32)
     assert mixed.varlen and mixed.groups[0].attn_mask is None
 
-    decode = builder.prepare([decoding], [1], None).metadata
+    decode = builder.build([decoding], [1], None).metadata
     decode.prepare(3, 64, torch.float32)
     assert not decode.varlen and decode.groups[0].context_lens is not None
 
-    padded = builder.prepare([prompt], [30], (1, 32, 2)).metadata
+    padded = builder.build([prompt], [30], (1, 32, 2)).metadata
     padded.prepare(3, 64, torch.float32)
     assert not padded.varlen and padded.groups[0].attn_mask is not None
 
-    untileable = builder.prepare([decoding, prompt], [1, 30], None).metadata
+    untileable = builder.build([decoding, prompt], [1, 30], None).metadata
     untileable.prepare(3, 72, torch.float32)
     assert not untileable.varlen
-    untileable_decode = builder.prepare([decoding], [1], None).metadata
+    untileable_decode = builder.build([decoding], [1], None).metadata
     untileable_decode.prepare(3, 72, torch.float32)
     assert untileable_decode.groups[0].context_lens is None
 
