@@ -29,8 +29,10 @@ On a GPU box without the SmolLM2 weights: `--device cuda --dtype bfloat16 --mode
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -182,7 +184,7 @@ def main() -> None:
                         "tokenizer alone are read); use with --ignore-eos")
     parser.add_argument("--out", default="benchmarks/results/graph_modes.json")
     args = parser.parse_args()
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", scratch_dir("inductor-"))
 
     from benchmarks.offline_throughput import write_json
     from benchmarks.workload import chat_prompts, encode_chats
@@ -195,7 +197,7 @@ def main() -> None:
         from benchmarks.random_model import random_model
 
         like = Path(args.model) if args.model else resolve_model(None)
-        args.model = str(random_model(like, Path(tempfile.mkdtemp(prefix="random-model-"))))
+        args.model = str(random_model(like, Path(scratch_dir("random-model-"))))
     tokenizer = Tokenizer.from_dir(resolve_model(args.model))
     prompts = encode_chats(tokenizer, chat_prompts(args.num_prompts))
     results = {mode: run_mode(mode, args, prompts) for mode in MODES}
@@ -207,6 +209,13 @@ def main() -> None:
     print_table(eager, graphs, same)
     write_json({"args": vars(args), "hardware": hardware, "same_tokens": same, **results},
                args.out)
+
+
+def scratch_dir(prefix: str) -> str:
+    """A temporary folder removed when the benchmark exits (a random model is 0.5 GB)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def device_name(device: str) -> str:

