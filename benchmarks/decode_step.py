@@ -45,13 +45,14 @@ def square_gemm_flops(fn, size: int = 2048) -> float:
 
 def model_gemm_flops(runner: ModelRunner, batch: int) -> float:
     """FLOP/s of exactly the decode step's GEMMs: every layer's weights, then the LM head,
-    as the step reads them (packed for oneDNN where the runner packs)."""
+    as the step reads them (packed for oneDNN or MKL where the runner packs)."""
     model = runner.model
     pairs = []  # (weight as the GEMM reads it, its plain shape)
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
             parts = m.packed or m.weight.chunk(1)
-            pairs += zip(parts, (p.shape for p in m.weight.chunk(len(parts))), strict=True)
+            shape = (m.out_features // len(parts), m.in_features)  # packed: no plain weight
+            pairs += [(part, shape) for part in parts]
     head = model.head_weight()
     pairs.append((model.packed_head if model.packed_head is not None else head, head.shape))
     inputs = {shape[1]: torch.randn(batch, shape[1]) for _, shape in pairs}

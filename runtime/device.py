@@ -5,14 +5,19 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib
+import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import psutil
 import torch
 import torch.nn.functional as F
+
+from runtime import mkl_sgemm
+from runtime.mkl_sgemm import PackedSgemm
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -24,14 +29,17 @@ DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
 }
 
+logger = logging.getLogger(__name__)
+
 GraphFn = Callable[..., torch.Tensor]
 EXECUTION_MODES = ("eager", "graphs")
 # how `graphs` mode compiles, per device: see Device.graph_backend
 GRAPH_BACKENDS = ("inductor", "hpu_backend", "hpu_graphs", "cuda_graphs")
 _CUDA_CAPTURE = threading.Lock()  # entering a capture syncs the device: one at a time
 
-# oneDNN's fp32 GEMM is ~2x MKL's on the AMD CPUs we run on (MKL picks a slow path there).
-# It also fuses an activation or a binary op into the GEMM's output, which saves a pass
+# oneDNN's fp32 GEMM is ~2x MKL's on the AMD CPUs we ran on (MKL picks a slow path there);
+# on an Intel Xeon MKL's packed sgemm is faster at decode batches (`cpu_gemm_backend`).
+# oneDNN also fuses an activation or a binary op into the GEMM's output, which saves a pass
 # over the activations (and, on a busy CPU, a parallel region) per fused op.
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 _USE_ONEDNN = _ONEDNN_LINEAR is not None and torch.backends.mkldnn.is_available()
@@ -83,44 +91,99 @@ def _binary(x, other, weight, bias, op):
     return _ONEDNN_LINEAR.binary(x, other, weight, bias, op)
 
 
-def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
-    """`weight [out, in]` in oneDNN's blocked layout for GEMMs of about `batch_hint` rows
-    (1.1-1.7x at decode batches; the plain layout is re-blocked inside every call), or
-    `weight` itself where oneDNN does not run it. Only the fused GEMMs below take the
-    result: it is opaque to every other op."""
+Weight = torch.Tensor | PackedSgemm  # what the GEMMs below take
+GEMM_ENV = "BUCKETSERVE_CPU_GEMM"  # auto (measure) | onednn | mkl
+GEMM_BACKENDS = ("onednn", "mkl")
+
+
+def pack_weight(weight: torch.Tensor, batch_hint: int, backend: str = "onednn") -> Weight:
+    """`weight [out, in]` packed once for GEMMs of about `batch_hint` rows by `backend`
+    (`cpu_gemm_backend`): oneDNN's blocked layout (1.1-1.7x at decode batches; the plain
+    layout is re-blocked inside every call) or MKL's packed sgemm (float32); or `weight`
+    itself where neither runs it. Only the GEMMs below take the result: it is opaque to
+    every other op."""
+    if backend == "mkl" and weight.dtype == torch.float32 and weight.device.type == "cpu":
+        return PackedSgemm(weight, batch_hint)
     if not _onednn(weight):
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, through oneDNN on CPU."""
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, through oneDNN or MKL's packed GEMM on CPU."""
+    if isinstance(weight, PackedSgemm):
+        out = weight(x)
+        return out if bias is None else out.add_(bias)
     if _onednn(x):
         return _pointwise(x, weight, bias, "none")
     return F.linear(x, weight, bias)
 
 
-def linear_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`silu(x @ weight.T)`, one fused GEMM on CPU."""
+def linear_silu(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """`silu(x @ weight.T)`, one fused GEMM on CPU (oneDNN)."""
+    if isinstance(weight, PackedSgemm):
+        return F.silu(weight(x), inplace=True)
     if _onednn(x):
         return _pointwise(x, weight, None, "swish")
     return F.silu(F.linear(x, weight))
 
 
-def linear_mul(x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """`(x @ weight.T) * other`, one fused GEMM on CPU."""
+def linear_mul(x: torch.Tensor, weight: Weight, other: torch.Tensor) -> torch.Tensor:
+    """`(x @ weight.T) * other`, one fused GEMM on CPU (oneDNN)."""
+    if isinstance(weight, PackedSgemm):
+        return weight(x).mul_(other)
     if _onednn(x):
         return _binary(x, other, weight, None, "mul")
     return F.linear(x, weight).mul_(other)
 
 
 def linear_add(
-    x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: Weight, other: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`x @ weight.T + bias + other` (a residual), one fused GEMM on CPU."""
+    """`x @ weight.T + bias + other` (a residual), one fused GEMM on CPU (oneDNN; MKL
+    accumulates into a copy of `other`)."""
+    if isinstance(weight, PackedSgemm):
+        out = weight(x, accumulate=other.contiguous().clone())
+        return out if bias is None else out.add_(bias)
     if _onednn(x):
         return _binary(x, other, weight, bias, "add")
     return F.linear(x, weight, bias).add_(other)
+
+
+@functools.cache
+def cpu_gemm_backend(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...], rows: int) -> str:
+    """Which packed GEMM runs a CPU model's `[out, in]` weight `shapes` (one layer's)
+    faster at `rows` rows on this CPU, measured once per process: oneDNN, or MKL's packed
+    sgemm (float32 only; on an Intel Xeon 1.1-1.3x oneDNN at 8-64 rows, on the AMD CPUs
+    we ran about half its speed). `BUCKETSERVE_CPU_GEMM=onednn|mkl` skips measuring."""
+    choice = os.environ.get(GEMM_ENV, "auto")
+    if choice not in ("auto", *GEMM_BACKENDS):
+        raise ValueError(f"{GEMM_ENV} must be auto, onednn or mkl, not {choice!r}")
+    mkl = dtype == torch.float32 and mkl_sgemm.available()
+    if choice == "mkl" and not mkl:
+        logger.warning("%s=mkl: MKL's packed sgemm does not run %s here; using oneDNN",
+                       GEMM_ENV, dtype)
+    if choice != "auto" or not mkl or dtype not in _ONEDNN_DTYPES or not _USE_ONEDNN:
+        return "mkl" if choice != "onednn" and mkl else "onednn"
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(shape, generator=generator) * 0.02 for shape in shapes]
+    inputs = [torch.randn(rows, shape[1], generator=generator) for shape in shapes]
+    seconds = {}
+    for backend in GEMM_BACKENDS:
+        packed = [pack_weight(w, rows, backend) for w in weights]
+        samples = []
+        for _ in range(7):
+            start = time.perf_counter()
+            for x, w in zip(inputs, packed, strict=True):
+                linear(x, w)
+            samples.append(time.perf_counter() - start)
+        seconds[backend] = sorted(samples)[len(samples) // 2]
+    best = min(seconds, key=seconds.__getitem__)
+    logger.info(
+        "CPU GEMMs: %s (%s at %d rows; %s=onednn|mkl picks one)",
+        best, ", ".join(f"{b} {1e3 * s:.2f} ms" for b, s in seconds.items()), rows, GEMM_ENV,
+    )
+    return best
 
 
 def _habana():

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 LayerHook = Callable[[int], None]
 
 
-# The GEMM row count oneDNN lays packed weights out for: a decode batch. Any row count
+# The GEMM row count packed weights are laid out for: a decode batch. Any row count
 # runs on them; prefill chunks (hundreds of rows) lose nothing measurable.
 _PACK_BATCH_HINT = 64
 

@@ -19,7 +19,15 @@ from runtime.attention import (
     write_kv,
     write_slots,
 )
-from runtime.device import linear, linear_add, linear_mul, linear_silu, pack_weight
+from runtime.device import (
+    Weight,
+    cpu_gemm_backend,
+    linear,
+    linear_add,
+    linear_mul,
+    linear_silu,
+    pack_weight,
+)
 from runtime.kv_cache import KVCache
 from runtime.model_config import ModelConfig, RopeScaling
 
@@ -40,17 +48,17 @@ class Linear(nn.Linear):
     """`nn.Linear` whose GEMM may read a packed copy of its weight (`pack`), split into
     `parts` row blocks when the GEMMs use parts of it (gate and up)."""
 
-    packed: tuple[torch.Tensor, ...] | None = None
+    packed: tuple[Weight, ...] | None = None
 
-    def pack(self, batch_hint: int, parts: int = 1) -> None:
-        """From now on the GEMMs read packed copies, and the plain weight is dropped (it
-        would double the layer's memory) unless packing kept it as it was (no oneDNN)."""
+    def pack(self, batch_hint: int, backend: str, parts: int = 1) -> None:
+        """From now on the GEMMs read packed copies (`pack_weight`), and the plain weight is
+        dropped (it would double the layer's memory) unless packing kept it as it was."""
         chunks = self.weight.chunk(parts)
-        self.packed = tuple(pack_weight(w, batch_hint) for w in chunks)
+        self.packed = tuple(pack_weight(w, batch_hint, backend) for w in chunks)
         if all(p is not w for p, w in zip(self.packed, chunks, strict=True)):
             self.weight = nn.Parameter(self.weight.new_empty((0, self.in_features)), False)
 
-    def gemm_weights(self, parts: int = 1) -> tuple[torch.Tensor, ...]:
+    def gemm_weights(self, parts: int = 1) -> tuple[Weight, ...]:
         return self.packed if self.packed is not None else self.weight.chunk(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -220,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, max_positions or config.max_position_embeddings)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.packed_head: torch.Tensor | None = None
+        self.packed_head: Weight | None = None
 
     @classmethod
     def build(
@@ -275,17 +283,27 @@ class LlamaForCausalLM(nn.Module):
         return self.compute_logits(self.model.norm(x), rows)
 
     def pack_weights(self, batch_hint: int, head: bool = True) -> None:
-        """Eager CPU steps: every GEMM reads a copy of its weight packed for oneDNN, which
-        replaces the plain weight; the embedding table stays beside the LM head's packed
-        copy of it (lookups read it). Graphs mode never packs: its compiled regions take
-        the plain weights as inputs."""
+        """Eager CPU steps: every GEMM reads a copy of its weight packed for oneDNN or MKL,
+        whichever measures faster here (`cpu_gemm_backend`), which replaces the plain
+        weight; the embedding table stays beside the LM head's packed copy of it (lookups
+        read it). Graphs mode never packs: its compiled regions take the plain weights."""
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        shapes = (  # one layer's GEMMs: qkv, o, gate and up, down
+            (q + 2 * kv, c.hidden_size),
+            (c.hidden_size, q),
+            (2 * c.intermediate_size, c.hidden_size),
+            (c.hidden_size, c.intermediate_size),
+        )
+        dtype = next(self.parameters()).dtype
+        backend = cpu_gemm_backend(dtype, shapes, batch_hint)
         for layer in self.model.layers:
-            layer.self_attn.qkv_proj.pack(batch_hint)
-            layer.self_attn.o_proj.pack(batch_hint)
-            layer.mlp.gate_up_proj.pack(batch_hint, parts=2)
-            layer.mlp.down_proj.pack(batch_hint)
+            layer.self_attn.qkv_proj.pack(batch_hint, backend)
+            layer.self_attn.o_proj.pack(batch_hint, backend)
+            layer.mlp.gate_up_proj.pack(batch_hint, backend, parts=2)
+            layer.mlp.down_proj.pack(batch_hint, backend)
         if head:
-            self.packed_head = pack_weight(self.head_weight(), batch_hint)
+            self.packed_head = pack_weight(self.head_weight(), batch_hint, backend)
 
     def head_weight(self) -> torch.Tensor:
         """The LM head's plain weight (the embedding's when tied)."""

@@ -17,6 +17,20 @@ BLOCK = 4
 NUM_BLOCKS = 48
 
 
+@pytest.fixture(params=["onednn", "mkl"])
+def gemm_backend(request, monkeypatch) -> str:
+    """Eager CPU GEMMs through oneDNN or MKL's packed sgemm, whichever a machine measures
+    faster (`cpu_gemm_backend`): both must give the same tokens."""
+    from runtime import device, mkl_sgemm
+
+    if request.param == "mkl" and not mkl_sgemm.available():
+        pytest.skip("this torch build carries no MKL packed sgemm")
+    monkeypatch.setenv(device.GEMM_ENV, request.param)
+    device.cpu_gemm_backend.cache_clear()
+    yield request.param
+    device.cpu_gemm_backend.cache_clear()
+
+
 @pytest.fixture
 def runner(tiny_model_dir) -> ModelRunner:
     config = ModelRunnerConfig(
@@ -74,7 +88,10 @@ def new_seqs(token_lists, **params) -> list[Sequence]:
     return [Sequence(t, SamplingParams(**{"temperature": 0, **params})) for t in token_lists]
 
 
-def test_greedy_generation_matches_transformers(runner, tiny_model_dir):
+def test_greedy_generation_matches_transformers(gemm_backend, tiny_model_dir):
+    runner = ModelRunner(
+        ModelRunnerConfig(model=str(tiny_model_dir), block_size=BLOCK, num_kv_blocks=NUM_BLOCKS)
+    )
     token_lists = prompts(3)
     got = generate(runner, new_seqs(token_lists), 6, Blocks())
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -248,7 +265,7 @@ def test_kv_pool_sized_from_cpu_cap(tiny_model_dir):
 
 
 @pytest.mark.smollm
-def test_smollm_batched_greedy_chat_matches_transformers(smollm_dir):
+def test_smollm_batched_greedy_chat_matches_transformers(smollm_dir, gemm_backend):
     config = ModelRunnerConfig(model=str(smollm_dir), block_size=BLOCK, num_kv_blocks=NUM_BLOCKS)
     runner = ModelRunner(config)
     tok = runner.tokenizer
@@ -294,11 +311,16 @@ def test_device_choice_on_a_cpu_machine():
     torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b))
 
 
-def test_packed_weights_replace_the_plain_ones(tiny_model_dir):
-    """Eager CPU steps read oneDNN-packed copies, so the plain Linear weights are dropped
-    rather than held twice (the packed model's tokens: test_greedy_generation_matches_...)."""
+def test_packed_weights_replace_the_plain_ones(tiny_model_dir, gemm_backend):
+    """Eager CPU steps read packed copies (oneDNN's or MKL's), so the plain Linear weights
+    are dropped rather than held twice (the packed model's tokens:
+    test_greedy_generation_matches_...)."""
+    from runtime.mkl_sgemm import PackedSgemm
+
     runner = ModelRunner(ModelRunnerConfig(model=str(tiny_model_dir), block_size=BLOCK,
                                            num_kv_blocks=NUM_BLOCKS, device="cpu"))
     linears = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
     assert all(m.packed is not None and m.weight.numel() == 0 for m in linears)
+    packed = [p for m in linears for p in m.packed] + [runner.model.packed_head]
+    assert all(isinstance(p, PackedSgemm) == (gemm_backend == "mkl") for p in packed)

@@ -1,0 +1,54 @@
+"""The packed CPU GEMMs (oneDNN's and MKL's) against F.linear, at row counts other than
+the one they were packed for, and the choice between them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime import device, mkl_sgemm
+from runtime.device import linear, linear_add, linear_mul, linear_silu, pack_weight
+
+BACKENDS = ["onednn", pytest.param("mkl", marks=pytest.mark.skipif(
+    not mkl_sgemm.available(), reason="this torch build carries no MKL packed sgemm"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rows", [0, 1, 5, 64, 130])
+def test_packed_gemms_match_f_linear(backend, rows):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(48, 40, generator=g), torch.randn(48, generator=g)
+    x = torch.randn(rows, 40, generator=g)
+    other = torch.randn(rows, 48, generator=g)
+    packed = pack_weight(w, 64, backend)
+    assert packed is not w
+    ref = F.linear(x, w, b)
+    other_before = other.clone()
+    torch.testing.assert_close(linear(x, packed, b), ref)
+    torch.testing.assert_close(linear_add(x, packed, other, b), ref + other)
+    torch.testing.assert_close(other, other_before)  # the residual is read, not written
+    torch.testing.assert_close(linear_silu(x, packed), F.silu(F.linear(x, w)))
+    torch.testing.assert_close(linear_mul(x, packed, other), F.linear(x, w) * other)
+    # a non-contiguous input (a column slice) reads the same rows
+    wide = torch.randn(rows, 80, generator=g)
+    torch.testing.assert_close(linear(wide[:, :40], packed), F.linear(wide[:, :40], w))
+
+
+def test_the_backend_choice(monkeypatch):
+    shapes = ((48, 40), (40, 48))
+    for choice in ("onednn", "mkl", "auto", "bogus"):
+        monkeypatch.setenv(device.GEMM_ENV, choice)
+        device.cpu_gemm_backend.cache_clear()
+        if choice == "bogus":
+            with pytest.raises(ValueError, match="BUCKETSERVE_CPU_GEMM must be auto, onednn"):
+                device.cpu_gemm_backend(torch.float32, shapes, 8)
+            continue
+        got = device.cpu_gemm_backend(torch.float32, shapes, 8)
+        if choice == "auto":
+            assert got in device.GEMM_BACKENDS
+        else:
+            assert got == (choice if mkl_sgemm.available() else "onednn")
+        # MKL's packed sgemm is float32 only
+        assert device.cpu_gemm_backend(torch.bfloat16, shapes, 8) == "onednn"
+    device.cpu_gemm_backend.cache_clear()
