@@ -143,7 +143,7 @@ def linear_add(
     """`x @ weight.T + bias + other` (a residual), one fused GEMM on CPU (oneDNN; MKL
     accumulates into a copy of `other`)."""
     if isinstance(weight, PackedSgemm):
-        out = weight(x, accumulate=other.contiguous().clone())
+        out = weight(x, accumulate=other.clone(memory_format=torch.contiguous_format))
         return out if bias is None else out.add_(bias)
     if _onednn(x):
         return _binary(x, other, weight, bias, "add")
@@ -159,12 +159,15 @@ def cpu_gemm_backend(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...], ro
     choice = os.environ.get(GEMM_ENV, "auto")
     if choice not in ("auto", *GEMM_BACKENDS):
         raise ValueError(f"{GEMM_ENV} must be auto, onednn or mkl, not {choice!r}")
-    mkl = dtype == torch.float32 and mkl_sgemm.available()
-    if choice == "mkl" and not mkl:
-        logger.warning("%s=mkl: MKL's packed sgemm does not run %s here; using oneDNN",
-                       GEMM_ENV, dtype)
-    if choice != "auto" or not mkl or dtype not in _ONEDNN_DTYPES or not _USE_ONEDNN:
-        return "mkl" if choice != "onednn" and mkl else "onednn"
+    if dtype != torch.float32 or not mkl_sgemm.available():
+        if choice == "mkl":
+            logger.warning("%s=mkl: MKL's packed sgemm does not run %s here; using oneDNN",
+                           GEMM_ENV, dtype)
+        return "onednn"
+    if choice != "auto":
+        return choice
+    if not _onednn(torch.empty(0, dtype=dtype)):
+        return "mkl"
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(shape, generator=generator) * 0.02 for shape in shapes]
     inputs = [torch.randn(rows, shape[1], generator=generator) for shape in shapes]

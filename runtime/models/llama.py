@@ -196,6 +196,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
+    def gemms(self) -> tuple[tuple[Linear, int], ...]:
+        """The layer's Linears, each with the number of row blocks its GEMMs use."""
+        attn, mlp = self.self_attn, self.mlp
+        return ((attn.qkv_proj, 1), (attn.o_proj, 1), (mlp.gate_up_proj, 2), (mlp.down_proj, 1))
+
     def forward(
         self,
         x: torch.Tensor,
@@ -287,21 +292,13 @@ class LlamaForCausalLM(nn.Module):
         whichever measures faster here (`cpu_gemm_backend`), which replaces the plain
         weight; the embedding table stays beside the LM head's packed copy of it (lookups
         read it). Graphs mode never packs: its compiled regions take the plain weights."""
-        c = self.config
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        shapes = (  # one layer's GEMMs: qkv, o, gate and up, down
-            (q + 2 * kv, c.hidden_size),
-            (c.hidden_size, q),
-            (2 * c.intermediate_size, c.hidden_size),
-            (c.hidden_size, c.intermediate_size),
-        )
+        gemms = self.model.layers[0].gemms()  # every stage holds at least one layer
+        shapes = tuple((m.out_features // parts, m.in_features) for m, parts in gemms)
         dtype = next(self.parameters()).dtype
         backend = cpu_gemm_backend(dtype, shapes, batch_hint)
         for layer in self.model.layers:
-            layer.self_attn.qkv_proj.pack(batch_hint, backend)
-            layer.self_attn.o_proj.pack(batch_hint, backend)
-            layer.mlp.gate_up_proj.pack(batch_hint, backend, parts=2)
-            layer.mlp.down_proj.pack(batch_hint, backend)
+            for module, parts in layer.gemms():
+                module.pack(batch_hint, backend, parts)
         if head:
             self.packed_head = pack_weight(self.head_weight(), batch_hint, backend)
 
