@@ -52,24 +52,35 @@ MODES = {"disagg-inprocess": "local", "disagg-ray": "ray"}
 TARGET = 1.15  # disaggregated wall time / engine wall time
 
 
-def controller_config(args: argparse.Namespace, mode: str, max_model_len: int) -> Any:
+def controller_config(
+    model: str | None,
+    mode: str,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_batched_tokens: int,
+    dtype: str = "float32",
+    prefill_threads: int | None = None,
+    decode_threads: int | None = None,
+) -> Any:
+    """1 prefill + 1 decode worker (`mode` local or ray), every other setting the service's
+    default."""
     from controller.config import ControllerConfig, PlacementConfig
     from controller.service_limits import ServiceLimits
     from runtime.model_runner import ModelRunnerConfig
     from runtime.scheduler import SchedulerConfig
 
-    runner = ModelRunnerConfig(args.model, dtype="float32", device="cpu")
-    buckets = ServiceLimits.default_buckets(max_model_len, runner.block_size, args.max_num_seqs)
-    batching = dataclasses.replace(buckets.batching, max_batched_tokens=args.max_batched_tokens)
+    runner = ModelRunnerConfig(model, dtype=dtype, device="cpu")
+    buckets = ServiceLimits.default_buckets(max_model_len, runner.block_size, max_num_seqs)
+    batching = dataclasses.replace(buckets.batching, max_batched_tokens=max_batched_tokens)
     return ControllerConfig(
         runner=runner,
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
         buckets=dataclasses.replace(buckets, batching=batching),
         shape="disaggregated",  # what this benchmark measures
         mode=mode,
         ray_init_kwargs={"log_to_driver": False},
-        prefill_placement=PlacementConfig(torch_threads=args.prefill_threads),
-        decode_placement=PlacementConfig(torch_threads=args.decode_threads),
+        prefill_placement=PlacementConfig(torch_threads=prefill_threads),
+        decode_placement=PlacementConfig(torch_threads=decode_threads),
     )
 
 
@@ -94,7 +105,11 @@ class Disagg:
         from controller.controller import Controller
 
         self.args = args
-        self.controller = Controller(controller_config(args, mode, max_model_len))
+        config = controller_config(
+            args.model, mode, max_model_len, args.max_num_seqs, args.max_batched_tokens,
+            prefill_threads=args.prefill_threads, decode_threads=args.decode_threads,
+        )
+        self.controller = Controller(config)
         self.runs = 0
 
     async def start(self, prompts: list[list[int]]) -> None:

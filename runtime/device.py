@@ -16,7 +16,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from runtime import mkl_sgemm
+from runtime import kernels, mkl_sgemm
 from runtime.mkl_sgemm import PackedSgemm
 
 DTYPES: dict[str, torch.dtype] = {
@@ -119,31 +119,28 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     return F.linear(x, weight, bias)
 
 
-def linear_silu(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """`silu(x @ weight.T)`, one fused GEMM on CPU (oneDNN)."""
-    if isinstance(weight, PackedSgemm):
-        return F.silu(weight(x), inplace=True)
+def linear_silu_mul(x: torch.Tensor, gate: Weight, up: Weight) -> torch.Tensor:
+    """SwiGLU's `silu(x @ gate.T) * (x @ up.T)`: on CPU two GEMMs with the rest fused into
+    them (oneDNN) or into one pass after them (MKL, the C kernel)."""
+    if isinstance(gate, PackedSgemm):
+        g, u = gate(x), up(x)
+        kernel = kernels.for_tensors(g.dtype, g.device)
+        return kernel.silu_mul(g, u, g) if kernel else F.silu(g, inplace=True).mul_(u)
     if _onednn(x):
-        return _pointwise(x, weight, None, "swish")
-    return F.silu(F.linear(x, weight))
-
-
-def linear_mul(x: torch.Tensor, weight: Weight, other: torch.Tensor) -> torch.Tensor:
-    """`(x @ weight.T) * other`, one fused GEMM on CPU (oneDNN)."""
-    if isinstance(weight, PackedSgemm):
-        return weight(x).mul_(other)
-    if _onednn(x):
-        return _binary(x, other, weight, None, "mul")
-    return F.linear(x, weight).mul_(other)
+        return _binary(x, _pointwise(x, gate, None, "swish"), up, None, "mul")
+    return F.silu(F.linear(x, gate)).mul_(F.linear(x, up))
 
 
 def linear_add(
     x: torch.Tensor, weight: Weight, other: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`x @ weight.T + bias + other` (a residual), one fused GEMM on CPU (oneDNN; MKL
-    accumulates into a copy of `other`)."""
+    """`x @ weight.T + bias + other` (a residual), one fused GEMM on CPU. `other` is
+    consumed: MKL accumulates into it in place when it is contiguous (callers pass a
+    residual stream they own), oneDNN fuses the add into the GEMM's output."""
     if isinstance(weight, PackedSgemm):
-        out = weight(x, accumulate=other.clone(memory_format=torch.contiguous_format))
+        if not other.is_contiguous():
+            other = other.contiguous()
+        out = weight(x, accumulate=other)
         return out if bias is None else out.add_(bias)
     if _onednn(x):
         return _binary(x, other, weight, bias, "add")

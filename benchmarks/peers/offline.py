@@ -1,5 +1,9 @@
 """Offline peer comparison: bucketserve's in-process engine vs vLLM's `LLM.generate`.
 
+`--systems vllm,bucketserve,bucketserve-1p1d` adds the service's disaggregated shape: the
+Controller with 1 prefill + 1 decode Ray actor, KV through Ray's object store (every
+other setting the service's default), measured in the same invocation.
+
 Same machine, same weights (bucketserve's safetensors copy of the embedded
 SmolLM2), same prompt token ids, greedy, one invocation. Each system is loaded
 once in its own process; repeats interleave the two (alternating which goes
@@ -12,7 +16,7 @@ Workloads:
 - `prefill`: 48 random-token prompts of 38-730 tokens, max_tokens 1 —
   prompt tok/s.
 
-    python -m benchmarks.peers.offline [--dtype float32] [--repeats 3]
+    python -m benchmarks.peers.offline [--dtype float32] [--repeats 3] [--systems ...]
 """
 
 from __future__ import annotations
@@ -35,7 +39,12 @@ from benchmarks.peers.harness import (
     write_json,
 )
 
-SYSTEMS = ("vllm", "bucketserve")
+SCRIPTS = {
+    "vllm": "vllm_offline.py",
+    "bucketserve": "bucketserve_offline.py",
+    "bucketserve-1p1d": "bucketserve_disagg.py",
+}
+BASELINE = "vllm"
 
 
 @dataclass
@@ -76,11 +85,16 @@ def start_workers(args: argparse.Namespace, model: str, warmup: list[list[int]])
         "warmup_prompts": warmup,
         "execution": args.execution,
     }
-    scripts = {
-        "vllm": (peer_python(), PEERS_DIR / "vllm_offline.py"),
-        "bucketserve": (sys.executable, PEERS_DIR / "bucketserve_offline.py"),
-    }
-    return {name: Worker(name, *scripts[name], spec) for name in SYSTEMS}
+    workers = {}
+    try:
+        for name in args.systems:
+            python = peer_python() if name == BASELINE else sys.executable
+            workers[name] = Worker(name, python, PEERS_DIR / SCRIPTS[name], spec)
+    except BaseException:
+        for worker in workers.values():
+            worker.close()
+        raise
+    return workers
 
 
 def measure(workers: dict[str, Worker], workloads: list[Workload], repeats: int) -> dict:
@@ -99,18 +113,27 @@ def measure(workers: dict[str, Worker], workloads: list[Workload], repeats: int)
 
 
 def summarize(workloads: list[Workload], runs: dict, workers: dict[str, Worker]) -> dict:
+    """Per workload: each system's median tok/s, and each bucketserve system's paired ratio
+    to vLLM and its fewest sequences token-identical to vLLM's in a repeat."""
     table = {}
     for w in workloads:
-        ours, theirs = runs[w.name]["bucketserve"], runs[w.name]["vllm"]
+        theirs = runs[w.name][BASELINE]
+        ours = {s: runs[w.name][s] for s in workers if s != BASELINE}
         table[w.name] = {
             "metric": f"{w.metric} tok/s",
             "num_prompts": len(w.prompts),
             "prompt_tokens": sum(len(p) for p in w.prompts),
             "max_tokens": w.max_tokens,
             "tok_s": {s: median([r["tok_s"] for r in runs[w.name][s]]) for s in workers},
-            "ratio": paired_ratio([r["tok_s"] for r in ours], [r["tok_s"] for r in theirs]),
-            "identical": min(identical(a["token_ids"], b["token_ids"])
-                             for a, b in zip(ours, theirs, strict=True)),
+            "ratio": {
+                s: paired_ratio([r["tok_s"] for r in rs], [r["tok_s"] for r in theirs])
+                for s, rs in ours.items()
+            },
+            "identical": {
+                s: min(identical(a["token_ids"], b["token_ids"]) for a, b in zip(rs, theirs,
+                                                                                 strict=True))
+                for s, rs in ours.items()
+            },
             "runs": {s: [{k: v for k, v in r.items() if k != "token_ids"}
                          for r in runs[w.name][s]] for s in workers},
         }
@@ -121,13 +144,14 @@ def print_table(out: dict) -> None:
     print(f"\n{out['hardware']}; {out['args']['dtype']}, medians of {out['args']['repeats']}")
     for name, info in out["systems"].items():
         print(f"  {name}: {info['version']}, loaded in {info['load_s']:.1f} s")
-    header = (f"{'workload':<9} {'metric':<15} {'vLLM':>8} {'bucketserve':>12} {'ratio':>7} "
+    header = (f"{'workload':<9} {'metric':<15} {'system':<17} {'tok/s':>8} {'vs vLLM':>8} "
               f"{'identical':>10}")
     print(header + "\n" + "-" * len(header))
     for name, row in out["workloads"].items():
-        print(f"{name:<9} {row['metric']:<15} {row['tok_s']['vllm']:>8.1f} "
-              f"{row['tok_s']['bucketserve']:>12.1f} {row['ratio']:>6.2f}x "
-              f"{row['identical']:>4}/{row['num_prompts']:<5}")
+        for system, tok_s in row["tok_s"].items():
+            ratio, same = row["ratio"].get(system), row["identical"].get(system)
+            print(f"{name:<9} {row['metric']:<15} {system:<17} {tok_s:>8.1f} "
+                  + (f"{ratio:>7.2f}x {same:>4}/{row['num_prompts']:<5}" if ratio else ""))
 
 
 def main() -> None:
@@ -143,8 +167,15 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--execution", default="eager", choices=["eager", "graphs"],
                         help="bucketserve's execution mode (graphs: compiled per shape)")
+    parser.add_argument("--systems", default="vllm,bucketserve",
+                        help=f"comma-separated, vllm first: {', '.join(SCRIPTS)}")
     parser.add_argument("--out", default=None, help="default: peers_offline_<dtype>.json")
     args = parser.parse_args()
+    args.systems = args.systems.split(",")
+    unknown = sorted(set(args.systems) - set(SCRIPTS))
+    if unknown or args.systems[0] != BASELINE or len(set(args.systems)) < 2:
+        parser.error(f"--systems takes vllm, then one or more of {', '.join(list(SCRIPTS)[1:])}"
+                     f" (no repeats); got {','.join(args.systems)}")
 
     from runtime.model_config import ModelConfig
     from runtime.tokenizer import Tokenizer

@@ -39,10 +39,11 @@ if platform.machine() == "x86_64":
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode": [_P] * 6 + [_I] * 6 + [_I64, _F, _I],
-    "paged_prefill": [_P] * 7 + [_I] * 6 + [_I64, _F, _I],
+    "paged_decode": [_P, _I64] + [_P] * 5 + [_I] * 6 + [_I64, _F, _I],
+    "paged_prefill": [_P, _I64] + [_P] * 6 + [_I] * 6 + [_I64, _F, _I],
     "rope": [_P, _P, _I, _I, _I, _I64, _I],
     "rms_norm": [_P, _P, _P, _I, _I, _F, _I],
+    "silu_mul": [_P, _P, _P, _I, _I, _I64, _I64, _I],
     "write_kv": [_P, _P, _I64, _I64, _P, _P, _P, _I, _I, _I, _I64, _I],
 }
 
@@ -119,14 +120,17 @@ class CpuKernels:
         rows: int,
         scale: float,
     ) -> tuple[int, torch.Tensor]:
-        """Call an attention kernel: q, the caches, `index` (block tables first), out, then
-        the shapes; its status and output."""
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        """Call an attention kernel: q (its rows may be strided, as the qkv GEMM's output
+        leaves them), the caches, `index` (block tables first), out, then the shapes; its
+        status and contiguous output."""
         heads, dim = q.shape[1], q.shape[2]
+        if q.stride(2) != 1 or q.stride(1) != dim:
+            q = q.contiguous()
+        out = q.new_empty(q.shape)
         kv_heads, num_blocks, block_size, _ = k_cache.shape
         status = self._fns[name, q.dtype](
             q.data_ptr(),
+            q.stride(0),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             *(t.data_ptr() for t in index),
@@ -170,6 +174,16 @@ class CpuKernels:
         self._fns["rms_norm", x.dtype](
             x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // size, size, eps,
             torch.get_num_threads(),
+        )
+        return out
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's `silu(gate) * up` of `[T, size]` operands (rows may be strided, each
+        row contiguous) into contiguous `out`, which may be `gate`."""
+        rows, size = gate.shape
+        self._fns["silu_mul", gate.dtype](
+            gate.data_ptr(), up.data_ptr(), out.data_ptr(), rows, size, gate.stride(0),
+            up.stride(0), torch.get_num_threads(),
         )
         return out
 

@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) float hsum(vf16 v) {
 // Row r, KV head kvh: the `group` query heads that share its keys, their queries and
 // accumulators in vector registers. Inlined with `group` and `dim` (a multiple of VL)
 // constants for the common shapes, so its loops unroll.
-static inline __attribute__((always_inline)) void attend_one(const void *q, const void *k_cache, const void *v_cache,
+static inline __attribute__((always_inline)) void attend_one(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                               const int64_t *table, int ctx, void *out, int r, int kvh,
                               int heads, int group, int dim, int block_size,
                               int64_t head_stride, float scale, int bf16) {
@@ -97,7 +97,8 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
     const int nv = dim / VL;
     vf16 qv[MAX_GROUP][MAX_VECS], acc[MAX_GROUP][MAX_VECS];
     float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][MAX_BLOCK];
-    const int64_t q0 = ((int64_t)r * heads + (int64_t)kvh * group) * dim;
+    const int64_t q0 = (int64_t)r * q_stride + (int64_t)kvh * group * dim;
+    const int64_t o0 = ((int64_t)r * heads + (int64_t)kvh * group) * dim;
     for (int g = 0; g < group; g++) {
         for (int c = 0; c < nv; c++) {
             qv[g][c] = vload_as(q, q0 + g * dim + c * VL, bf16) * scale;
@@ -158,17 +159,17 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
         const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
         for (int c = 0; c < nv; c++) {
             const vf16 o = acc[g][c] * inv;
-            for (int i = 0; i < VL; i++) store(out, q0 + g * dim + c * VL + i, o[i], bf16);
+            for (int i = 0; i < VL; i++) store(out, o0 + g * dim + c * VL + i, o[i], bf16);
         }
     }
 }
 
 // attend_one with `group` a constant for the common GQA ratios.
-static inline __attribute__((always_inline)) void attend_groups(const void *q, const void *k_cache, const void *v_cache,
+static inline __attribute__((always_inline)) void attend_groups(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                               const int64_t *table, int ctx, void *out, int r, int kvh,
                               int heads, int group, int dim, int block_size,
                               int64_t head_stride, float scale, int bf16) {
-#define ATTEND(G) attend_one(q, k_cache, v_cache, table, ctx, out, r, kvh, heads, G, dim, \
+#define ATTEND(G) attend_one(q, q_stride, k_cache, v_cache, table, ctx, out, r, kvh, heads, G, dim, \
                              block_size, head_stride, scale, bf16)
     switch (group) {
     case 1: ATTEND(1); break;
@@ -185,23 +186,23 @@ static inline __attribute__((always_inline)) void attend_groups(const void *q, c
 }
 
 // attend_one for token row r, with `dim` a constant for the common head sizes.
-static void attend_row(const void *q, const void *k_cache, const void *v_cache,
+static void attend_row(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                        const int64_t *table, int ctx, void *out, int r, int kvh, int heads,
                        int group, int dim, int block_size, int64_t head_stride, float scale,
                        int bf16) {
     if (dim == 64) {
-        attend_groups(q, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, 64,
+        attend_groups(q, q_stride, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, 64,
                       block_size, head_stride, scale, bf16);
     } else if (dim == 128) {
-        attend_groups(q, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, 128,
+        attend_groups(q, q_stride, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, 128,
                       block_size, head_stride, scale, bf16);
     } else {
-        attend_one(q, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, dim, block_size,
+        attend_one(q, q_stride, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, dim, block_size,
                    head_stride, scale, bf16);
     }
 }
 
-static int paged_decode(const void *q, const void *k_cache, const void *v_cache,
+static int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                         const int64_t *block_tables, const int32_t *context_lens, void *out,
                         int rows, int heads, int kv_heads, int dim, int block_size,
                         int max_blocks, int64_t head_stride, float scale, int threads,
@@ -211,7 +212,7 @@ static int paged_decode(const void *q, const void *k_cache, const void *v_cache,
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
     for (int r = 0; r < rows; r++) {
         for (int kvh = 0; kvh < kv_heads; kvh++) {
-            attend_row(q, k_cache, v_cache, block_tables + (int64_t)r * max_blocks,
+            attend_row(q, q_stride, k_cache, v_cache, block_tables + (int64_t)r * max_blocks,
                        context_lens[r], out, r, kvh, heads, group, dim, block_size, head_stride,
                        scale, bf16);
         }
@@ -219,19 +220,19 @@ static int paged_decode(const void *q, const void *k_cache, const void *v_cache,
     return 0;
 }
 
-int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                      const int64_t *block_tables, const int32_t *context_lens, float *out,
                      int rows, int heads, int kv_heads, int dim, int block_size, int max_blocks,
                      int64_t head_stride, float scale, int threads) {
-    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, rows, heads,
+    return paged_decode(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, rows, heads,
                         kv_heads, dim, block_size, max_blocks, head_stride, scale, threads, 0);
 }
 
-int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+int paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                       const int64_t *block_tables, const int32_t *context_lens, uint16_t *out,
                       int rows, int heads, int kv_heads, int dim, int block_size,
                       int max_blocks, int64_t head_stride, float scale, int threads) {
-    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, rows, heads,
+    return paged_decode(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, rows, heads,
                         kv_heads, dim, block_size, max_blocks, head_stride, scale, threads, 1);
 }
 
@@ -310,7 +311,7 @@ static void tile_values(const float *P, const float *V, float *O, int rows, int 
 // token tok0, the `group` heads of KV head kvh; Kt [dim, kstride] and V [keys, dim] hold
 // the chunk's context for that KV head. `scratch` holds 2 * TILE_ROWS * dim +
 // TILE_ROWS * TILE_KEYS floats.
-static void prefill_tile(const void *q, void *out, const float *Kt, int64_t kstride,
+static void prefill_tile(const void *q, int64_t q_stride, void *out, const float *Kt, int64_t kstride,
                          const float *V, int64_t tok0, int p0, int qa, int qb, int kvh,
                          int heads, int group, int dim, float scale, int bf16,
                          float *scratch) {
@@ -320,7 +321,7 @@ static void prefill_tile(const void *q, void *out, const float *Kt, int64_t kstr
     int pos[TILE_ROWS];
     for (int r = 0; r < padded; r++) {
         const int qi = r / group, g = r % group;
-        const int64_t at = ((tok0 + qa + qi) * heads + (int64_t)kvh * group + g) * dim;
+        const int64_t at = (tok0 + qa + qi) * q_stride + ((int64_t)kvh * group + g) * dim;
         for (int d = 0; d < dim; d++) {
             Q[r * dim + d] = r < rows ? load(q, at + d, bf16) * scale : 0.0f;
             O[r * dim + d] = 0.0f;
@@ -384,7 +385,7 @@ static void gather_context(const void *k_cache, const void *v_cache, const int64
     }
 }
 
-static int paged_prefill(const void *q, const void *k_cache, const void *v_cache,
+static int paged_prefill(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          const int64_t *block_tables, const int32_t *query_start,
                          const int32_t *context_lens, void *out, int seqs, int heads,
                          int kv_heads, int dim, int block_size, int max_blocks,
@@ -444,7 +445,7 @@ static int paged_prefill(const void *q, const void *k_cache, const void *v_cache
                     const int n = query_start[s + 1] - query_start[s], ctx = context_lens[s];
                     const int64_t *table = block_tables + (int64_t)s * max_blocks;
                     if (n == 1) {
-                        attend_row(q, k_cache, v_cache, table, ctx, out, query_start[s], kvh,
+                        attend_row(q, q_stride, k_cache, v_cache, table, ctx, out, query_start[s], kvh,
                                    heads, group, dim, block_size, head_stride, scale, bf16);
                         continue;
                     }
@@ -452,7 +453,7 @@ static int paged_prefill(const void *q, const void *k_cache, const void *v_cache
                     const int64_t at = (offset[s] * kv_heads + keys * kvh) * dim;
                     const int qa = t * per_tile, qb = qa + per_tile < n ? qa + per_tile : n;
                     if (scratch)
-                        prefill_tile(q, out, Kt + at, keys, V + at, query_start[s], ctx - n, qa,
+                        prefill_tile(q, q_stride, out, Kt + at, keys, V + at, query_start[s], ctx - n, qa,
                                      qb, kvh, heads, group, dim, scale, bf16, scratch);
                 }
             }
@@ -467,22 +468,22 @@ static int paged_prefill(const void *q, const void *k_cache, const void *v_cache
     return ok ? 0 : -2;
 }
 
-int paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache,
+int paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                       const int64_t *block_tables, const int32_t *query_start,
                       const int32_t *context_lens, float *out, int seqs, int heads,
                       int kv_heads, int dim, int block_size, int max_blocks,
                       int64_t head_stride, float scale, int threads) {
-    return paged_prefill(q, k_cache, v_cache, block_tables, query_start, context_lens, out,
+    return paged_prefill(q, q_stride, k_cache, v_cache, block_tables, query_start, context_lens, out,
                          seqs, heads, kv_heads, dim, block_size, max_blocks, head_stride, scale,
                          threads, 0);
 }
 
-int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int64_t *block_tables, const int32_t *query_start,
                        const int32_t *context_lens, uint16_t *out, int seqs, int heads,
                        int kv_heads, int dim, int block_size, int max_blocks,
                        int64_t head_stride, float scale, int threads) {
-    return paged_prefill(q, k_cache, v_cache, block_tables, query_start, context_lens, out,
+    return paged_prefill(q, q_stride, k_cache, v_cache, block_tables, query_start, context_lens, out,
                          seqs, heads, kv_heads, dim, block_size, max_blocks, head_stride, scale,
                          threads, 1);
 }
@@ -562,6 +563,40 @@ int rms_norm_f32(const float *x, const float *weight, float *out, int tokens, in
 int rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int tokens,
                   int size, float eps, int threads) {
     rms_norm(x, weight, out, tokens, size, eps, threads, 1);
+    return 0;
+}
+
+// SwiGLU's `silu(gate) * up` over `rows` rows of `size` (each operand's rows `*_stride`
+// elements apart) into contiguous `out`, which may be `gate` itself: one pass where torch
+// takes two (silu_, then mul_).
+static inline __attribute__((always_inline)) void silu_mul(const void *gate, const void *up,
+                                                           void *out, int rows, int size,
+                                                           int64_t gate_stride,
+                                                           int64_t up_stride, int threads,
+                                                           int bf16) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int r = 0; r < rows; r++) {
+        const int64_t g0 = (int64_t)r * gate_stride, u0 = (int64_t)r * up_stride;
+        const int64_t o0 = (int64_t)r * size;
+        // exp's argument is kept in [-80, 80], off the vector expf's slow scalar lanes
+#pragma omp simd
+        for (int i = 0; i < size; i++) {
+            const float g = load(gate, g0 + i, bf16);
+            const float e = expf(fminf(fmaxf(-g, -80.0f), 80.0f));
+            store(out, o0 + i, g / (1.0f + e) * load(up, u0 + i, bf16), bf16);
+        }
+    }
+}
+
+int silu_mul_f32(const float *gate, const float *up, float *out, int rows, int size,
+                 int64_t gate_stride, int64_t up_stride, int threads) {
+    silu_mul(gate, up, out, rows, size, gate_stride, up_stride, threads, 0);
+    return 0;
+}
+
+int silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int rows, int size,
+                  int64_t gate_stride, int64_t up_stride, int threads) {
+    silu_mul(gate, up, out, rows, size, gate_stride, up_stride, threads, 1);
     return 0;
 }
 

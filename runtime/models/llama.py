@@ -24,8 +24,7 @@ from runtime.device import (
     cpu_gemm_backend,
     linear,
     linear_add,
-    linear_mul,
-    linear_silu,
+    linear_silu_mul,
     pack_weight,
 )
 from runtime.kv_cache import KVCache
@@ -184,7 +183,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual + down(silu(gate(x)) * up(x))`: three GEMMs with the rest fused in."""
         gate, up = self.gate_up_proj.gemm_weights(2)
-        h = linear_mul(x, up, linear_silu(x, gate))
+        h = linear_silu_mul(x, gate, up)
         return linear_add(h, self.down_proj.gemm_weights()[0], residual)
 
 
@@ -207,6 +206,7 @@ class LlamaDecoderLayer(nn.Module):
         cos_sin: torch.Tensor,
         attend: Attend,
     ) -> torch.Tensor:
+        """The layer's output; `x`, the residual stream, is consumed (`linear_add`)."""
         x = self.self_attn(self.input_layernorm(x), x, cos_sin, attend)
         return self.mlp(self.post_attention_layernorm(x), x)
 

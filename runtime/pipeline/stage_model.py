@@ -65,8 +65,12 @@ class StageModel(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         inner = self.inner.model
-        x = inner.embed_tokens(input_ids) if self.spec.is_first else hidden
-        assert x is not None, "a stage after the first needs the previous stage's hidden states"
+        assert self.spec.is_first or hidden is not None, (
+            "a stage after the first needs the previous stage's hidden states"
+        )
+        # the layers consume their input: the stage's own copy, never the caller's (a
+        # tensor from Ray's object store is read-only)
+        x = inner.embed_tokens(input_ids) if self.spec.is_first else hidden.clone()
         metadata.prepare(self.config.num_queries_per_kv, self.config.head_dim, x.dtype)
         cos_sin = inner.rotary_emb(positions, x.dtype)
         for i, layer in enumerate(inner.layers):

@@ -20,14 +20,26 @@ def pool(kv_heads: int, blocks: int, block_size: int, dim: int, dtype: torch.dty
     return (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
 
 
+def queries(tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
+            qkv_view: bool) -> torch.Tensor:
+    """`[tokens, heads, dim]` queries: contiguous, or the q heads of a qkv output (rows
+    strided by the width of q, k and v), which the kernels read in place."""
+    if not qkv_view:
+        return torch.randn(tokens, heads, dim).to(dtype)
+    q = torch.randn(tokens, heads + 2 * kv_heads, dim).to(dtype)[:, :heads]
+    assert not q.is_contiguous()
+    return q
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "block_size"),
     # GQA ratios the kernel specialises (3, 1, 4, 6) and one it does not (12, at head size 96)
     [(9, 3, 64, 16), (4, 4, 128, 8), (8, 2, 32, 5), (6, 1, 64, 128), (12, 1, 96, 16)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qkv_view", [False, True])
 def test_kernel_matches_gather_and_sdpa(
-    heads: int, kv_heads: int, dim: int, block_size: int, dtype: torch.dtype
+    heads: int, kv_heads: int, dim: int, block_size: int, dtype: torch.dtype, qkv_view: bool
 ) -> None:
     rows, max_blocks = 7, 6
     k_cache, v_cache = pool(kv_heads, rows * max_blocks + 1, block_size, dim, dtype)
@@ -38,7 +50,7 @@ def test_kernel_matches_gather_and_sdpa(
     tables = order.view(rows, max_blocks)
     for r, n in enumerate(context.tolist()):
         tables[r, -(-n // block_size) :] = 0
-    q = torch.randn(rows, heads, dim).to(dtype)
+    q = queries(rows, heads, kv_heads, dim, dtype, qkv_view)
     scale = dim**-0.5
 
     got = kernel.paged_decode(q, k_cache, v_cache, tables, context.to(torch.int32), scale)
@@ -53,8 +65,9 @@ def test_kernel_matches_gather_and_sdpa(
     [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 32, 128), (6, 1, 16, 5)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qkv_view", [False, True])
 def test_varlen_kernel_matches_gather_and_sdpa_per_sequence(
-    heads: int, kv_heads: int, dim: int, block_size: int, dtype: torch.dtype
+    heads: int, kv_heads: int, dim: int, block_size: int, dtype: torch.dtype, qkv_view: bool
 ) -> None:
     # (new queries, context after the step): decode rows, whole prompts of lengths around
     # the tile sizes, chunks continuing a prompt, a row of one token
@@ -67,7 +80,7 @@ def test_varlen_kernel_matches_gather_and_sdpa_per_sequence(
         tables[r, -(-ctx // block_size) :] = 0
     starts = torch.tensor([0] + [n for n, _ in steps]).cumsum(0).to(torch.int32)
     context = torch.tensor([ctx for _, ctx in steps], dtype=torch.int32)
-    q = torch.randn(int(starts[-1]), heads, dim).to(dtype)
+    q = queries(int(starts[-1]), heads, kv_heads, dim, dtype, qkv_view)
     scale = dim**-0.5
 
     got = kernel.paged_prefill(q, k_cache, v_cache, tables, starts, context, scale)
@@ -146,6 +159,24 @@ def test_rms_norm_matches_torch(dtype: torch.dtype, size: int) -> None:
         assert (got.float() - exact.to(dtype).float()).abs().max() <= exact.abs().max() / 128
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("size", [1536, 100])  # whole vectors, and a tail
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype: torch.dtype, size: int) -> None:
+    # gate and up: the two halves of one GEMM output (rows strided), with values far into
+    # both tails of silu
+    gate_up = (torch.randn(7, 2 * size) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-200.0, -90.0, 90.0, 200.0]).to(dtype)
+    gate, up = gate_up[:, :size], gate_up[:, size:]
+    want = torch.nn.functional.silu(gate.float()) * up.float()
+    got = kernel.silu_mul(gate, up, torch.empty(7, size, dtype=dtype))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    # in place over a contiguous gate
+    gate = gate.contiguous()
+    assert kernel.silu_mul(gate, up, gate).data_ptr() == gate.data_ptr()
+    torch.testing.assert_close(gate.float(), want, atol=tol, rtol=tol)
 
 
 def test_steps_with_prompt_chunks_take_the_varlen_kernel_and_decode_steps_the_decode_one() -> None:
