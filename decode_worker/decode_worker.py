@@ -187,12 +187,18 @@ class DecodeWorker(KVWorker):
             handle = self._handles[lease_id]
         start = time.perf_counter()
         blocks = lease.flat_block_ids
-        try:
+
+        def receive() -> None:
             self.transport.receive(
                 handle,
                 payload,
                 lambda layer, chunk: self.runner.kv_cache.import_blocks(layer, blocks, chunk),
             )
+
+        try:
+            # on the loop thread, between steps: torch runs on one thread of this process
+            # only (see _loop)
+            self._on_loop(receive)
         except BaseException as exc:
             self.release(lease_id)
             message = f"{self.name}: KV of lease {lease_id} did not arrive: {exc}"

@@ -14,7 +14,11 @@ Workloads:
 - `chat`: the offline benchmark's 64 chat prompts (half short questions,
   half long answers), max_tokens 128 — output tok/s;
 - `prefill`: 48 random-token prompts of 38-730 tokens, max_tokens 1 —
-  prompt tok/s.
+  prompt tok/s. Beside it, the machine's ceiling for that workload: its
+  FLOPs (every GEMM, the LM head once per prompt, causal attention) at the
+  float32 GEMM rate measured here before the workers start (a 2048^2 GEMM,
+  the better of torch.matmul and the runtime's linear), and each system's
+  share of it.
 
     python -m benchmarks.peers.offline [--dtype float32] [--repeats 3] [--systems ...]
 """
@@ -38,6 +42,7 @@ from benchmarks.peers.harness import (
     peer_python,
     write_json,
 )
+from runtime.model_config import ModelConfig
 
 SCRIPTS = {
     "vllm": "vllm_offline.py",
@@ -73,6 +78,30 @@ def prefill_workload(vocab_size: int, num_prompts: int, seed: int = 0) -> Worklo
     lengths = rng.integers(38, 731, size=num_prompts)
     prompts = [rng.integers(256, vocab_size, size=int(n)).tolist() for n in lengths]
     return Workload("prefill", prompts, 1, "prompt")
+
+
+def prefill_flops(config: ModelConfig, prompts: list[list[int]]) -> float:
+    """FLOPs of prefilling `prompts` and sampling one token each: every layer's GEMMs over
+    every token, the LM head over each prompt's last token, causal attention."""
+    h, q = config.hidden_size, config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+    total = 0.0
+    for prompt in prompts:
+        n = len(prompt)
+        attention = 4 * q * n * (n + 1) / 2  # QK^T and PV over the causal triangle
+        total += config.num_hidden_layers * (2 * n * layer + attention) + 2 * h * config.vocab_size
+    return total
+
+
+def ceiling(flops: float, tokens: int, gemm_rate: float, tok_s: dict[str, float]) -> dict:
+    seconds = flops / gemm_rate
+    return {
+        "workload_gflop": flops / 1e9,
+        "gemm_gflops": gemm_rate / 1e9,
+        "tok_s": tokens / seconds,
+        "share": {system: rate * seconds / tokens for system, rate in tok_s.items()},
+    }
 
 
 def start_workers(args: argparse.Namespace, model: str, warmup: list[list[int]]) -> dict:
@@ -112,7 +141,10 @@ def measure(workers: dict[str, Worker], workloads: list[Workload], repeats: int)
     return runs
 
 
-def summarize(workloads: list[Workload], runs: dict, workers: dict[str, Worker]) -> dict:
+def summarize(
+    workloads: list[Workload], runs: dict, workers: dict[str, Worker], config: ModelConfig,
+    gemm_rate: float,
+) -> dict:
     """Per workload: each system's median tok/s, and each bucketserve system's paired ratio
     to vLLM and its fewest sequences token-identical to vLLM's in a repeat."""
     table = {}
@@ -137,6 +169,10 @@ def summarize(workloads: list[Workload], runs: dict, workers: dict[str, Worker])
             "runs": {s: [{k: v for k, v in r.items() if k != "token_ids"}
                          for r in runs[w.name][s]] for s in workers},
         }
+        if w.metric == "prompt":
+            row = table[w.name]
+            row["ceiling"] = ceiling(prefill_flops(config, w.prompts), row["prompt_tokens"],
+                                     gemm_rate, row["tok_s"])
     return table
 
 
@@ -152,6 +188,11 @@ def print_table(out: dict) -> None:
             ratio, same = row["ratio"].get(system), row["identical"].get(system)
             print(f"{name:<9} {row['metric']:<15} {system:<17} {tok_s:>8.1f} "
                   + (f"{ratio:>7.2f}x {same:>4}/{row['num_prompts']:<5}" if ratio else ""))
+        if "ceiling" in row:
+            top = row["ceiling"]
+            shares = ", ".join(f"{s} {v:.0%}" for s, v in top["share"].items())
+            print(f"{'':<9} ceiling: {top['workload_gflop']:.0f} GFLOP at {top['gemm_gflops']:.0f}"
+                  f" GFLOP/s (a 2048^2 GEMM) = {top['tok_s']:.0f} tok/s; shares: {shares}")
 
 
 def main() -> None:
@@ -177,20 +218,22 @@ def main() -> None:
         parser.error(f"--systems takes vllm, then one or more of {', '.join(list(SCRIPTS)[1:])}"
                      f" (no repeats); got {','.join(args.systems)}")
 
-    from runtime.model_config import ModelConfig
+    from benchmarks.roofline import gemm_rate
     from runtime.tokenizer import Tokenizer
     from runtime.weights import resolve_model
 
     model_dir = resolve_model(None)
+    config = ModelConfig.from_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     every = {
         "chat": lambda: chat_workload(tokenizer, args.num_prompts, args.max_tokens),
         "prefill": lambda: prefill_workload(
-            ModelConfig.from_dir(model_dir).vocab_size, args.prefill_prompts
+            config.vocab_size, args.prefill_prompts
         ),
     }
     workloads = [every[name]() for name in args.workloads.split(",")]
     warmup = [p[:64] for w in workloads for p in w.prompts[:2]]
+    rate = gemm_rate()["best"]  # before the workers load: the machine to itself
     workers = start_workers(args, str(model_dir), warmup)
     try:
         runs = measure(workers, workloads, args.repeats)
@@ -202,7 +245,7 @@ def main() -> None:
         "model": str(model_dir),
         "args": vars(args),
         "systems": {name: w.info for name, w in workers.items()},
-        "workloads": summarize(workloads, runs, workers),
+        "workloads": summarize(workloads, runs, workers, config, rate),
     }
     print_table(out)
     print(f"wrote {write_json(out, args.out or f'peers_offline_{args.dtype}.json')}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from pathlib import Path
 
@@ -12,8 +13,9 @@ import torch
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.decode_worker import DecodeWorker
 from kv_transfer.inprocess import InProcessTransport
-from kv_transfer.kv_format import KVFormat
+from kv_transfer.kv_format import KVBlockHandle, KVFormat
 from kv_transfer.ray_store import from_wire, to_wire
+from kv_transfer.transport import KVSender, LayerSink
 from kv_worker.messages import HandoffRequest, PrefillTask, ReservationError, ServeRequest
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.prefill_worker import PrefillWorker
@@ -145,3 +147,81 @@ def _drain(decode: DecodeWorker, requests: list[HandoffRequest]) -> dict[str, li
                     done.add(delta.request_id)
     assert len(done) == len(requests)
     return out
+
+
+class CarriedTransport(InProcessTransport):
+    """The Ray object store's shape without Ray: every layer rides in the payload that
+    `admit` carries, and the decode side imports it on receipt."""
+
+    def sender(self, handle: KVBlockHandle, src_format: KVFormat) -> KVSender:
+        return _CarriedSender(handle, src_format)
+
+    def receive(self, handle: KVBlockHandle, payload: list, sink: LayerSink) -> None:
+        for layer, chunk in enumerate(payload):
+            sink(layer, chunk)
+
+
+class _CarriedSender(KVSender):
+    def __init__(self, handle: KVBlockHandle, src_format: KVFormat) -> None:
+        super().__init__(handle, src_format)
+        self.chunks: list[torch.Tensor] = []
+
+    def _send(self, layer: int, chunk: torch.Tensor) -> None:
+        self.chunks.append(chunk.clone())
+
+    def finish(self) -> list[torch.Tensor]:
+        return self.chunks
+
+
+def test_each_worker_runs_its_torch_work_on_one_thread_whichever_thread_calls(
+    tiny_model_dir: Path, work: list, reference: list
+) -> None:
+    # a second thread running parallel torch ops in a worker process makes libgomp stop
+    # spinning (more pool threads than cores): every op of a step then waits for wake-ups
+    transport = CarriedTransport()
+    prefill = PrefillWorker(
+        PrefillWorkerConfig(runner=runner(tiny_model_dir, "float32")), transport
+    )
+    decode = DecodeWorker(
+        DecodeWorkerConfig(engine=EngineConfig(runner(tiny_model_dir, "float32"))), transport
+    )
+    threads: dict[str, set[int]] = {"execute": set(), "import": set()}
+
+    def recorded(name: str, fn):
+        def call(*args, **kwargs):
+            threads[name].add(threading.get_ident())
+            return fn(*args, **kwargs)
+        return call
+
+    prefill.runner.execute = recorded("execute", prefill.runner.execute)
+    kv_cache = decode.runner.kv_cache
+    kv_cache.import_blocks = recorded("import", kv_cache.import_blocks)
+    callers: set[int] = set()
+    try:
+        requests = [
+            HandoffRequest(ServeRequest(f"r{i}", list(p), s), [])
+            for i, (p, s) in enumerate(work[:2])
+        ]
+
+        def handoff(request: HandoffRequest) -> None:
+            callers.add(threading.get_ident())
+            blocks = -(-len(request.prompt_token_ids) // BLOCK_SIZE)
+            reservation = decode.reserve([(request.request_id, blocks)])
+            task = PrefillTask(0, [request], (1, 64, 0), True, reservation.handle, 512)
+            result = prefill.run_batch(task)
+            request.output_token_ids = list(result.first[0].token_ids)
+            assert decode.admit(reservation.lease_id, [request], result.payload).admitted
+            assert prefill.release(result.lease_id)
+
+        handoff(requests[0])  # from this thread
+        other = threading.Thread(target=handoff, args=(requests[1],))
+        other.start()
+        other.join()
+        assert len(callers) == 2
+        assert len(threads["execute"]) == 1 and not threads["execute"] & callers
+        assert threads["import"] == {decode._thread.ident}
+        got = _drain(decode, requests)
+        assert [got[r.request_id] for r in requests] == reference[:2]
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
