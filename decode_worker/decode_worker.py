@@ -196,8 +196,8 @@ class DecodeWorker(KVWorker):
             )
 
         try:
-            # on the loop thread, between steps: torch runs on one thread of this process
-            # only (see _loop)
+            # on the loop thread, between steps: one thread of this process runs torch
+            # (see the class docstring)
             self._on_loop(receive)
         except BaseException as exc:
             self.release(lease_id)

@@ -84,7 +84,8 @@ static inline __attribute__((always_inline)) float hsum(vf16 v) {
 // Decode attention: one query per row, each KV head's keys and values read in place from
 // the pool (no gathered copy), online softmax per block.
 // Pool layout per layer: [kv_heads, num_blocks, block_size, dim], contiguous.
-// q, out: [rows, heads, dim]; block_tables: [rows, max_blocks]; context_lens: [rows].
+// q: [rows, heads, dim], rows q_stride elements apart (the q columns of the qkv output);
+// out: [rows, heads, dim], contiguous; block_tables: [rows, max_blocks]; context_lens: [rows].
 
 // Row r, KV head kvh: the `group` query heads that share its keys, their queries and
 // accumulators in vector registers. Inlined with `group` and `dim` (a multiple of VL)
