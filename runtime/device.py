@@ -7,6 +7,7 @@ import functools
 import importlib
 import logging
 import os
+import statistics
 import sys
 import threading
 import time
@@ -16,8 +17,10 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from runtime import kernels, mkl_sgemm
+from runtime import kernels, mkl_sgemm, panel_gemm
+from runtime.host_gemm import HostGemm
 from runtime.mkl_sgemm import PackedSgemm
+from runtime.panel_gemm import PanelGemm
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -91,19 +94,24 @@ def _binary(x, other, weight, bias, op):
     return _ONEDNN_LINEAR.binary(x, other, weight, bias, op)
 
 
-Weight = torch.Tensor | PackedSgemm  # what the GEMMs below take
-GEMM_ENV = "BUCKETSERVE_CPU_GEMM"  # auto (measure) | onednn | mkl
-GEMM_BACKENDS = ("onednn", "mkl")
+Weight = torch.Tensor | HostGemm  # what the GEMMs below take
+GEMM_ENV = "BUCKETSERVE_CPU_GEMM"  # auto (measure) | onednn | mkl | kernels
+GEMM_BACKENDS = ("onednn", "mkl", "kernels")
+# the rows the choice is measured at: a decode batch, where the backends differ most (at
+# prefill's hundreds of rows they measured within a few percent of each other)
+GEMM_CHOICE_ROWS = 32
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int, backend: str = "onednn") -> Weight:
     """`weight [out, in]` packed once for GEMMs of about `batch_hint` rows by `backend`
     (`cpu_gemm_backend`): oneDNN's blocked layout (1.1-1.7x at decode batches; the plain
-    layout is re-blocked inside every call) or MKL's packed sgemm (float32); or `weight`
-    itself where neither runs it. Only the GEMMs below take the result: it is opaque to
-    every other op."""
+    layout is re-blocked inside every call), MKL's packed sgemm or the kernels' column
+    panels (float32); or `weight` itself where none runs it. Only the GEMMs below take the
+    result: it is opaque to every other op."""
     if backend == "mkl" and weight.dtype == torch.float32 and weight.device.type == "cpu":
         return PackedSgemm(weight, batch_hint)
+    if backend == "kernels" and panel_gemm.supports(weight):
+        return PanelGemm(weight)
     if not _onednn(weight):
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
@@ -111,7 +119,7 @@ def pack_weight(weight: torch.Tensor, batch_hint: int, backend: str = "onednn") 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, through oneDNN or MKL's packed GEMM on CPU."""
-    if isinstance(weight, PackedSgemm):
+    if isinstance(weight, HostGemm):
         out = weight(x)
         return out if bias is None else out.add_(bias)
     if _onednn(x):
@@ -122,7 +130,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
 def linear_silu_mul(x: torch.Tensor, gate: Weight, up: Weight) -> torch.Tensor:
     """SwiGLU's `silu(x @ gate.T) * (x @ up.T)`: on CPU two GEMMs with the rest fused into
     them (oneDNN) or into one pass after them (MKL, the C kernel)."""
-    if isinstance(gate, PackedSgemm):
+    if isinstance(gate, HostGemm):
         g, u = gate(x), up(x)
         kernel = kernels.for_tensors(g.dtype, g.device)
         return kernel.silu_mul(g, u, g) if kernel else F.silu(g, inplace=True).mul_(u)
@@ -137,7 +145,7 @@ def linear_add(
     """`x @ weight.T + bias + other` (a residual), one fused GEMM on CPU. `other` is
     consumed: MKL accumulates into it in place when it is contiguous (callers pass a
     residual stream they own), oneDNN fuses the add into the GEMM's output."""
-    if isinstance(weight, PackedSgemm):
+    if isinstance(weight, HostGemm):
         if not other.is_contiguous():
             other = other.contiguous()
         out = weight(x, accumulate=other)
@@ -147,41 +155,59 @@ def linear_add(
     return F.linear(x, weight, bias).add_(other)
 
 
+def _gemm_runs(backend: str, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> bool:
+    """Whether `backend` packs every weight of `shapes` in `dtype` on this machine."""
+    if backend == "onednn":
+        return _onednn(torch.empty(0, dtype=dtype))
+    if dtype != torch.float32:
+        return False
+    if backend == "mkl":
+        return mkl_sgemm.available()
+    return all(panel_gemm.supports(torch.empty(shape)) for shape in shapes)
+
+
 @functools.cache
-def cpu_gemm_backend(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...], rows: int) -> str:
+def cpu_gemm_backend(
+    dtype: torch.dtype, shapes: tuple[tuple[int, int], ...], rows: int = GEMM_CHOICE_ROWS
+) -> str:
     """Which packed GEMM runs a CPU model's `[out, in]` weight `shapes` (one layer's)
-    faster at `rows` rows on this CPU, measured once per process: oneDNN, or MKL's packed
-    sgemm (float32 only; on an Intel Xeon 1.1-1.3x oneDNN at 8-64 rows, on the AMD CPUs
-    we ran about half its speed). `BUCKETSERVE_CPU_GEMM=onednn|mkl` skips measuring."""
+    fastest at `rows` rows on this CPU, measured once per process over copies of the layer
+    that outgrow the caches, as a model's pass reads its weights: oneDNN, MKL's packed
+    sgemm or the panel GEMM of the project's kernels (both float32 only). On a 2-core
+    Xeon the panel GEMM measured 1.2-1.4x MKL at 1-32 rows and MKL 1.1-1.3x oneDNN; on
+    the AMD CPUs we ran MKL took half oneDNN's speed. `BUCKETSERVE_CPU_GEMM=onednn|mkl|
+    kernels` skips measuring."""
     choice = os.environ.get(GEMM_ENV, "auto")
     if choice not in ("auto", *GEMM_BACKENDS):
-        raise ValueError(f"{GEMM_ENV} must be auto, onednn or mkl, not {choice!r}")
-    if dtype != torch.float32 or not mkl_sgemm.available():
-        if choice == "mkl":
-            logger.warning("%s=mkl: MKL's packed sgemm does not run %s here; using oneDNN",
-                           GEMM_ENV, dtype)
-        return "onednn"
+        raise ValueError(f"{GEMM_ENV} must be auto, {', '.join(GEMM_BACKENDS)}; not {choice!r}")
+    candidates = [b for b in GEMM_BACKENDS if _gemm_runs(b, dtype, shapes)] or ["onednn"]
     if choice != "auto":
-        return choice
-    if not _onednn(torch.empty(0, dtype=dtype)):
-        return "mkl"
+        if choice in candidates:
+            return choice
+        logger.warning("%s=%s does not run %s weights of these shapes here; using %s",
+                       GEMM_ENV, choice, dtype, candidates[0])
+        return candidates[0]
+    if len(candidates) == 1:
+        return candidates[0]
     generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(shape, generator=generator) * 0.02 for shape in shapes]
-    inputs = [torch.randn(rows, shape[1], generator=generator) for shape in shapes]
-    seconds = {}
-    for backend in GEMM_BACKENDS:
-        packed = [pack_weight(w, rows, backend) for w in weights]
-        samples = []
-        for _ in range(7):
+    layer_bytes = sum(n * k for n, k in shapes) * torch.finfo(dtype).bits // 8
+    copies = min(8, max(1, -(-(64 << 20) // layer_bytes)))
+    weights = [torch.randn(shape, generator=generator) * 0.02 for shape in shapes * copies]
+    inputs = {k: torch.randn(rows, k, generator=generator) for _, k in shapes}
+    packed = {b: [pack_weight(w, rows, b) for w in weights] for b in candidates}
+    samples: dict[str, list[float]] = {b: [] for b in candidates}
+    for _ in range(6):  # rounds across the backends, so drift hits them alike
+        for backend, ws in packed.items():
             start = time.perf_counter()
-            for x, w in zip(inputs, packed, strict=True):
-                linear(x, w)
-            samples.append(time.perf_counter() - start)
-        seconds[backend] = sorted(samples)[len(samples) // 2]
+            for w, (_, k) in zip(ws, shapes * copies, strict=True):
+                linear(inputs[k], w)
+            samples[backend].append(time.perf_counter() - start)
+    seconds = {b: statistics.median(s[1:]) for b, s in samples.items()}  # the first warms
     best = min(seconds, key=seconds.__getitem__)
     logger.info(
-        "CPU GEMMs: %s (%s at %d rows; %s=onednn|mkl picks one)",
+        "CPU GEMMs: %s (%s at %d rows; %s=%s picks one)",
         best, ", ".join(f"{b} {1e3 * s:.2f} ms" for b, s in seconds.items()), rows, GEMM_ENV,
+        "|".join(GEMM_BACKENDS),
     )
     return best
 

@@ -13,6 +13,8 @@ from functools import cache
 
 import torch
 
+from runtime.host_gemm import HostGemm
+
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
 _I, _P, _F = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 
@@ -40,9 +42,9 @@ def available() -> bool:
     return _library() is not None
 
 
-class PackedSgemm:
-    """`x @ weight.T` for float32 CPU `x [..., in]` against `weight [out, in]` packed once
-    in MKL's layout (for GEMMs of about `batch_hint` rows; any row count runs)."""
+class PackedSgemm(HostGemm):
+    """A float32 weight `[out, in]` packed once in MKL's layout (for GEMMs of about
+    `batch_hint` rows; any row count runs)."""
 
     def __init__(self, weight: torch.Tensor, batch_hint: int) -> None:
         lib = _library()
@@ -59,17 +61,9 @@ class PackedSgemm:
         )
         self._compute = lib.cblas_sgemm_compute
 
-    def __call__(self, x: torch.Tensor, accumulate: torch.Tensor | None = None) -> torch.Tensor:
-        """The product, or `accumulate + product` written into `accumulate` (a contiguous
-        `[..., out]` float32 tensor) when one is given."""
+    def _run(self, rows: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
         n, k = self.out_features, self.in_features
-        rows = x.reshape(-1, k).contiguous()
-        m = rows.shape[0]
-        out = accumulate if accumulate is not None else x.new_empty((*x.shape[:-1], n))
-        if m:
-            self._compute(
-                _ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, rows.data_ptr(), k,
-                self.buffer.data_ptr(), k, 0.0 if accumulate is None else 1.0,
-                out.data_ptr(), n,
-            )
-        return out
+        self._compute(
+            _ROW_MAJOR, _NO_TRANS, _PACKED, rows.shape[0], n, k, rows.data_ptr(), k,
+            self.buffer.data_ptr(), k, 1.0 if accumulate else 0.0, out.data_ptr(), n,
+        )

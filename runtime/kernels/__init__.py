@@ -46,6 +46,8 @@ _SIGNATURES = {
     "silu_mul": [_P, _P, _P, _I, _I, _I64, _I64, _I],
     "write_kv": [_P, _P, _I64, _I64, _P, _P, _P, _I, _I, _I, _I64, _I],
 }
+_FLOAT32_ONLY = {"gemm_panels": [_P, _P, _P, _I, _I, _I, _I, _I]}
+GEMM_PANEL = 32  # output columns per panel of a packed weight (cpu_kernels.c: PANEL)
 
 
 class CpuKernels:
@@ -54,11 +56,12 @@ class CpuKernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fns = {}
-        for name, argtypes in _SIGNATURES.items():
-            for dtype, suffix in _SUFFIX.items():
-                fn = getattr(library, f"{name}_{suffix}")
-                fn.restype, fn.argtypes = ctypes.c_int, argtypes
-                self._fns[name, dtype] = fn
+        signatures = [(n, args, dtype) for n, args in _SIGNATURES.items() for dtype in _SUFFIX]
+        signatures += [(name, args, torch.float32) for name, args in _FLOAT32_ONLY.items()]
+        for name, argtypes, dtype in signatures:
+            fn = getattr(library, f"{name}_{_SUFFIX[dtype]}")
+            fn.restype, fn.argtypes = ctypes.c_int, argtypes
+            self._fns[name, dtype] = fn
 
     def paged_decode(
         self,
@@ -186,6 +189,24 @@ class CpuKernels:
             up.stride(0), torch.get_num_threads(),
         )
         return out
+
+    def gemm_panels(
+        self, x: torch.Tensor, panels: torch.Tensor, out: torch.Tensor, accumulate: bool
+    ) -> torch.Tensor:
+        """`out [M, N] (+)= x [M, K] . W^T` in float32, W packed as `panels [N / 32, K, 32]`
+        (`pack_panels`); x and out contiguous. Adds to `out` when `accumulate`."""
+        rows, k = x.shape
+        self._fns["gemm_panels", torch.float32](
+            x.data_ptr(), panels.data_ptr(), out.data_ptr(), rows, out.shape[1], k,
+            int(accumulate), torch.get_num_threads(),
+        )
+        return out
+
+    @staticmethod
+    def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+        """`weight [N, K]` (N a multiple of 32) as `gemm_panels` reads it: `[N / 32, K, 32]`."""
+        n, k = weight.shape
+        return weight.view(n // GEMM_PANEL, GEMM_PANEL, k).transpose(1, 2).contiguous()
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slots: torch.Tensor) -> None:

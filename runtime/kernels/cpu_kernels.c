@@ -1,10 +1,12 @@
 // CPU kernels torch lacks, for float32 and bfloat16 (computed in float32): decode
 // attention read through the block table, rotary embedding in place, RMSNorm, the K/V
-// write into pool slots. Built and loaded by runtime/kernels/__init__.py; the torch code
+// write into pool slots, SwiGLU's product, and a float32 GEMM over weights packed in
+// column panels. Built and loaded by runtime/kernels/__init__.py; the torch code
 // each replaces computes the same thing and is what tests/runtime/test_cpu_kernels.py
 // compares it with.
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -631,5 +633,94 @@ int write_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t k_stride, int64_
                   int kv_heads, int dim, int64_t head_stride, int threads) {
     write_kv(k, v, k_stride, v_stride, k_cache, v_cache, slots, tokens, kv_heads, dim,
              head_stride, threads, 2);
+    return 0;
+}
+
+// float32 GEMM y[M, N] (+)= x[M, K] . W^T over W packed in column panels: panel p holds
+// output columns [32p, 32p + 32) as [K, 32], k-major, so a panel streams from memory
+// in one contiguous run. At decode batches the GEMM is as much a stream of the weights as
+// it is arithmetic; MKL's and oneDNN's packed GEMMs left the two apart (a row block's
+// first pass waited on memory, the next ones left it idle). Here each panel's row blocks
+// also prefetch the thread's next panel into L2, one line per k-step, spread over all of
+// them. Each thread owns a contiguous run of panels; rows go in blocks of GEMM_ROWS so
+// that x's block stays in L2 at prefill sizes.
+enum { PANEL = 32, GEMM_MR = 12, GEMM_ROWS = 96 };
+
+// rows [0, MR) of x (row stride K) times one panel's k-range [0, K) into y (row stride
+// ldy), adding to y when `acc`; prefetches `next_bytes` of `next` as it goes.
+static inline __attribute__((always_inline)) void gemm_block(
+    const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int K, int MR, int acc,
+    const char *next, int64_t next_bytes) {
+    vf16 sum[GEMM_MR][2];
+    for (int i = 0; i < MR; i++) {
+        sum[i][0] = acc ? vload(y + i * ldy) : (vf16){0};
+        sum[i][1] = acc ? vload(y + i * ldy + VL) : (vf16){0};
+    }
+    for (int k = 0; k < K; k++) {
+        const float *wk = w + (int64_t)k * PANEL;
+        if ((int64_t)k * 64 < next_bytes) __builtin_prefetch(next + (int64_t)k * 64, 0, 2);
+        const vf16 w0 = vload(wk), w1 = vload(wk + VL);
+#pragma GCC unroll 12
+        for (int i = 0; i < MR; i++) {
+            const float a = x[i * ldx + k];
+            sum[i][0] += a * w0;
+            sum[i][1] += a * w1;
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        vstore(y + i * ldy, sum[i][0]);
+        vstore(y + i * ldy + VL, sum[i][1]);
+    }
+}
+
+// `rows` rows of x through one panel; block b of GEMM_MR rows prefetches lines
+// [b * K, (b + 1) * K) of the next panel.
+static void gemm_panel(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy,
+                       int rows, int K, int acc, const char *next, int64_t next_bytes) {
+    int64_t ahead = 0;
+    for (int m0 = 0; m0 < rows; m0 += GEMM_MR, ahead += (int64_t)K * 64) {
+        const char *at = next ? next + ahead : 0;
+        const int64_t left = next ? next_bytes - ahead : 0;
+#define GEMM_BLOCK(R) gemm_block(x + (int64_t)m0 * ldx, ldx, w, y + (int64_t)m0 * ldy, ldy, K, \
+                                 R, acc, at, left)
+        switch (rows - m0 < GEMM_MR ? rows - m0 : GEMM_MR) {
+        case 1: GEMM_BLOCK(1); break;
+        case 2: GEMM_BLOCK(2); break;
+        case 3: GEMM_BLOCK(3); break;
+        case 4: GEMM_BLOCK(4); break;
+        case 5: GEMM_BLOCK(5); break;
+        case 6: GEMM_BLOCK(6); break;
+        case 7: GEMM_BLOCK(7); break;
+        case 8: GEMM_BLOCK(8); break;
+        case 9: GEMM_BLOCK(9); break;
+        case 10: GEMM_BLOCK(10); break;
+        case 11: GEMM_BLOCK(11); break;
+        default: GEMM_BLOCK(12);
+        }
+#undef GEMM_BLOCK
+    }
+}
+
+// y [M, N] (contiguous) = x [M, K] (contiguous) . W^T, plus y itself when `accumulate`;
+// `panels` is W packed as [N / 32, K, 32]. N a multiple of 32.
+int gemm_panels_f32(const float *x, const float *panels, float *y, int M, int N, int K,
+                    int accumulate, int threads) {
+    if (N % PANEL) return -1;
+    const int count = N / PANEL;
+    const int64_t panel_bytes = (int64_t)PANEL * K * 4;
+#pragma omp parallel num_threads(threads) if (M > 0)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int first = count * t / nt, last = count * (t + 1) / nt;
+        for (int r0 = 0; r0 < M; r0 += GEMM_ROWS) {
+            const int rows = M - r0 < GEMM_ROWS ? M - r0 : GEMM_ROWS;
+            for (int p = first; p < last; p++) {
+                const float *w = panels + (int64_t)p * PANEL * K;
+                const char *next = p + 1 < last ? (const char *)(w + (int64_t)PANEL * K) : 0;
+                gemm_panel(x + (int64_t)r0 * K, K, w, y + (int64_t)r0 * N + p * PANEL, N, rows,
+                           K, accumulate, next, panel_bytes);
+            }
+        }
+    }
     return 0;
 }

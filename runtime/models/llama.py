@@ -295,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
         gemms = self.model.layers[0].gemms()  # every stage holds at least one layer
         shapes = tuple((m.out_features // parts, m.in_features) for m, parts in gemms)
         dtype = next(self.parameters()).dtype
-        backend = cpu_gemm_backend(dtype, shapes, batch_hint)
+        backend = cpu_gemm_backend(dtype, shapes)
         for layer in self.model.layers:
             for module, parts in layer.gemms():
                 module.pack(batch_hint, backend, parts)

@@ -1,5 +1,5 @@
-"""The packed CPU GEMMs (oneDNN's and MKL's) against F.linear, at row counts other than
-the one they were packed for, and the choice between them."""
+"""The packed CPU GEMMs (oneDNN's, MKL's, the kernels' column panels) against F.linear, at
+row counts other than the one they were packed for, and the choice between them."""
 
 from __future__ import annotations
 
@@ -7,22 +7,32 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import device, mkl_sgemm
+from runtime import device, kernels, mkl_sgemm
 from runtime.device import linear, linear_add, linear_silu_mul, pack_weight
+from runtime.mkl_sgemm import PackedSgemm
+from runtime.panel_gemm import PanelGemm
 
-BACKENDS = ["onednn", pytest.param("mkl", marks=pytest.mark.skipif(
-    not mkl_sgemm.available(), reason="this torch build carries no MKL packed sgemm"))]
+BACKENDS = [
+    "onednn",
+    pytest.param("mkl", marks=pytest.mark.skipif(
+        not mkl_sgemm.available(), reason="this torch build carries no MKL packed sgemm")),
+    pytest.param("kernels", marks=pytest.mark.skipif(
+        kernels.load() is None, reason="no C compiler: the kernels are not built")),
+]
+PACKED = {"mkl": PackedSgemm, "kernels": PanelGemm}
 
 
+# rows: none, one, a part of one 12-row block, several, and past one 96-row block of the
+# panel GEMM, with a ragged last block
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rows", [0, 1, 5, 64, 130])
 def test_packed_gemms_match_f_linear(backend, rows):
     g = torch.Generator().manual_seed(rows)
-    w, b = torch.randn(48, 40, generator=g), torch.randn(48, generator=g)
+    w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
     x = torch.randn(rows, 40, generator=g)
-    other = torch.randn(rows, 48, generator=g)
+    other = torch.randn(rows, 96, generator=g)
     packed = pack_weight(w, 64, backend)
-    assert packed is not w
+    assert packed is not w and isinstance(packed, PACKED.get(backend, torch.Tensor))
     ref = F.linear(x, w, b)
     torch.testing.assert_close(linear(x, packed, b), ref)
     # the residual is consumed (MKL adds into it): pass a copy, compare with the original
@@ -33,7 +43,7 @@ def test_packed_gemms_match_f_linear(backend, rows):
     strided = wide_other[:, ::2]
     torch.testing.assert_close(linear_add(x, packed, strided, b), ref + before[:, ::2])
     torch.testing.assert_close(wide_other, before)
-    up = torch.randn(48, 40, generator=g)
+    up = torch.randn(96, 40, generator=g)
     swiglu = F.silu(F.linear(x, w)) * F.linear(x, up)
     torch.testing.assert_close(linear_silu_mul(x, packed, pack_weight(up, 64, backend)), swiglu)
     # a non-contiguous input (a column slice) reads the same rows
@@ -41,9 +51,17 @@ def test_packed_gemms_match_f_linear(backend, rows):
     torch.testing.assert_close(linear(wide[:, :40], packed), F.linear(wide[:, :40], w))
 
 
+def test_a_weight_the_panel_gemm_cannot_pack_falls_back_to_onednn():
+    w = torch.randn(48, 40)  # 48 output features: not whole 32-column panels
+    assert not isinstance(pack_weight(w, 64, "kernels"), PanelGemm)
+    x = torch.randn(3, 40)
+    torch.testing.assert_close(linear(x, pack_weight(w, 64, "kernels")), F.linear(x, w))
+
+
 def test_the_backend_choice(monkeypatch):
-    shapes = ((48, 40), (40, 48))
-    for choice in ("onednn", "mkl", "auto", "bogus"):
+    shapes = ((64, 32), (32, 64))
+    runs = {"onednn": True, "mkl": mkl_sgemm.available(), "kernels": kernels.load() is not None}
+    for choice in ("onednn", "mkl", "kernels", "auto", "bogus"):
         monkeypatch.setenv(device.GEMM_ENV, choice)
         device.cpu_gemm_backend.cache_clear()
         if choice == "bogus":
@@ -52,9 +70,12 @@ def test_the_backend_choice(monkeypatch):
             continue
         got = device.cpu_gemm_backend(torch.float32, shapes, 8)
         if choice == "auto":
-            assert got in device.GEMM_BACKENDS
+            assert got in device.GEMM_BACKENDS and runs[got]
         else:
-            assert got == (choice if mkl_sgemm.available() else "onednn")
-        # MKL's packed sgemm is float32 only
+            assert got == (choice if runs[choice] else "onednn")
+        # MKL's packed sgemm and the panel GEMM are float32 only; the panels need whole
+        # 32-column panels
         assert device.cpu_gemm_backend(torch.bfloat16, shapes, 8) == "onednn"
+        if choice == "kernels":
+            assert device.cpu_gemm_backend(torch.float32, ((48, 32),), 8) != "kernels"
     device.cpu_gemm_backend.cache_clear()

@@ -17,14 +17,17 @@ BLOCK = 4
 NUM_BLOCKS = 48
 
 
-@pytest.fixture(params=["onednn", "mkl"])
+@pytest.fixture(params=["onednn", "mkl", "kernels"])
 def gemm_backend(request, monkeypatch) -> str:
-    """Eager CPU GEMMs through oneDNN or MKL's packed sgemm, whichever a machine measures
-    faster (`cpu_gemm_backend`): both must give the same tokens."""
-    from runtime import device, mkl_sgemm
+    """Eager CPU GEMMs through oneDNN, MKL's packed sgemm or the kernels' panel GEMM,
+    whichever a machine measures fastest (`cpu_gemm_backend`): all must give the same
+    tokens."""
+    from runtime import device, kernels, mkl_sgemm
 
     if request.param == "mkl" and not mkl_sgemm.available():
         pytest.skip("this torch build carries no MKL packed sgemm")
+    if request.param == "kernels" and kernels.load() is None:
+        pytest.skip("no C compiler: the kernels are not built")
     monkeypatch.setenv(device.GEMM_ENV, request.param)
     device.cpu_gemm_backend.cache_clear()
     yield request.param
@@ -312,10 +315,11 @@ def test_device_choice_on_a_cpu_machine():
 
 
 def test_packed_weights_replace_the_plain_ones(tiny_model_dir, gemm_backend):
-    """Eager CPU steps read packed copies (oneDNN's or MKL's), so the plain Linear weights
-    are dropped rather than held twice (the packed model's tokens:
+    """Eager CPU steps read packed copies (oneDNN's, MKL's or the panels), so the plain
+    Linear weights are dropped rather than held twice (the packed model's tokens:
     test_greedy_generation_matches_...)."""
     from runtime.mkl_sgemm import PackedSgemm
+    from runtime.panel_gemm import PanelGemm
 
     runner = ModelRunner(ModelRunnerConfig(model=str(tiny_model_dir), block_size=BLOCK,
                                            num_kv_blocks=NUM_BLOCKS, device="cpu"))
@@ -324,3 +328,4 @@ def test_packed_weights_replace_the_plain_ones(tiny_model_dir, gemm_backend):
     assert all(m.packed is not None and m.weight.numel() == 0 for m in linears)
     packed = [p for m in linears for p in m.packed] + [runner.model.packed_head]
     assert all(isinstance(p, PackedSgemm) == (gemm_backend == "mkl") for p in packed)
+    assert all(isinstance(p, PanelGemm) == (gemm_backend == "kernels") for p in packed)
