@@ -640,17 +640,21 @@ int write_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t k_stride, int64_
 // output columns [32p, 32p + 32) as [K, 32], k-major, so a panel streams from memory
 // in one contiguous run. At decode batches the GEMM is as much a stream of the weights as
 // it is arithmetic; MKL's and oneDNN's packed GEMMs left the two apart (a row block's
-// first pass waited on memory, the next ones left it idle). Here each panel's row blocks
-// also prefetch the thread's next panel into L2, one line per k-step, spread over all of
-// them. Each thread owns a contiguous run of panels; rows go in blocks of GEMM_ROWS so
-// that x's block stays in L2 at prefill sizes.
-enum { PANEL = 32, GEMM_MR = 12, GEMM_ROWS = 96 };
+// first pass waited on memory, the next ones left it idle). Here a panel's row blocks
+// also prefetch the thread's next panel into L2 as they go, spread over all of them. Each
+// thread owns a contiguous run of panels. At prefill sizes rows go in blocks of GEMM_ROWS
+// (x's block stays in L2) and k in chunks of GEMM_KC (a row block's x and the panel's
+// chunk stay in L1), as MKL blocks them.
+enum { PANEL = 32, GEMM_MR = 12, GEMM_ROWS = 96, GEMM_KC = 256 };
 
-// rows [0, MR) of x (row stride K) times one panel's k-range [0, K) into y (row stride
-// ldy), adding to y when `acc`; prefetches `next_bytes` of `next` as it goes.
+// rows [0, MR) of x (row stride ldx) times a panel's k-range [0, K) into y (row stride
+// ldy), adding to y when `acc`; prefetches `lines` cache lines of `pf` per k-step (a
+// prefetch never faults: past the next panel it reads ahead into the one after).
+// Inlined with MR and `lines` constants: the k loop is the FMAs, their loads, and the
+// prefetch where there is one.
 static inline __attribute__((always_inline)) void gemm_block(
     const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int K, int MR, int acc,
-    const char *next, int64_t next_bytes) {
+    const char *pf, int lines) {
     vf16 sum[GEMM_MR][2];
     for (int i = 0; i < MR; i++) {
         sum[i][0] = acc ? vload(y + i * ldy) : (vf16){0};
@@ -658,7 +662,7 @@ static inline __attribute__((always_inline)) void gemm_block(
     }
     for (int k = 0; k < K; k++) {
         const float *wk = w + (int64_t)k * PANEL;
-        if ((int64_t)k * 64 < next_bytes) __builtin_prefetch(next + (int64_t)k * 64, 0, 2);
+        for (int l = 0; l < lines; l++) __builtin_prefetch(pf + ((int64_t)k * lines + l) * 64, 0, 2);
         const vf16 w0 = vload(wk), w1 = vload(wk + VL);
 #pragma GCC unroll 12
         for (int i = 0; i < MR; i++) {
@@ -673,31 +677,44 @@ static inline __attribute__((always_inline)) void gemm_block(
     }
 }
 
-// `rows` rows of x through one panel; block b of GEMM_MR rows prefetches lines
-// [b * K, (b + 1) * K) of the next panel.
-static void gemm_panel(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy,
-                       int rows, int K, int acc, const char *next, int64_t next_bytes) {
-    int64_t ahead = 0;
-    for (int m0 = 0; m0 < rows; m0 += GEMM_MR, ahead += (int64_t)K * 64) {
-        const char *at = next ? next + ahead : 0;
-        const int64_t left = next ? next_bytes - ahead : 0;
-#define GEMM_BLOCK(R) gemm_block(x + (int64_t)m0 * ldx, ldx, w, y + (int64_t)m0 * ldy, ldy, K, \
-                                 R, acc, at, left)
-        switch (rows - m0 < GEMM_MR ? rows - m0 : GEMM_MR) {
-        case 1: GEMM_BLOCK(1); break;
-        case 2: GEMM_BLOCK(2); break;
-        case 3: GEMM_BLOCK(3); break;
-        case 4: GEMM_BLOCK(4); break;
-        case 5: GEMM_BLOCK(5); break;
-        case 6: GEMM_BLOCK(6); break;
-        case 7: GEMM_BLOCK(7); break;
-        case 8: GEMM_BLOCK(8); break;
-        case 9: GEMM_BLOCK(9); break;
-        case 10: GEMM_BLOCK(10); break;
-        case 11: GEMM_BLOCK(11); break;
-        default: GEMM_BLOCK(12);
-        }
+// `rows` rows of x (row stride K) through one panel, k in chunks of `kc`. One chunk (decode
+// sizes): row block b prefetches lines [b * K, (b + 1) * K) of the next panel; several:
+// each chunk's first row block prefetches the next panel's same chunk.
+static void gemm_panel(const float *x, const float *w, float *y, int64_t ldy, int rows, int K,
+                       int kc, int acc, const char *next) {
+    for (int k0 = 0; k0 < K; k0 += kc) {
+        const int kn = K - k0 < kc ? K - k0 : kc;
+        for (int m0 = 0; m0 < rows; m0 += GEMM_MR) {
+            const char *pf = 0;
+            int lines = 0;  // this block prefetches nothing
+            if (next && kn == K) {
+                pf = next + (int64_t)(m0 / GEMM_MR) * K * 64;
+                lines = 1;
+            } else if (next && m0 == 0) {
+                pf = next + (int64_t)k0 * PANEL * 4;
+                lines = 2;
+            }
+#define GEMM_CALL(R, L) gemm_block(x + (int64_t)m0 * K + k0, K, w + (int64_t)k0 * PANEL, \
+                                   y + (int64_t)m0 * ldy, ldy, kn, R, acc || k0 > 0, pf, L)
+#define GEMM_BLOCK(R) (lines == 0 ? GEMM_CALL(R, 0) : lines == 1 ? GEMM_CALL(R, 1) \
+                                                                  : GEMM_CALL(R, 2))
+            switch (rows - m0 < GEMM_MR ? rows - m0 : GEMM_MR) {
+            case 1: GEMM_BLOCK(1); break;
+            case 2: GEMM_BLOCK(2); break;
+            case 3: GEMM_BLOCK(3); break;
+            case 4: GEMM_BLOCK(4); break;
+            case 5: GEMM_BLOCK(5); break;
+            case 6: GEMM_BLOCK(6); break;
+            case 7: GEMM_BLOCK(7); break;
+            case 8: GEMM_BLOCK(8); break;
+            case 9: GEMM_BLOCK(9); break;
+            case 10: GEMM_BLOCK(10); break;
+            case 11: GEMM_BLOCK(11); break;
+            default: GEMM_BLOCK(12);
+            }
 #undef GEMM_BLOCK
+#undef GEMM_CALL
+        }
     }
 }
 
@@ -707,7 +724,7 @@ int gemm_panels_f32(const float *x, const float *panels, float *y, int M, int N,
                     int accumulate, int threads) {
     if (N % PANEL) return -1;
     const int count = N / PANEL;
-    const int64_t panel_bytes = (int64_t)PANEL * K * 4;
+    const int kc = M > GEMM_ROWS ? GEMM_KC : K;
 #pragma omp parallel num_threads(threads) if (M > 0)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -717,8 +734,8 @@ int gemm_panels_f32(const float *x, const float *panels, float *y, int M, int N,
             for (int p = first; p < last; p++) {
                 const float *w = panels + (int64_t)p * PANEL * K;
                 const char *next = p + 1 < last ? (const char *)(w + (int64_t)PANEL * K) : 0;
-                gemm_panel(x + (int64_t)r0 * K, K, w, y + (int64_t)r0 * N + p * PANEL, N, rows,
-                           K, accumulate, next, panel_bytes);
+                gemm_panel(x + (int64_t)r0 * K, w, y + (int64_t)r0 * N + p * PANEL, N, rows, K,
+                           kc, accumulate, next);
             }
         }
     }

@@ -51,6 +51,21 @@ def test_packed_gemms_match_f_linear(backend, rows):
     torch.testing.assert_close(linear(wide[:, :40], packed), F.linear(wide[:, :40], w))
 
 
+@pytest.mark.skipif(kernels.load() is None, reason="no C compiler: the kernels are not built")
+@pytest.mark.parametrize("rows", [1, 12, 97, 300])
+def test_the_panel_gemm_blocks_rows_and_k_at_prefill_sizes(rows):
+    # past 96 rows the kernel takes k in chunks of 256: k = 600 leaves a ragged last chunk;
+    # 5 panels split unevenly across the threads
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(160, 600, generator=g)
+    x, residual = torch.randn(rows, 600, generator=g), torch.randn(rows, 160, generator=g)
+    packed = PanelGemm(w)
+    want = F.linear(x, w)
+    torch.testing.assert_close(packed(x), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(packed(x, accumulate=residual.clone()), want + residual,
+                               atol=1e-4, rtol=1e-4)
+
+
 def test_a_weight_the_panel_gemm_cannot_pack_falls_back_to_onednn():
     w = torch.randn(48, 40)  # 48 output features: not whole 32-column panels
     assert not isinstance(pack_weight(w, 64, "kernels"), PanelGemm)
