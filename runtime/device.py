@@ -118,7 +118,7 @@ def pack_weight(weight: torch.Tensor, batch_hint: int, backend: str = "onednn") 
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, through oneDNN or MKL's packed GEMM on CPU."""
+    """`F.linear`, through oneDNN, MKL's packed GEMM or the panel GEMM on CPU."""
     if isinstance(weight, HostGemm):
         out = weight(x)
         return out if bias is None else out.add_(bias)
@@ -129,7 +129,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
 
 def linear_silu_mul(x: torch.Tensor, gate: Weight, up: Weight) -> torch.Tensor:
     """SwiGLU's `silu(x @ gate.T) * (x @ up.T)`: on CPU two GEMMs with the rest fused into
-    them (oneDNN) or into one pass after them (MKL, the C kernel)."""
+    them (oneDNN) or into one C pass after them (MKL, the panel GEMM)."""
     if isinstance(gate, HostGemm):
         g, u = gate(x), up(x)
         kernel = kernels.for_tensors(g.dtype, g.device)
@@ -143,8 +143,8 @@ def linear_add(
     x: torch.Tensor, weight: Weight, other: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`x @ weight.T + bias + other` (a residual), one fused GEMM on CPU. `other` is
-    consumed: MKL accumulates into it in place when it is contiguous (callers pass a
-    residual stream they own), oneDNN fuses the add into the GEMM's output."""
+    consumed: MKL and the panel GEMM accumulate into it in place when it is contiguous
+    (callers pass a residual stream they own), oneDNN fuses the add into its output."""
     if isinstance(weight, HostGemm):
         if not other.is_contiguous():
             other = other.contiguous()

@@ -288,10 +288,11 @@ class LlamaForCausalLM(nn.Module):
         return self.compute_logits(self.model.norm(x), rows)
 
     def pack_weights(self, batch_hint: int, head: bool = True) -> None:
-        """Eager CPU steps: every GEMM reads a copy of its weight packed for oneDNN or MKL,
-        whichever measures faster here (`cpu_gemm_backend`), which replaces the plain
-        weight; the embedding table stays beside the LM head's packed copy of it (lookups
-        read it). Graphs mode never packs: its compiled regions take the plain weights."""
+        """Eager CPU steps: every GEMM reads a copy of its weight packed for oneDNN, MKL or
+        the panel GEMM, whichever measures fastest here (`cpu_gemm_backend`), which
+        replaces the plain weight; the embedding table stays beside the LM head's packed
+        copy of it (lookups read it). Graphs mode never packs: its compiled regions take
+        the plain weights."""
         gemms = self.model.layers[0].gemms()  # every stage holds at least one layer
         shapes = tuple((m.out_features // parts, m.in_features) for m, parts in gemms)
         dtype = next(self.parameters()).dtype
