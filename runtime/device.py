@@ -110,7 +110,7 @@ def pack_weight(weight: torch.Tensor, batch_hint: int, backend: str = "onednn") 
     result: it is opaque to every other op."""
     if backend == "mkl" and weight.dtype == torch.float32 and weight.device.type == "cpu":
         return PackedSgemm(weight, batch_hint)
-    if backend == "kernels" and panel_gemm.supports(weight):
+    if backend == "kernels" and panel_gemm.supports(weight.shape, weight.dtype, weight.device.type):
         return PanelGemm(weight)
     if not _onednn(weight):
         return weight
@@ -163,7 +163,7 @@ def _gemm_runs(backend: str, dtype: torch.dtype, shapes: tuple[tuple[int, int], 
         return False
     if backend == "mkl":
         return mkl_sgemm.available()
-    return all(panel_gemm.supports(torch.empty(shape)) for shape in shapes)
+    return all(panel_gemm.supports(shape, dtype) for shape in shapes)
 
 
 @functools.cache

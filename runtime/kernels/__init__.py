@@ -194,19 +194,13 @@ class CpuKernels:
         self, x: torch.Tensor, panels: torch.Tensor, out: torch.Tensor, accumulate: bool
     ) -> torch.Tensor:
         """`out [M, N] (+)= x [M, K] . W^T` in float32, W packed as `panels [N / 32, K, 32]`
-        (`pack_panels`); x and out contiguous. Adds to `out` when `accumulate`."""
+        (`runtime.panel_gemm.PanelGemm`); x and out contiguous. Adds to `out` when `accumulate`."""
         rows, k = x.shape
         self._fns["gemm_panels", torch.float32](
             x.data_ptr(), panels.data_ptr(), out.data_ptr(), rows, out.shape[1], k,
             int(accumulate), torch.get_num_threads(),
         )
         return out
-
-    @staticmethod
-    def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-        """`weight [N, K]` (N a multiple of 32) as `gemm_panels` reads it: `[N / 32, K, 32]`."""
-        n, k = weight.shape
-        return weight.view(n // GEMM_PANEL, GEMM_PANEL, k).transpose(1, 2).contiguous()
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slots: torch.Tensor) -> None:

@@ -35,7 +35,7 @@ def test_packed_gemms_match_f_linear(backend, rows):
     assert packed is not w and isinstance(packed, PACKED.get(backend, torch.Tensor))
     ref = F.linear(x, w, b)
     torch.testing.assert_close(linear(x, packed, b), ref)
-    # the residual is consumed (MKL adds into it): pass a copy, compare with the original
+    # the residual is consumed (MKL and the panels add into it): pass a copy
     torch.testing.assert_close(linear_add(x, packed, other.clone(), b), ref + other)
     # a residual that is a strided view is read, never written
     wide_other = torch.cat([other, other], dim=1)
