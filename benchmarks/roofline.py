@@ -33,9 +33,11 @@ def read_bandwidth(num_bytes: int = 1 << 30, iters: int = 5) -> dict[str, float]
     return {"sum": sum_bw, "copy": copy_bw, "best": max(sum_bw, copy_bw)}
 
 
-def gemm_rate(size: int = 2048, iters: int = 5) -> dict[str, float]:
-    """float32 FLOP/s of a square GEMM via torch.matmul and via the runtime's linear()."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def gemm_rate(
+    size: int = 2048, iters: int = 5, dtype: torch.dtype = torch.float32
+) -> dict[str, float]:
+    """FLOP/s of a square `dtype` GEMM via torch.matmul and via the runtime's linear()."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     flops = 2 * size**3
     matmul = flops / median_seconds(lambda: torch.matmul(a, b), iters)
     runtime_linear = flops / median_seconds(lambda: linear(a, b), iters)

@@ -218,6 +218,8 @@ def main() -> None:
         parser.error(f"--systems takes vllm, then one or more of {', '.join(list(SCRIPTS)[1:])}"
                      f" (no repeats); got {','.join(args.systems)}")
 
+    import torch
+
     from benchmarks.roofline import gemm_rate
     from runtime.tokenizer import Tokenizer
     from runtime.weights import resolve_model
@@ -233,7 +235,8 @@ def main() -> None:
     }
     workloads = [every[name]() for name in args.workloads.split(",")]
     warmup = [p[:64] for w in workloads for p in w.prompts[:2]]
-    rate = gemm_rate()["best"]  # before the workers load: the machine to itself
+    # before the workers load: the machine to itself
+    rate = gemm_rate(dtype=getattr(torch, args.dtype))["best"]
     workers = start_workers(args, str(model_dir), warmup)
     try:
         runs = measure(workers, workloads, args.repeats)

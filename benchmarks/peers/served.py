@@ -102,6 +102,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--decode-config", default="",
+                        help="more keys of bucketserve's controller.decode, YAML flow style "
+                        "(e.g. 'slo_max_hold: 1.0')")
 
 
 def require_peer_venv() -> None:
@@ -127,7 +130,8 @@ def start(
     config.write_text(
         f"model: {{dtype: {args.dtype}, max_model_len: {args.max_model_len}}}\n"
         f"controller:\n  shape: {shape}\n  mode: {'local' if local else 'ray'}\n"
-        f"  decode: {{max_num_seqs: {args.max_num_seqs}}}\n"
+        f"  decode: {{max_num_seqs: {args.max_num_seqs}"
+        f"{', ' + args.decode_config if args.decode_config else ''}}}\n"
         f"gateway: {{http_port: {port}, grpc_port: {free_port()}}}\n"
     )
     argv = [sys.executable, "-m", "bucketserve.cli", "serve", "--config", str(config)]
@@ -216,7 +220,6 @@ def main() -> None:
     parser.add_argument("--interleaved", action="store_true",
                         help="every server up at once, taking turns per rate (cancels "
                         "drift; the idle ones share the cores)")
-    parser.add_argument("--sequential", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--add-to", type=Path, default=None,
                         help="an earlier served.json of the same systems and seeds: its runs "
                         "at other rates join this sweep's in the report (fills in a rate)")
@@ -245,7 +248,7 @@ def main() -> None:
         print(server.name, f"seed {seed}", json.dumps(row), flush=True)
 
     startup: dict[str, float] = {}
-    if not args.interleaved:  # one server at a time (--sequential: the default now)
+    if not args.interleaved:  # one server at a time
         for system in systems:
             server = start(system, model, args)
             try:

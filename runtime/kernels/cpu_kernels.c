@@ -285,27 +285,39 @@ static void tile_scores(const float *Q, const float *Kt, int64_t kstride, float 
     }
 }
 
-// O[rows, dim] += P[rows, keys] . V[keys, dim], `dim` a multiple of VL.
-static void tile_values(const float *P, const float *V, float *O, int rows, int keys,
-                        int dim) {
+// O[rows, dim] = O * rescale[row] + P[rows, keys] . V[keys, dim], `dim` a multiple of VL
+// (the online softmax's rescale of O rides on loading it). Four-vector column blocks keep
+// their 4 x 4 accumulators in registers (constant loop bounds: a variable width sent them
+// to the stack, copied 8 bytes at a time); what is left of `dim` goes a vector at a time.
+static void tile_values(const float *P, const float *V, float *O, const float *rescale,
+                        int rows, int keys, int dim) {
     for (int r = 0; r < rows; r += 4) {
-        for (int c0 = 0; c0 < dim; c0 += 4 * VL) {
-            const int nv = (dim - c0) / VL < 4 ? (dim - c0) / VL : 4;
+        int c0 = 0;
+        for (; c0 + 4 * VL <= dim; c0 += 4 * VL) {
             vf16 acc[4][4];
+#pragma GCC unroll 4
             for (int i = 0; i < 4; i++)
-                for (int c = 0; c < nv; c++) acc[i][c] = vload(O + (r + i) * dim + c0 + c * VL);
-            if (nv == 4) {
-                for (int j = 0; j < keys; j++)
-                    fma_block(acc, P + r * TILE_KEYS + j, TILE_KEYS, V + (int64_t)j * dim + c0);
-            } else {
-                for (int j = 0; j < keys; j++)
-                    for (int c = 0; c < nv; c++) {
-                        const vf16 v = vload(V + (int64_t)j * dim + c0 + c * VL);
-                        for (int i = 0; i < 4; i++) acc[i][c] += P[(r + i) * TILE_KEYS + j] * v;
-                    }
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++)
+                    acc[i][c] = vload(O + (r + i) * dim + c0 + c * VL) * rescale[r + i];
+            for (int j = 0; j < keys; j++)
+                fma_block(acc, P + r * TILE_KEYS + j, TILE_KEYS, V + (int64_t)j * dim + c0);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) vstore(O + (r + i) * dim + c0 + c * VL, acc[i][c]);
+        }
+        for (; c0 < dim; c0 += VL) {
+            vf16 acc[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) acc[i] = vload(O + (r + i) * dim + c0) * rescale[r + i];
+            for (int j = 0; j < keys; j++) {
+                const vf16 v = vload(V + (int64_t)j * dim + c0);
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) acc[i] += P[(r + i) * TILE_KEYS + j] * v;
             }
-            for (int i = 0; i < 4; i++)
-                for (int c = 0; c < nv; c++) vstore(O + (r + i) * dim + c0 + c * VL, acc[i][c]);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) vstore(O + (r + i) * dim + c0, acc[i]);
         }
     }
 }
@@ -320,15 +332,16 @@ static void prefill_tile(const void *q, int64_t q_stride, void *out, const float
                          float *scratch) {
     const int rows = (qb - qa) * group, padded = (rows + 3) & ~3;
     float *Q = scratch, *O = Q + TILE_ROWS * dim, *S = O + TILE_ROWS * dim;
-    float m[TILE_ROWS], l[TILE_ROWS];
+    float m[TILE_ROWS], l[TILE_ROWS], rescale[TILE_ROWS];
     int pos[TILE_ROWS];
+    memset(O, 0, sizeof(float) * padded * dim);
     for (int r = 0; r < padded; r++) {
         const int qi = r / group, g = r % group;
         const int64_t at = (tok0 + qa + qi) * q_stride + ((int64_t)kvh * group + g) * dim;
-        for (int d = 0; d < dim; d++) {
-            Q[r * dim + d] = r < rows ? load(q, at + d, bf16) * scale : 0.0f;
-            O[r * dim + d] = 0.0f;
-        }
+        if (r < rows)
+            for (int d = 0; d < dim; d++) Q[r * dim + d] = load(q, at + d, bf16) * scale;
+        else
+            memset(Q + r * dim, 0, sizeof(float) * dim);
         pos[r] = r < rows ? p0 + qa + qi : -1;
         m[r] = MASKED;
         l[r] = 0.0f;
@@ -347,7 +360,7 @@ static void prefill_tile(const void *q, int64_t q_stride, void *out, const float
             }
             // exp's arguments are kept >= -80: the vector expf takes a slow scalar path
             // for every lane that underflows (masked scores), and exp(-80) is ~0 anyway.
-            const float rescale = expf(fmaxf(m[r] - top, -80.0f));
+            rescale[r] = expf(fmaxf(m[r] - top, -80.0f));
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
             for (int j = 0; j < TILE_KEYS; j++) {
@@ -356,11 +369,9 @@ static void prefill_tile(const void *q, int64_t q_stride, void *out, const float
                 sum += s[j];
             }
             m[r] = top;
-            l[r] = l[r] * rescale + sum;
-            if (rescale != 1.0f)
-                for (int d = 0; d < dim; d++) O[r * dim + d] *= rescale;
+            l[r] = l[r] * rescale[r] + sum;
         }
-        tile_values(S, V + (int64_t)k0 * dim, O, padded, nk, dim);
+        tile_values(S, V + (int64_t)k0 * dim, O, rescale, padded, nk, dim);
     }
     for (int r = 0; r < rows; r++) {
         const int qi = r / group, g = r % group;

@@ -62,7 +62,8 @@ def test_kernel_matches_gather_and_sdpa(
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "block_size"),
-    [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 32, 128), (6, 1, 16, 5)],
+    # 80: four-vector column blocks and a single-vector rest
+    [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 32, 128), (6, 1, 16, 5), (4, 2, 80, 16)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qkv_view", [False, True])
