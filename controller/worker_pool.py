@@ -297,7 +297,7 @@ class WorkerPool:
             options["resources"] = resources
         threads = self.config.torch_threads(role)
         if threads:
-            options["runtime_env"] = {"env_vars": omp_env(threads, self.config.shares_cores)}
+            options["runtime_env"] = {"env_vars": omp_env(threads, self.config.omp_spins(role))}
         return options
 
     # -- shared ------------------------------------------------------------------------------

@@ -43,16 +43,16 @@ def warmup_selection(mode: str, padding: bool, shapes: Sequence[T]) -> list[T]:
 SPIN_COUNT = 300_000
 
 
-def omp_env(threads: int, shares_cores: bool) -> dict[str, str]:
-    """OpenMP settings of a worker with `threads` intra-op threads. Pools sharing cores
-    wait passively (a spinning pool steals the other's cores); a worker alone on its
-    cores spins between ops for libgomp's own default count, then sleeps. Spinning
-    without a limit starves the gateway; a short spin (20,000) puts the threads to sleep
-    between the ops of a step, and waking them cost the colocated default 25 % of its
-    decode speed at 1 req/s (TPOT p50 133 -> 98 ms with 300,000, `vllm bench serve`,
+def omp_env(threads: int, spins: bool) -> dict[str, str]:
+    """OpenMP settings of a worker with `threads` intra-op threads. A pool that `spins`
+    (`ControllerConfig.omp_spins`) does so between ops for libgomp's own default count, then
+    sleeps; the others wait passively (a spinning pool steals the cores it shares).
+    Spinning without a limit starves the gateway; a short spin (20,000) puts the threads
+    to sleep between the ops of a step, and waking them cost the colocated default 25 % of
+    its decode speed at 1 req/s (TPOT p50 133 -> 98 ms with 300,000, `vllm bench serve`,
     one server at a time: benchmarks/results/xeon_amx/README.md).
     `OMP_WAIT_POLICY` / `GOMP_SPINCOUNT` in the environment win."""
-    wait = os.environ.get("OMP_WAIT_POLICY") or ("passive" if shares_cores else "active")
+    wait = os.environ.get("OMP_WAIT_POLICY") or ("active" if spins else "passive")
     env = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": wait}
     if wait.lower() == "active":
         env["GOMP_SPINCOUNT"] = os.environ.get("GOMP_SPINCOUNT", str(SPIN_COUNT))

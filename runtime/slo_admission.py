@@ -47,10 +47,13 @@ class SloAdmission:
     its first token, less `headroom` for what the estimates miss) less the time gone since
     its first token and the decode steps it still needs. Every prefill computed from now on
     delays every running sequence: the prompts already admitted and not yet computed, then
-    the candidate. The candidate also adds a row to each decode step they share, priced as
-    one prompt token (the same row through the same GEMMs). When that would break a running
-    sequence's target, the candidate waits while its own TTFT deadline allows; at its last
-    chance it goes in if it breaks only one (a sure first token for a likely miss).
+    the candidate. The admitted ones are computed whatever the candidate does, so a sequence
+    their prefill alone breaks is lost already and holds nothing back (counting it held
+    every prompt of a burst behind the first ones). The candidate also adds a row to each
+    decode step they share, priced as one prompt token (the same row through the same
+    GEMMs). When that would break a running sequence's target, the candidate waits while
+    its own TTFT deadline allows; at its last chance it goes in if it breaks only one (a
+    sure first token for a likely miss).
 
     Nor may the candidate push an admitted prompt that can still make its TTFT deadline
     past it: prompts admitted together are computed in one step, so each one's first token
@@ -94,6 +97,7 @@ class SloAdmission:
         if candidate.num_output_tokens or not times.ready:
             return True
         assert times.decode_s is not None and times.prefill_token_s is not None
+        committed = backlog * times.prefill_token_s  # computed whether or not this one waits
         slacks = []
         for seq in running:
             target, first = seq.tpot_target, seq.metrics.first_token_time
@@ -102,10 +106,10 @@ class SloAdmission:
             total = seq.sampling_params.max_tokens
             left = total - seq.num_output_tokens
             budget = (1 - self.headroom) * target * (total - 1)
-            own = budget - (now - first) - left * times.decode_s
+            own = budget - (now - first) - left * times.decode_s - committed
             if own >= 0:  # below 0 its target is lost whatever waits: not worth holding for
                 slacks.append((own, left))
-        prefill = (backlog + candidate.num_uncomputed_tokens) * times.prefill_token_s
+        prefill = candidate.num_uncomputed_tokens * times.prefill_token_s
         rows = candidate.sampling_params.max_tokens - 1  # the candidate's decode steps
         broken = sum(
             own < prefill + min(left, rows) * times.prefill_token_s for own, left in slacks

@@ -40,8 +40,15 @@ def prompts(
     return [(rng.integers(0, vocab, i).tolist(), o) for i, o in zip(ins, outs, strict=True)]
 
 
-def run(engine, work: list[tuple[list[int], int]], arrivals: list[float]) -> list[dict]:
-    """Feed `work` at `arrivals` (seconds from start) while stepping; per-request timings."""
+def run(
+    engine,
+    work: list[tuple[list[int], int]],
+    arrivals: list[float],
+    slo: tuple[float, float] | None = None,
+) -> list[dict]:
+    """Feed `work` at `arrivals` (seconds from start) while stepping; per-request timings.
+    `slo` (TTFT s, TPOT s): each request carries them as a colocated worker's engine gets
+    them from the controller (a TTFT deadline from its arrival, a TPOT target)."""
     from runtime.sampling_params import SamplingParams
 
     records: dict[str, dict[str, Any]] = {}
@@ -52,7 +59,11 @@ def run(engine, work: list[tuple[list[int], int]], arrivals: list[float]) -> lis
         while next_i < len(work) and arrivals[next_i] <= now:
             prompt, max_tokens = work[next_i]
             params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-            rid = engine.add_request(prompt, params, f"r{next_i}")
+            targets = {}
+            if slo is not None:
+                late = now - arrivals[next_i]
+                targets = {"ttft_deadline": time.monotonic() + slo[0] - late, "tpot_target": slo[1]}
+            rid = engine.add_request(prompt, params, f"r{next_i}", **targets)
             records[rid] = {"arrival": arrivals[next_i], "times": []}
             next_i += 1
         if not engine.has_unfinished():
@@ -98,6 +109,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft", type=float, default=4.0)
     parser.add_argument("--slo-tpot", type=float, default=0.25)
+    parser.add_argument("--slo-targets", action="store_true",
+                        help="requests carry the SLO as the served colocated worker's do "
+                        "(TTFT deadline, TPOT target), scheduled by priority as it does")
     parser.add_argument("--served", type=Path, default=RESULTS_DIR / "peers_served" / "served.json",
                         help="the served sweep's JSON whose vllm rows are shown beside")
     parser.add_argument("--out", default="peers_engine_poisson.json",
@@ -109,7 +123,9 @@ def main() -> None:
     engine = LLMEngine.from_kwargs(
         dtype="float32", device="cpu", max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048,
+        scheduling_policy="priority" if args.slo_targets else "fcfs",
     )
+    slo = (args.slo_ttft, args.slo_tpot) if args.slo_targets else None
     vocab = engine.runner.model_config.vocab_size
     work = prompts(
         vocab, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed
@@ -118,7 +134,8 @@ def main() -> None:
     rows = []
     for rate in (float(r) for r in args.rates.split(",")):
         arrivals = PoissonArrivals(args.seed).times(rate, len(work))
-        rows.append(summarize(run(engine, work, arrivals), rate, args.slo_ttft, args.slo_tpot))
+        records = run(engine, work, arrivals, slo)
+        rows.append(summarize(records, rate, args.slo_ttft, args.slo_tpot))
     served = json.loads(args.served.read_text()) if args.served.is_file() else {}
     vllm = {r["rate"]: r for r in served.get("runs", {}).get("vllm", [])}
     print(f"{'system':<26} {'R':>3} {'tok/s':>7}  {'TTFT p50/p90 s':>15}  "

@@ -1,4 +1,5 @@
-"""OpenMP settings per worker: passive where pools share cores, a bounded spin alone."""
+"""OpenMP settings per worker: a bounded spin alone on the cores or as the one decode pool
+sharing them, passive otherwise."""
 
 from __future__ import annotations
 
@@ -16,25 +17,34 @@ def _no_user_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_lone_colocated_worker_spins_as_long_as_libgomp_would() -> None:
     config = ControllerConfig(shape="colocated", num_decode=1)
-    assert not config.shares_cores
-    assert omp_env(2, config.shares_cores) == {
+    assert not config.shares_cores and config.omp_spins("decode")
+    assert omp_env(2, config.omp_spins("decode")) == {
         "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "300000"
+    }
+
+
+def test_sharing_cores_only_the_single_decode_pool_spins() -> None:
+    config = ControllerConfig(shape="disaggregated")  # 1 prefill + 1 decode, unpinned
+    assert config.shares_cores
+    assert config.omp_spins("decode") and not config.omp_spins("prefill")
+    assert omp_env(2, config.omp_spins("prefill")) == {
+        "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "passive"
     }
 
 
 @pytest.mark.parametrize(
     "config",
     [
-        ControllerConfig(shape="disaggregated"),
+        ControllerConfig(shape="disaggregated", num_decode=2),
         ControllerConfig(shape="colocated", num_decode=2),
         ControllerConfig(
             shape="colocated", decode_placement=PlacementConfig(pipeline_parallel_size=2)
         ),
     ],
 )
-def test_pools_sharing_cores_wait_passively(config: ControllerConfig) -> None:
+def test_several_decode_pools_sharing_cores_wait_passively(config: ControllerConfig) -> None:
     assert config.shares_cores
-    assert omp_env(2, True) == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "passive"}
+    assert not config.omp_spins("decode") and not config.omp_spins("prefill")
 
 
 def test_pinned_roles_do_not_share() -> None:
@@ -43,7 +53,7 @@ def test_pinned_roles_do_not_share() -> None:
         prefill_placement=PlacementConfig(cpus=[0]),
         decode_placement=PlacementConfig(cpus=[1]),
     )
-    assert not config.shares_cores
+    assert not config.shares_cores and config.omp_spins("prefill")
 
 
 def test_the_environment_wins(monkeypatch: pytest.MonkeyPatch) -> None:

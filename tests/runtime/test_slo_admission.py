@@ -169,3 +169,17 @@ def test_a_prompt_waits_rather_than_push_an_admitted_one_past_its_first_token_de
     admitted.ttft_deadline = now + 0.9
     admitted.token_ids.append(5)  # its first token is out
     assert admits(slo, seq("too_big", 303), [admitted], now)
+
+
+def test_a_sequence_the_admitted_prompts_already_break_holds_nothing_back():
+    now = time.monotonic()
+    slo = SloAdmission(times(decode_s=0.1, prefill_token_s=0.001), headroom=0.0)
+    # 80 outputs, 17 s since the first: slack 23.75 - 17 - 16 x 0.1 = 5.15 s
+    tight = decoding("tight", 80, 17.0, now, tpot=0.25)
+    admitted = seq("admitted", 6_001)  # 6 s of prefill admitted: tight's target is lost
+    admitted.status = SequenceStatus.RUNNING
+    assert admits(slo, seq("p", 2_000), [tight, admitted], now)
+    # with 5 s admitted, 0.15 s are left: the candidate's 0.2 s would break it
+    admitted.token_ids = admitted.token_ids[:5_001]
+    assert not admits(slo, seq("p", 200), [tight, admitted], now)
+    assert admits(slo, seq("p", 100, max_tokens=1), [tight, admitted], now)
