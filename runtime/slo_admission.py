@@ -48,8 +48,8 @@ class SloAdmission:
     its first token and the decode steps it still needs. Every prefill computed from now on
     delays every running sequence: the prompts already admitted and not yet computed, then
     the candidate. The admitted ones are computed whatever the candidate does, so a sequence
-    their prefill alone breaks is lost already and holds nothing back (counting it held
-    every prompt of a burst behind the first ones). The candidate also adds a row to each
+    their prefill alone breaks is lost already and holds nothing back (counted, it held
+    prompts back for a target no wait could save). The candidate also adds a row to each
     decode step they share, priced as one prompt token (the same row through the same
     GEMMs). When that would break a running sequence's target, the candidate waits while
     its own TTFT deadline allows; at its last chance it goes in if it breaks only one (a

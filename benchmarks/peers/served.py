@@ -104,7 +104,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--decode-config", default="",
                         help="more keys of bucketserve's controller.decode, YAML flow style "
-                        "(e.g. 'slo_max_hold: 1.0')")
+                        "(e.g. 'slo_admission: false')")
 
 
 def require_peer_venv() -> None:
