@@ -55,6 +55,7 @@ class CpuKernels:
     torch's thread count."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        self._library = library
         self._fns = {}
         signatures = [(n, args, dtype) for n, args in _SIGNATURES.items() for dtype in _SUFFIX]
         signatures += [(name, args, torch.float32) for name, args in _FLOAT32_ONLY.items()]
@@ -149,6 +150,12 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         return status, out
+
+    @property
+    def tile_unit(self) -> bool:
+        """bfloat16 prompt chunks of head size a multiple of 64 run on AMX tiles: built for
+        a CPU with AMX, granted by the OS, and not switched off with `BUCKETSERVE_AMX=0`."""
+        return bool(self._library.amx_prefill())
 
     @staticmethod
     def supports(head_dim: int, num_queries_per_kv: int, block_size: int) -> bool:

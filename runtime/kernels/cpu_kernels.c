@@ -13,6 +13,13 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
 
 enum { MAX_DIM = 256, MAX_GROUP = 16, MAX_BLOCK = 256 };
 
@@ -399,6 +406,212 @@ static void gather_context(const void *k_cache, const void *v_cache, const int64
     }
 }
 
+// bfloat16 prompt chunks on a CPU with AMX: both products of a tile run on the tile unit
+// (16 x 16 float32 blocks, bfloat16 pairs), the online softmax stays in float32 vector
+// code, and P is rounded to bfloat16 for P V, as GPU flash attention does. The chunk's
+// context is gathered per KV head in the layouts the tile loads read: keys as 16-key
+// blocks of [dim / 2][16][2] (K^T in pairs of dims), values as [keys / 2][dim][2].
+#if HAVE_AMX
+// Linux (5.16+) lets a process use the tile registers only once it has asked; the answer
+// holds for all its threads. BUCKETSERVE_AMX=0 keeps the float32 vector path (A/B runs).
+static int amx_usable(void) {
+    static int granted = 0;  // 0: not asked yet, 1: yes, -1: refused
+    const char *env = getenv("BUCKETSERVE_AMX");
+    if (env && env[0] == '0') return 0;
+    if (granted == 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                        18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+    return granted == 1;
+}
+
+// Every tile register as 16 rows of 64 bytes; the configuration is per thread.
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((packed)) config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.colsb[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+#else
+static int amx_usable(void) { return 0; }
+static void amx_configure(void) {}
+#endif
+
+// Whether bfloat16 prompt chunks (head size a multiple of 64) take the tile path.
+int amx_prefill(void) { return amx_usable(); }
+
+static void gather_context_amx(const uint16_t *k_cache, const uint16_t *v_cache,
+                               const int64_t *table, int ctx, int kvh, int dim, int block_size,
+                               int64_t head_stride, int64_t keys, uint16_t *Kb, uint16_t *Vv) {
+    for (int64_t j = 0; j < keys; j++) {
+        const int64_t base = j < ctx ? (int64_t)kvh * head_stride +
+                                           (table[j / block_size] * block_size + j % block_size) * dim
+                                     : -1;
+        uint16_t *kb = Kb + j / 16 * 16 * dim + j % 16 * 2, *vv = Vv + j / 2 * 2 * dim + j % 2;
+        for (int d = 0; d < dim; d++) {
+            kb[d / 2 * 32 + d % 2] = base < 0 ? 0 : k_cache[base + d];
+            vv[2 * d] = base < 0 ? 0 : v_cache[base + d];
+        }
+    }
+}
+
+#if HAVE_AMX
+// exp(x) for x <= 0 (clamped at -80, where it is ~0): 2^n e^r with |r| <= ln 2 / 2, a
+// degree-6 Taylor polynomial (relative error < 2e-7), 2^n applied by scalef.
+static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-80.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 e = _mm512_set1_ps(1.0f / 720);
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 120));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 24));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 6));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(e, n);
+}
+
+// Lanes [c * 16, c * 16 + 16) below `seen`.
+static inline __attribute__((always_inline)) __mmask16 lanes_below(int seen, int c) {
+    const int n = seen - c * 16;
+    return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
+
+// prefill_tile on the tile unit, for bfloat16 and dim a multiple of 64. Four accumulator
+// tiles are in flight at a time: one tile product's latency is about three times its
+// issue interval. `scratch` holds TILE_ROWS * dim floats of O, TILE_ROWS * TILE_KEYS of S,
+// then Q and P in bfloat16.
+static void prefill_tile_amx(const uint16_t *q, int64_t q_stride, uint16_t *out,
+                             const uint16_t *Kb, const uint16_t *Vv, int64_t tok0, int p0, int qa,
+                             int qb, int kvh, int heads, int group, int dim, float scale,
+                             float *scratch) {
+    _Static_assert(TILE_KEYS == 64, "four 16-key accumulators and two 32-key products per tile");
+    const int rows = (qb - qa) * group, padded = (rows + 15) & ~15;
+    float *O = scratch, *S = O + TILE_ROWS * dim;
+    uint16_t *Q = (uint16_t *)(S + TILE_ROWS * TILE_KEYS), *P = Q + TILE_ROWS * dim;
+    float m[TILE_ROWS], l[TILE_ROWS], rescale[TILE_ROWS];
+    int pos[TILE_ROWS];
+    memset(O, 0, sizeof(float) * padded * dim);
+    for (int r = 0; r < padded; r++) {
+        const int qi = r / group, g = r % group;
+        const int64_t at = (tok0 + qa + qi) * q_stride + ((int64_t)kvh * group + g) * dim;
+        if (r < rows)
+            memcpy(Q + r * dim, q + at, sizeof(uint16_t) * dim);
+        else
+            memset(Q + r * dim, 0, sizeof(uint16_t) * dim);
+        pos[r] = r < rows ? p0 + qa + qi : -1;
+        m[r] = MASKED;
+        l[r] = 0.0f;
+    }
+    const __m512 vscale = _mm512_set1_ps(scale), masked = _mm512_set1_ps((float)MASKED);
+    const int keys_end = p0 + qb;
+    for (int k0 = 0; k0 < keys_end; k0 += TILE_KEYS) {
+        const int nk = keys_end - k0 < TILE_KEYS ? keys_end - k0 : TILE_KEYS;
+        // S = Q K^T: the row block's four 16-key blocks at once.
+        for (int rb = 0; rb < padded; rb += 16) {
+            const uint16_t *kb = Kb + (int64_t)k0 * dim;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int d0 = 0; d0 < dim; d0 += 32) {
+                _tile_loadd(4, Q + rb * dim + d0, dim * 2);
+                _tile_loadd(5, kb + d0 * 16, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, kb + 16 * dim + d0 * 16, 64);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(7, kb + 32 * dim + d0 * 16, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, kb + 48 * dim + d0 * 16, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            _tile_stored(0, S + rb * TILE_KEYS, TILE_KEYS * 4);
+            _tile_stored(1, S + rb * TILE_KEYS + 16, TILE_KEYS * 4);
+            _tile_stored(2, S + rb * TILE_KEYS + 32, TILE_KEYS * 4);
+            _tile_stored(3, S + rb * TILE_KEYS + 48, TILE_KEYS * 4);
+        }
+        // Online softmax: scale and mask, each row's new maximum, the rescales of all rows
+        // in vectors, then P (bfloat16) and each row's sum.
+        for (int r = 0; r < padded; r++) {
+            float *s = S + r * TILE_KEYS;
+            const int seen = pos[r] - k0 + 1 < nk ? pos[r] - k0 + 1 : nk;
+            __m512 top = _mm512_set1_ps(m[r]);
+            for (int c = 0; c < 4; c++) {
+                const __m512 x = _mm512_mask_mul_ps(masked, lanes_below(seen, c),
+                                                    _mm512_loadu_ps(s + c * 16), vscale);
+                _mm512_storeu_ps(s + c * 16, x);
+                top = _mm512_max_ps(top, x);
+            }
+            rescale[r] = _mm512_reduce_max_ps(top);  // the new maximum, for now
+        }
+        for (int r = 0; r < padded; r += 16) {
+            const __m512 top = _mm512_loadu_ps(rescale + r);
+            _mm512_storeu_ps(rescale + r, exp512(_mm512_sub_ps(_mm512_loadu_ps(m + r), top)));
+            _mm512_storeu_ps(m + r, top);
+        }
+        for (int r = 0; r < padded; r++) {
+            const float *s = S + r * TILE_KEYS;
+            const int seen = pos[r] - k0 + 1 < nk ? pos[r] - k0 + 1 : nk;
+            const __m512 top = _mm512_set1_ps(m[r]);
+            __m512 p[4];
+            for (int c = 0; c < 4; c++)
+                p[c] = _mm512_maskz_mov_ps(lanes_below(seen, c),
+                                           exp512(_mm512_sub_ps(_mm512_loadu_ps(s + c * 16), top)));
+            _mm512_storeu_si512(P + r * TILE_KEYS, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+            _mm512_storeu_si512(P + r * TILE_KEYS + 32, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
+            l[r] = l[r] * rescale[r] +
+                   _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])));
+            const __m512 by = _mm512_set1_ps(rescale[r]);
+            for (int d = 0; d < dim; d += 16)
+                _mm512_storeu_ps(O + r * dim + d, _mm512_mul_ps(_mm512_loadu_ps(O + r * dim + d), by));
+        }
+        // O += P V: four 16-dim accumulator tiles of a row block, 32 keys per product;
+        // key halves past the row block's last position are all zero in P.
+        for (int rb = 0; rb < padded; rb += 16) {
+            const int last = pos[rb + 15 < rows ? rb + 15 : rows - 1];
+            float *o = O + rb * dim;
+            for (int c0 = 0; c0 < dim; c0 += 64) {
+                _tile_loadd(0, o + c0, dim * 4);
+                _tile_loadd(1, o + c0 + 16, dim * 4);
+                _tile_loadd(2, o + c0 + 32, dim * 4);
+                _tile_loadd(3, o + c0 + 48, dim * 4);
+                for (int kh = 0; kh < TILE_KEYS && k0 + kh <= last; kh += 32) {
+                    const uint16_t *v = Vv + (int64_t)(k0 + kh) * dim + c0 * 2;
+                    _tile_loadd(4, P + rb * TILE_KEYS + kh, TILE_KEYS * 2);
+                    _tile_loadd(5, v, dim * 4);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(6, v + 32, dim * 4);
+                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_loadd(7, v + 64, dim * 4);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_loadd(5, v + 96, dim * 4);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+                _tile_stored(0, o + c0, dim * 4);
+                _tile_stored(1, o + c0 + 16, dim * 4);
+                _tile_stored(2, o + c0 + 32, dim * 4);
+                _tile_stored(3, o + c0 + 48, dim * 4);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const int qi = r / group, g = r % group;
+        const int64_t at = ((tok0 + qa + qi) * heads + (int64_t)kvh * group + g) * dim;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int d = 0; d < dim; d += VL) vstore_as(out, at + d, vload(O + r * dim + d) * inv, 1);
+    }
+}
+#endif
+
 static int paged_prefill(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          const int64_t *block_tables, const int32_t *query_start,
                          const int32_t *context_lens, void *out, int seqs, int heads,
@@ -406,7 +619,7 @@ static int paged_prefill(const void *q, int64_t q_stride, const void *k_cache, c
                          int64_t head_stride, float scale, int threads, int bf16) {
     const int group = heads / kv_heads;
     if (dim > MAX_DIM || dim % VL || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
-    const int per_tile = TILE_ROWS / group;
+    const int per_tile = TILE_ROWS / group, amx = bf16 && dim % 64 == 0 && amx_usable();
     // Work items: (seq, kvh) of one-query rows, (seq, kvh, tile) of chunks, each chunk's
     // last tiles (the most keys) first.
     int64_t chunk_keys = 0, items = 0;
@@ -442,12 +655,18 @@ static int paged_prefill(const void *q, int64_t q_stride, const void *k_cache, c
                     const int64_t keys = offset[s + 1] - offset[s];
                     if (keys == 0) continue;
                     const int64_t at = (offset[s] * kv_heads + keys * kvh) * dim;
-                    gather_context(k_cache, v_cache, block_tables + (int64_t)s * max_blocks,
-                                   context_lens[s], kvh, dim, block_size, head_stride, keys,
-                                   Kt + at, V + at, bf16);
+                    const int64_t *table = block_tables + (int64_t)s * max_blocks;
+                    if (amx)
+                        gather_context_amx(k_cache, v_cache, table, context_lens[s], kvh, dim,
+                                           block_size, head_stride, keys, (uint16_t *)Kt + at,
+                                           (uint16_t *)V + at);
+                    else
+                        gather_context(k_cache, v_cache, table, context_lens[s], kvh, dim,
+                                       block_size, head_stride, keys, Kt + at, V + at, bf16);
                 }
             }
-            float *scratch = malloc(sizeof(float) * (2 * TILE_ROWS * dim + TILE_ROWS * TILE_KEYS));
+            float *scratch = malloc(sizeof(float) * 2 * (TILE_ROWS * dim + TILE_ROWS * TILE_KEYS));
+            if (amx) amx_configure();
             if (!scratch) {
 #pragma omp atomic write
                 ok = 0;
@@ -466,11 +685,22 @@ static int paged_prefill(const void *q, int64_t q_stride, const void *k_cache, c
                     const int64_t keys = offset[s + 1] - offset[s];
                     const int64_t at = (offset[s] * kv_heads + keys * kvh) * dim;
                     const int qa = t * per_tile, qb = qa + per_tile < n ? qa + per_tile : n;
-                    if (scratch)
-                        prefill_tile(q, q_stride, out, Kt + at, keys, V + at, query_start[s], ctx - n, qa,
-                                     qb, kvh, heads, group, dim, scale, bf16, scratch);
+                    if (!scratch) continue;
+#if HAVE_AMX
+                    if (amx) {
+                        prefill_tile_amx(q, q_stride, out, (const uint16_t *)Kt + at,
+                                         (const uint16_t *)V + at, query_start[s], ctx - n, qa, qb,
+                                         kvh, heads, group, dim, scale, scratch);
+                        continue;
+                    }
+#endif
+                    prefill_tile(q, q_stride, out, Kt + at, keys, V + at, query_start[s], ctx - n, qa,
+                                 qb, kvh, heads, group, dim, scale, bf16, scratch);
                 }
             }
+#if HAVE_AMX
+            if (amx) _tile_release();
+#endif
             free(scratch);
         }
     }

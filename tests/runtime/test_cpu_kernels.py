@@ -94,6 +94,38 @@ def test_varlen_kernel_matches_gather_and_sdpa_per_sequence(
         torch.testing.assert_close(got[rows].float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_bf16_prompt_chunks_on_amx_tiles_match_the_vector_path_and_sdpa(
+    dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not kernel.tile_unit:
+        pytest.skip("no AMX here: bfloat16 prompt chunks take the vector path")
+    heads, kv_heads, block_size, dtype = 9, 3, 16, torch.bfloat16
+    # prompts past several 64-key tiles, a chunk continuing one, and a decode row beside them
+    steps = [(300, 300), (70, 450), (1, 33), (129, 129)]
+    max_blocks = max(-(-ctx // block_size) for _, ctx in steps)
+    k_cache, v_cache = pool(kv_heads, len(steps) * max_blocks + 1, block_size, dim, dtype)
+    tables = (torch.arange(len(steps) * max_blocks) + 1).view(len(steps), max_blocks)
+    starts = torch.tensor([0] + [n for n, _ in steps]).cumsum(0).to(torch.int32)
+    context = torch.tensor([ctx for _, ctx in steps], dtype=torch.int32)
+    q = queries(int(starts[-1]), heads, kv_heads, dim, dtype, qkv_view=True)
+    scale = dim**-0.5
+
+    tiles = kernel.paged_prefill(q, k_cache, v_cache, tables, starts, context, scale)
+    monkeypatch.setenv("BUCKETSERVE_AMX", "0")
+    assert not kernel.tile_unit
+    vectors = kernel.paged_prefill(q, k_cache, v_cache, tables, starts, context, scale)
+    assert not torch.equal(tiles, vectors)  # P in bfloat16 on the tiles: not the same sums
+    torch.testing.assert_close(tiles.float(), vectors.float(), atol=2e-2, rtol=2e-2)
+    for s, (n, ctx) in enumerate(steps):
+        rows = slice(int(starts[s]), int(starts[s + 1]))
+        positions = torch.arange(ctx - n, ctx).view(1, n)
+        mask = rect_mask(positions, max_blocks * block_size, heads // kv_heads, torch.float32)
+        want = attend_rect(q[rows].float(), k_cache.float(), v_cache.float(), tables[s : s + 1],
+                           mask, scale)  # fmt: skip
+        torch.testing.assert_close(tiles[rows].float(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_kernels_refuse_a_head_size_they_cannot_vectorise() -> None:
     assert not kernel.supports(72, 3, 16)
     k_cache, v_cache = pool(1, 2, 4, 72, torch.float32)
