@@ -463,15 +463,15 @@ static void gather_context_amx(const uint16_t *k_cache, const uint16_t *v_cache,
 
 #if HAVE_AMX
 // exp(x) for x <= 0 (clamped at -80, where it is ~0): 2^n e^r with |r| <= ln 2 / 2, a
-// degree-6 Taylor polynomial (relative error < 2e-7), 2^n applied by scalef.
+// degree-5 Taylor polynomial (relative error < 3e-6; P is then rounded to bfloat16's
+// 4e-3), 2^n applied by scalef.
 static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-80.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 e = _mm512_set1_ps(1.0f / 720);
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 120));
+    __m512 e = _mm512_set1_ps(1.0f / 120);
     e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 24));
     e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 6));
     e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
@@ -516,8 +516,10 @@ static void prefill_tile_amx(const uint16_t *q, int64_t q_stride, uint16_t *out,
     const int keys_end = p0 + qb;
     for (int k0 = 0; k0 < keys_end; k0 += TILE_KEYS) {
         const int nk = keys_end - k0 < TILE_KEYS ? keys_end - k0 : TILE_KEYS;
-        // S = Q K^T: the row block's four 16-key blocks at once.
+        // S = Q K^T: the row block's four 16-key blocks at once (none where every row of
+        // the block is before k0: the softmax masks them).
         for (int rb = 0; rb < padded; rb += 16) {
+            if (pos[rb + 15 < rows ? rb + 15 : rows - 1] < k0) continue;
             const uint16_t *kb = Kb + (int64_t)k0 * dim;
             _tile_zero(0);
             _tile_zero(1);
@@ -563,9 +565,11 @@ static void prefill_tile_amx(const uint16_t *q, int64_t q_stride, uint16_t *out,
             const int seen = pos[r] - k0 + 1 < nk ? pos[r] - k0 + 1 : nk;
             const __m512 top = _mm512_set1_ps(m[r]);
             __m512 p[4];
-            for (int c = 0; c < 4; c++)
-                p[c] = _mm512_maskz_mov_ps(lanes_below(seen, c),
-                                           exp512(_mm512_sub_ps(_mm512_loadu_ps(s + c * 16), top)));
+            for (int c = 0; c < 4; c++) {
+                const __mmask16 live = lanes_below(seen, c);
+                p[c] = live ? _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + c * 16), top)))
+                            : _mm512_setzero_ps();
+            }
             _mm512_storeu_si512(P + r * TILE_KEYS, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
             _mm512_storeu_si512(P + r * TILE_KEYS + 32, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
             l[r] = l[r] * rescale[r] +
