@@ -156,7 +156,12 @@ class Dispatcher:
                 return
             states = self._take(batch, decode, "prefill")
             handoff = Handoff(
-                prefill, decode, pd.need(batch), self.config.lease_ttl_s, pd.fork_blocks(batch)
+                prefill,
+                decode,
+                pd.need(batch),
+                pd.decode_need(batch),
+                self.config.lease_ttl_s,
+                pd.fork_blocks(batch),
             )
             self.owner.spawn(self._handoff(handoff, batch, states))
 
@@ -253,6 +258,8 @@ class Dispatcher:
                 return
             self._prefilled(states, prefilled.result)
             live = [s for s in states if s.phase == "prefill"]
+            if handoff.reservation is None:  # every request ended at its first token
+                return
             admitted = await handoff.admit([self._handoff_of(s) for s in live])
             await self._admitted(handoff.decode, live, admitted)
         finally:
@@ -260,7 +267,8 @@ class Dispatcher:
             self.wake()
 
     def _prefilled(self, states: list[RequestState], result: PrefillResult) -> None:
-        self.monitor.sent(result.kv_bytes, result.send_s)
+        if result.lease_id is not None:  # some KV went out
+            self.monitor.sent(result.kv_bytes, result.send_s)
         for state, first in zip(states, result.first, strict=True):
             state.prefill_s += result.compute_s
             state.transfer_s += result.send_s

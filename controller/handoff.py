@@ -61,29 +61,63 @@ class Handoff:
         prefill: WorkerHandle,
         decode: WorkerHandle,
         need: list[tuple[str, int]],
+        decode_need: list[tuple[str, int]],
         lease_ttl_s: float,
         fork_blocks: int = 0,
     ) -> None:
-        """`need`: the blocks each request's KV takes (shipped once); `fork_blocks`: what its
+        """`need`: the blocks each request's prompt takes on the prefill worker;
+        `decode_need`: those of the requests whose KV is shipped (once) to the decode worker,
+        the others end at their first token (PDScheduler.decode_need); `fork_blocks`: what
         extra samples take on the decode side once admitted (PDScheduler.fork_blocks)."""
         self.prefill, self.decode = prefill, decode
-        self.need = need
+        self.need = decode_need
         self.total = sum(n for _, n in need)
-        self.fork_blocks = fork_blocks
+        self.decode_total = sum(n for _, n in decode_need) + fork_blocks
         self.lease_ttl_s = lease_ttl_s
         self.epochs = (prefill.epoch, decode.epoch)
         self.reservation: Reservation | None = None
         self.result: PrefillResult | None = None
         prefill.inflight += 1
         prefill.pending_blocks += self.total
-        decode.pending_blocks += self.total + fork_blocks
+        decode.pending_blocks += self.decode_total
 
     async def run_prefill(
         self, batch: PrefillBatch, requests: list[HandoffRequest], max_seq_len: int
     ) -> Prefilled:
         """Reserve the blocks on the decode worker, then prefill `batch` (whose `requests`
-        carry their tokens so far) into them."""
+        carry their tokens so far) into them. A batch whose requests all end at their first
+        token reserves nothing and ships no KV."""
         decode, prefill = self.decode, self.prefill
+        if self.need:
+            refused = await self._reserve()
+            if refused is not None:
+                return refused
+        reservation = self.reservation
+        try:
+            task = PrefillTask(
+                batch_id=batch.batch_id,
+                requests=requests,
+                shape=batch.shape,
+                graph_miss=batch.graph_miss,
+                target=None if reservation is None else reservation.handle,
+                max_seq_len=max_seq_len,
+            )
+            result = await prefill.call("run_batch", task)
+        except Exception as exc:
+            released = []
+            if reservation is not None:
+                released = await self._release(decode, reservation.lease_id, self.epochs[1])
+            count = not isinstance(exc, (PrefillCapacityError, LeaseError))
+            failures = [*released, Failure(prefill, exc, self.epochs[0])]
+            return Prefilled(put_back=True, count=count, failures=failures)
+        if prefill.epoch == self.epochs[0]:
+            prefill.stats = result.stats
+        self.result = result
+        return Prefilled(result=result)
+
+    async def _reserve(self) -> Prefilled | None:
+        """Reserve the decode side's blocks (`self.reservation`); the outcome if refused."""
+        decode = self.decode
         try:
             reservation = await decode.call("reserve", self.need, self.lease_ttl_s)
         except ReservationError as exc:  # its free count moved on since our last report
@@ -93,29 +127,12 @@ class Handoff:
             return Prefilled(put_back=True, failures=[Failure(decode, exc, self.epochs[1])])
         finally:
             if decode.epoch == self.epochs[1]:
-                decode.pending_blocks -= self.total + self.fork_blocks
+                decode.pending_blocks -= self.decode_total
+                self.decode_total = 0
         if decode.epoch == self.epochs[1]:
             decode.stats = reservation.stats
         self.reservation = reservation
-        try:
-            task = PrefillTask(
-                batch_id=batch.batch_id,
-                requests=requests,
-                shape=batch.shape,
-                graph_miss=batch.graph_miss,
-                target=reservation.handle,
-                max_seq_len=max_seq_len,
-            )
-            result = await prefill.call("run_batch", task)
-        except Exception as exc:
-            released = await self._release(decode, reservation.lease_id, self.epochs[1])
-            count = not isinstance(exc, (PrefillCapacityError, LeaseError))
-            failures = [*released, Failure(prefill, exc, self.epochs[0])]
-            return Prefilled(put_back=True, count=count, failures=failures)
-        if prefill.epoch == self.epochs[0]:
-            prefill.stats = result.stats
-        self.result = result
-        return Prefilled(result=result)
+        return None
 
     async def admit(self, requests: list[HandoffRequest]) -> Admitted:
         """Admit `requests` (the batch less those cancelled meanwhile) on the decode worker,
@@ -147,10 +164,14 @@ class Handoff:
         return Admitted(ack=ack)
 
     def close(self) -> None:
-        """The batch is no longer in flight at the prefill worker (unless it died since)."""
+        """The batch is no longer in flight at the prefill worker (unless it died since), nor
+        booked on the decode worker."""
         if self.prefill.epoch == self.epochs[0]:
             self.prefill.inflight -= 1
             self.prefill.pending_blocks -= self.total
+        if self.decode.epoch == self.epochs[1]:  # booked but never reserved
+            self.decode.pending_blocks -= self.decode_total
+            self.decode_total = 0
 
     @staticmethod
     async def _release(handle: WorkerHandle, lease_id: str, epoch: int) -> list[Failure]:

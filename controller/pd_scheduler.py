@@ -10,6 +10,7 @@ import heapq
 from collections.abc import Sequence
 
 from bucket_manager.prefill_batch import PrefillBatch
+from bucket_manager.request import BucketRequest
 
 
 class PDScheduler:
@@ -69,6 +70,21 @@ class PDScheduler:
     def need(self, batch: PrefillBatch) -> list[tuple[str, int]]:
         """(request id, blocks its prompt takes) for each request of `batch`, in order."""
         return [(r.request_id, self.blocks(r.prompt_len)) for r in batch.requests]
+
+    def decode_need(self, batch: PrefillBatch) -> list[tuple[str, int]]:
+        """`need` of the requests whose KV goes on to a decode worker: not those that end at
+        their first token."""
+        return [
+            (r.request_id, self.blocks(r.prompt_len))
+            for r in batch.requests
+            if not self.ends_at_prefill(r)
+        ]
+
+    @staticmethod
+    def ends_at_prefill(request: BucketRequest) -> bool:
+        """One sample with one token left to plan for (`max_tokens` left, or the room to
+        the model's length): the prefill's token ends it, whatever it is."""
+        return request.samples == 1 and request.max_tokens == 1
 
     @staticmethod
     def fork_blocks(batch: PrefillBatch) -> int:

@@ -251,14 +251,15 @@ class StepOutput:
 @dataclass
 class PrefillTask:
     """One prefill batch: its requests in order, the prompt shape bucket it pads to
-    (`graph_miss`: none fits, it runs unpadded) and the decode lease its KV goes to.
-    `max_seq_len` is the decode side's bound on prompt + output."""
+    (`graph_miss`: none fits, it runs unpadded) and the decode lease its KV goes to, which
+    names the requests that go on to decode in order (None: every one ends at its first
+    token). `max_seq_len` is the decode side's bound on prompt + output."""
 
     batch_id: int
     requests: list[HandoffRequest]
     shape: tuple[int, int, int]
     graph_miss: bool
-    target: KVBlockHandle
+    target: KVBlockHandle | None
     max_seq_len: int
 
 
@@ -266,11 +267,11 @@ class PrefillTask:
 class PrefillResult:
     """The batch's first tokens (`first[i]` for `requests[i]`) and the transport payload the
     decode worker pulls the KV with. The prefill blocks stay held under `lease_id` until
-    `release(lease_id)` acknowledges the handoff."""
+    `release(lease_id)` acknowledges the handoff (None with no target: nothing is held)."""
 
     batch_id: int
     worker: str
-    lease_id: str
+    lease_id: str | None
     first: list[TokenDelta]
     payload: Any
     pad_to: tuple[int, int, int] | None

@@ -89,9 +89,10 @@ class PrefillWorker(KVWorker):
     # -- serving -----------------------------------------------------------------------------
 
     def run_batch(self, task: PrefillTask) -> PrefillResult:
-        """Prefill `task`'s sequences; their KV goes to `task.target`, their first tokens back.
-        Raises ValueError for a malformed task and PrefillCapacityError when the pool is
-        full, in both cases changing nothing."""
+        """Prefill `task`'s sequences; their first tokens go back, and the KV of those that
+        `task.target` names goes to it (the others end at their first token: their blocks
+        are freed at once). Raises ValueError for a malformed task and PrefillCapacityError
+        when the pool is full, in both cases changing nothing."""
         seqs = self._sequences(task)
         held = [True]
 
@@ -169,18 +170,18 @@ class PrefillWorker(KVWorker):
     def _sequences(self, task: PrefillTask) -> list[Sequence]:
         if not isinstance(task, PrefillTask) or not task.requests:
             raise ValueError("run_batch takes a PrefillTask with at least one request")
-        if list(task.target.request_ids) != [r.request_id for r in task.requests]:
-            raise ValueError(f"batch {task.batch_id}: the KV handle names other requests")
+        target = _target_blocks(task)
         seqs = []
-        for request, blocks in zip(task.requests, task.target.block_ids, strict=True):
+        for request in task.requests:
             seq = _sequence(request)
+            seqs.append(seq)
+            blocks = target.get(request.request_id)
             need = self.block_manager.blocks_needed(len(seq))
-            if len(blocks) != need:
+            if blocks is not None and len(blocks) != need:
                 raise ValueError(
                     f"request {request.request_id}: {len(seq)} tokens need {need} decode blocks, "
                     f"the lease holds {len(blocks)}"
                 )
-            seqs.append(seq)
         return seqs
 
     def _allocate(self, seqs: list[Sequence]) -> None:
@@ -199,8 +200,12 @@ class PrefillWorker(KVWorker):
     ) -> PrefillResult:
         if self.transport is None:
             raise RuntimeError(f"{self.name}: no KV transport set ({self.config.transport!r})")
-        sender = self.transport.sender(task.target, self.kv_format)
-        src_blocks = [b for seq in seqs for b in seq.block_table]
+        shipped = _target_blocks(task)
+        kept, ended = [], []
+        for seq, request in zip(seqs, task.requests, strict=True):
+            (kept if request.request_id in shipped else ended).append(seq)
+        sender = self.transport.sender(task.target, self.kv_format) if kept else None
+        src_blocks = [b for seq in kept for b in seq.block_table]
         send_s = [0.0]
 
         def ship(layer: int) -> None:
@@ -213,21 +218,28 @@ class PrefillWorker(KVWorker):
         try:
             pipelined = {"on_submit": submitted} if self.pipelined else {}
             tokens = self.runner.execute(
-                seqs, [len(s) for s in seqs], pad_to=pad_to, on_layer=ship, **pipelined
-            )
+                seqs, [len(s) for s in seqs], pad_to=pad_to,
+                on_layer=ship if sender else None, **pipelined,
+            )  # fmt: skip
         except BaseException:
-            sender.abort()
+            if sender:
+                sender.abort()
             raise
         compute_s = time.perf_counter() - start - send_s[0]
-        payload = sender.finish()
+        payload = sender.finish() if sender else None
         with self._lock:
-            lease = self.leases.open(
-                [s.seq_id for s in seqs], [s.block_table for s in seqs], self.config.lease_ttl_s
-            )
-            self._held[lease.lease_id] = (seqs, sender)
+            lease_id = None
+            if sender:
+                lease = self.leases.open(
+                    [s.seq_id for s in kept], [s.block_table for s in kept], self.config.lease_ttl_s
+                )
+                lease_id = lease.lease_id
+                self._held[lease_id] = (kept, sender)
+                self._kv_bytes += sender.bytes_sent
+            for seq in ended:
+                self.block_manager.free(seq)
             self._batches += 1
             self._graph_misses += task.graph_miss
-            self._kv_bytes += sender.bytes_sent
         first = [
             self._first_delta(seq, token, task.max_seq_len)
             for seq, token in zip(seqs, tokens, strict=True)
@@ -235,13 +247,13 @@ class PrefillWorker(KVWorker):
         return PrefillResult(
             batch_id=task.batch_id,
             worker=self.name,
-            lease_id=lease.lease_id,
+            lease_id=lease_id,
             first=first,
             payload=payload,
             pad_to=pad_to,
             compute_s=compute_s,
             send_s=send_s[0],
-            kv_bytes=sender.bytes_sent,
+            kv_bytes=sender.bytes_sent if sender else 0,
             stats=self.stats(),
         )
 
@@ -304,3 +316,14 @@ def _sequence(request: HandoffRequest) -> Sequence:
         seq_id=request.request_id,
         output_token_ids=request.output_token_ids,
     )
+
+
+def _target_blocks(task: PrefillTask) -> dict[str, tuple[int, ...]]:
+    """The decode blocks of each request whose KV `task.target` takes (none without one).
+    It names a subsequence of the task's requests: the others end at their first token."""
+    if task.target is None:
+        return {}
+    ids = iter(r.request_id for r in task.requests)
+    if not all(any(i == named for i in ids) for named in task.target.request_ids):
+        raise ValueError(f"batch {task.batch_id}: the KV handle names other requests")
+    return dict(zip(task.target.request_ids, task.target.block_ids, strict=True))

@@ -216,3 +216,21 @@ def test_the_reservation_counts_shared_prompt_blocks_once() -> None:
     pd = PDScheduler(1, 4)
     assert pd.need(batch) == [("one", 3), ("fan", 3)]  # not 3 x 3 for the fan
     assert pd.fork_blocks(batch) == 2
+
+
+def test_only_requests_that_go_on_to_decode_reserve_decode_blocks() -> None:
+    """One token left (max_tokens, or the room to the model's length) and one sample: the
+    prefill's token ends it, so the decode side holds nothing for it."""
+    from types import SimpleNamespace
+
+    from bucket_manager.request import BucketRequest
+
+    batch = SimpleNamespace(requests=(
+        BucketRequest("last", prompt_len=10, max_tokens=1),
+        BucketRequest("more", prompt_len=10, max_tokens=2),
+        BucketRequest("fan", prompt_len=5, max_tokens=1, samples=2),
+        BucketRequest("open", prompt_len=5),
+    ))
+    pd = PDScheduler(1, 4)
+    assert pd.need(batch) == [("last", 3), ("more", 3), ("fan", 2), ("open", 2)]
+    assert pd.decode_need(batch) == [("more", 3), ("fan", 2), ("open", 2)]

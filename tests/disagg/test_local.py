@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from controller.controller import Controller
+from runtime.sampling_params import SamplingParams
 from tests.disagg.helpers import (
     BLOCK_SIZE,
     assert_drained,
@@ -45,6 +46,36 @@ def test_matches_the_in_process_engine(
         assert all(w.batches > 0 and w.transport == "inprocess" for w in stats.workers)
         assert stats.transfers >= 4 and stats.requests_requeued == 0
         assert sum(stats.finish_reasons.values()) == len(work)
+
+    asyncio.run(main())
+
+
+def test_requests_that_end_at_their_first_token_ship_no_kv(
+    tiny_model_dir: Path, work: list, reference: list
+) -> None:
+    """max_tokens=1 ends a request at the prefill's token: its KV is neither reserved on nor
+    sent to a decode worker. A batch of only such requests transfers nothing; in a mixed
+    run exactly the other requests' KV moves."""
+    one = SamplingParams(temperature=0, max_tokens=1)
+    ending = [(prompt, one) for prompt, _ in work[::2]]
+    going_on = work[1::2]
+    mixed = [item for pair in zip(ending, going_on, strict=True) for item in pair]
+
+    async def run(part: list, tag: str) -> tuple[list[list[int]], Any]:
+        controller = await started(tiny_model_dir, buckets=small_batches())
+        outputs, stats = await serve_and_drain(controller, part, tag)
+        assert stats.requests_requeued == 0
+        return outputs, stats
+
+    async def main() -> None:
+        outputs, stats = await run(ending, "ending")
+        assert outputs == [r[:1] for r in reference[::2]]
+        assert stats.transfers == 0 and stats.kv_bytes_moved == 0
+        outputs, stats = await run(mixed, "mixed")
+        pairs = zip(reference[::2], reference[1::2], strict=True)
+        assert outputs == [r for first, rest in pairs for r in (first[:1], rest)]
+        _, alone = await run(going_on, "going-on")
+        assert 0 < stats.kv_bytes_moved == alone.kv_bytes_moved
 
     asyncio.run(main())
 
