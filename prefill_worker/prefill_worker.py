@@ -200,11 +200,12 @@ class PrefillWorker(KVWorker):
     ) -> PrefillResult:
         if self.transport is None:
             raise RuntimeError(f"{self.name}: no KV transport set ({self.config.transport!r})")
-        shipped = _target_blocks(task)
+        shipped = set(task.target.request_ids) if task.target else set()  # checked: _sequences
         kept, ended = [], []
         for seq, request in zip(seqs, task.requests, strict=True):
             (kept if request.request_id in shipped else ended).append(seq)
-        sender = self.transport.sender(task.target, self.kv_format) if kept else None
+        ships = bool(kept)
+        sender = self.transport.sender(task.target, self.kv_format) if ships else None
         src_blocks = [b for seq in kept for b in seq.block_table]
         send_s = [0.0]
 
@@ -219,17 +220,17 @@ class PrefillWorker(KVWorker):
             pipelined = {"on_submit": submitted} if self.pipelined else {}
             tokens = self.runner.execute(
                 seqs, [len(s) for s in seqs], pad_to=pad_to,
-                on_layer=ship if sender else None, **pipelined,
+                on_layer=ship if ships else None, **pipelined,
             )  # fmt: skip
         except BaseException:
-            if sender:
+            if ships:
                 sender.abort()
             raise
         compute_s = time.perf_counter() - start - send_s[0]
-        payload = sender.finish() if sender else None
+        payload = sender.finish() if ships else None
         with self._lock:
             lease_id = None
-            if sender:
+            if ships:
                 lease = self.leases.open(
                     [s.seq_id for s in kept], [s.block_table for s in kept], self.config.lease_ttl_s
                 )
@@ -253,7 +254,7 @@ class PrefillWorker(KVWorker):
             pad_to=pad_to,
             compute_s=compute_s,
             send_s=send_s[0],
-            kv_bytes=sender.bytes_sent if sender else 0,
+            kv_bytes=sender.bytes_sent if ships else 0,
             stats=self.stats(),
         )
 
