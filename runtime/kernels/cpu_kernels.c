@@ -329,6 +329,41 @@ static void tile_values(const float *P, const float *V, float *O, const float *r
     }
 }
 
+// A tile's rows: row r is query qa + r / group of its chunk and head kvh * group + r % group,
+// at position pos[r] (-1: a padding row past `rows`), with its online softmax state.
+struct tile_rows {
+    float m[TILE_ROWS], l[TILE_ROWS], rescale[TILE_ROWS];
+    int pos[TILE_ROWS];
+};
+
+// The rows' positions and fresh softmax state, O [padded, dim] zero.
+static void tile_begin(struct tile_rows *t, float *O, int rows, int padded, int p0, int qa,
+                       int group, int dim) {
+    memset(O, 0, sizeof(float) * padded * dim);
+    for (int r = 0; r < padded; r++) {
+        t->pos[r] = r < rows ? p0 + qa + r / group : -1;
+        t->m[r] = MASKED;
+        t->l[r] = 0.0f;
+    }
+}
+
+// Where row r's query vector starts in q (row stride q_stride).
+static inline int64_t tile_q_at(int r, int64_t tok0, int qa, int kvh, int group, int64_t q_stride,
+                                int dim) {
+    return (tok0 + qa + r / group) * q_stride + ((int64_t)kvh * group + r % group) * dim;
+}
+
+// O / l of a tile's rows into out [T, heads, dim].
+static void tile_store(void *out, const float *O, const float *l, int rows, int64_t tok0, int qa,
+                       int kvh, int heads, int group, int dim, int bf16) {
+    for (int r = 0; r < rows; r++) {
+        const int64_t at =
+            ((tok0 + qa + r / group) * heads + (int64_t)kvh * group + r % group) * dim;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int d = 0; d < dim; d += VL) vstore_as(out, at + d, vload(O + r * dim + d) * inv, bf16);
+    }
+}
+
 // One tile: queries [qa, qb) of a chunk whose first query sits at position p0 and flat
 // token tok0, the `group` heads of KV head kvh; Kt [dim, kstride] and V [keys, dim] hold
 // the chunk's context for that KV head. `scratch` holds 2 * TILE_ROWS * dim +
@@ -339,19 +374,14 @@ static void prefill_tile(const void *q, int64_t q_stride, void *out, const float
                          float *scratch) {
     const int rows = (qb - qa) * group, padded = (rows + 3) & ~3;
     float *Q = scratch, *O = Q + TILE_ROWS * dim, *S = O + TILE_ROWS * dim;
-    float m[TILE_ROWS], l[TILE_ROWS], rescale[TILE_ROWS];
-    int pos[TILE_ROWS];
-    memset(O, 0, sizeof(float) * padded * dim);
-    for (int r = 0; r < padded; r++) {
-        const int qi = r / group, g = r % group;
-        const int64_t at = (tok0 + qa + qi) * q_stride + ((int64_t)kvh * group + g) * dim;
-        if (r < rows)
-            for (int d = 0; d < dim; d++) Q[r * dim + d] = load(q, at + d, bf16) * scale;
-        else
-            memset(Q + r * dim, 0, sizeof(float) * dim);
-        pos[r] = r < rows ? p0 + qa + qi : -1;
-        m[r] = MASKED;
-        l[r] = 0.0f;
+    struct tile_rows t;
+    float *m = t.m, *l = t.l, *rescale = t.rescale;
+    const int *pos = t.pos;
+    tile_begin(&t, O, rows, padded, p0, qa, group, dim);
+    memset(Q + rows * dim, 0, sizeof(float) * (padded - rows) * dim);
+    for (int r = 0; r < rows; r++) {
+        const int64_t at = tile_q_at(r, tok0, qa, kvh, group, q_stride, dim);
+        for (int d = 0; d < dim; d++) Q[r * dim + d] = load(q, at + d, bf16) * scale;
     }
     const int keys_end = p0 + qb;
     for (int k0 = 0; k0 < keys_end; k0 += TILE_KEYS) {
@@ -380,12 +410,7 @@ static void prefill_tile(const void *q, int64_t q_stride, void *out, const float
         }
         tile_values(S, V + (int64_t)k0 * dim, O, rescale, padded, nk, dim);
     }
-    for (int r = 0; r < rows; r++) {
-        const int qi = r / group, g = r % group;
-        const int64_t at = ((tok0 + qa + qi) * heads + (int64_t)kvh * group + g) * dim;
-        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int d = 0; d < dim; d++) store(out, at + d, O[r * dim + d] * inv, bf16);
-    }
+    tile_store(out, O, l, rows, tok0, qa, kvh, heads, group, dim, bf16);
 }
 
 // Chunk s's context for KV head kvh into Kt [dim, kstride] (transposed, zero past ctx)
@@ -498,20 +523,14 @@ static void prefill_tile_amx(const uint16_t *q, int64_t q_stride, uint16_t *out,
     const int rows = (qb - qa) * group, padded = (rows + 15) & ~15;
     float *O = scratch, *S = O + TILE_ROWS * dim;
     uint16_t *Q = (uint16_t *)(S + TILE_ROWS * TILE_KEYS), *P = Q + TILE_ROWS * dim;
-    float m[TILE_ROWS], l[TILE_ROWS], rescale[TILE_ROWS];
-    int pos[TILE_ROWS];
-    memset(O, 0, sizeof(float) * padded * dim);
-    for (int r = 0; r < padded; r++) {
-        const int qi = r / group, g = r % group;
-        const int64_t at = (tok0 + qa + qi) * q_stride + ((int64_t)kvh * group + g) * dim;
-        if (r < rows)
-            memcpy(Q + r * dim, q + at, sizeof(uint16_t) * dim);
-        else
-            memset(Q + r * dim, 0, sizeof(uint16_t) * dim);
-        pos[r] = r < rows ? p0 + qa + qi : -1;
-        m[r] = MASKED;
-        l[r] = 0.0f;
-    }
+    struct tile_rows t;
+    float *m = t.m, *l = t.l, *rescale = t.rescale;
+    const int *pos = t.pos;
+    tile_begin(&t, O, rows, padded, p0, qa, group, dim);
+    memset(Q + rows * dim, 0, sizeof(uint16_t) * (padded - rows) * dim);
+    for (int r = 0; r < rows; r++)
+        memcpy(Q + r * dim, q + tile_q_at(r, tok0, qa, kvh, group, q_stride, dim),
+               sizeof(uint16_t) * dim);
     const __m512 vscale = _mm512_set1_ps(scale), masked = _mm512_set1_ps((float)MASKED);
     const int keys_end = p0 + qb;
     for (int k0 = 0; k0 < keys_end; k0 += TILE_KEYS) {
@@ -607,12 +626,7 @@ static void prefill_tile_amx(const uint16_t *q, int64_t q_stride, uint16_t *out,
             }
         }
     }
-    for (int r = 0; r < rows; r++) {
-        const int qi = r / group, g = r % group;
-        const int64_t at = ((tok0 + qa + qi) * heads + (int64_t)kvh * group + g) * dim;
-        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int d = 0; d < dim; d += VL) vstore_as(out, at + d, vload(O + r * dim + d) * inv, 1);
-    }
+    tile_store(out, O, l, rows, tok0, qa, kvh, heads, group, dim, 1);
 }
 #endif
 
