@@ -33,15 +33,18 @@ class PrefillWorker:
         on_free: Callable[[], None],
         on_prefilled: Callable[[], None],
         on_landed: Callable[[], None],
+        shipped: int | None = None,
     ) -> float:
         """Prefill the batch; `on_free` once the worker can take another batch (its first
-        stage is free), `on_prefilled` when its first tokens exist, `on_landed` when its K/V
-        has reached the decode worker. Returns the prefill's seconds (first stage to last)."""
+        stage is free), `on_prefilled` when its first tokens exist, `on_landed` when the K/V
+        of its `shipped` tokens (default: all) has reached the decode worker (never, with
+        none to ship). Returns the prefill's seconds (first stage to last)."""
         work = self.cost.prefill_work(prompt_lens, pad_to)
         stage, latency = self.cost.time(work), self.cost.pipeline_latency(work)
         self.stages.start(stage)
         self.loop.after(stage, self._first_stage_free, on_free)
-        self.loop.after(latency, self._prefilled, sum(prompt_lens), on_prefilled, on_landed)
+        tokens = sum(prompt_lens) if shipped is None else shipped
+        self.loop.after(latency, self._prefilled, tokens, on_prefilled, on_landed)
         return latency
 
     def _first_stage_free(self, on_free: Callable[[], None]) -> None:
@@ -54,9 +57,10 @@ class PrefillWorker:
     def _prefilled(
         self, tokens: int, on_prefilled: Callable[[], None], on_landed: Callable[[], None]
     ) -> None:
-        start = max(self.loop.now, self.link_free_at)
-        self.link_free_at = start + self.cost.transfer_time(tokens, self.link)
-        self.loop.at(self.link_free_at, on_landed)
+        if tokens:
+            start = max(self.loop.now, self.link_free_at)
+            self.link_free_at = start + self.cost.transfer_time(tokens, self.link)
+            self.loop.at(self.link_free_at, on_landed)
         self.stages.finish()
         on_prefilled()
         if self._on_free is not None:

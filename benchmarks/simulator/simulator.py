@@ -160,15 +160,17 @@ class Simulator:
             self._track_buckets()
             if batch is None:
                 return
-            lease = self._reserve(worker, batch)
+            # as the service's Handoff: requests that end at their first token reserve nothing
+            going = [i for i, r in enumerate(batch.requests) if not self.pd.ends_at_prefill(r)]
+            lease = self._reserve(worker, batch, going) if going else None
             reserved = _stamp()
             self._charge("pd_scheduler", batched, reserved)
-            if lease is None:  # the batcher's designed path for a failed reservation
+            if going and lease is None:  # the batcher's designed path for a failed reservation
                 self.batcher.requeue(batch)
                 self._charge("bucket_manager", reserved, _stamp())
                 self.counts["failed_reservations"] += 1
                 return
-            self._launch(self._idle.pop(), batch, worker, lease.lease_id)
+            self._launch(self._idle.pop(), batch, worker, going, lease and lease.lease_id)
 
     def pick_decode(self) -> DecodeWorker:
         """The decode worker the next batch reserves on: the service's PDScheduler's choice."""
@@ -178,14 +180,15 @@ class Simulator:
         self.pd.update(worker.index, worker.room, worker.load)
 
     @staticmethod
-    def _reserve(worker: DecodeWorker, batch: PrefillBatch) -> Lease | None:
-        """Hold the batch's blocks on `worker` under one lease (kv_transfer's LeaseTable);
-        None when they are not free (prompt-only accounting leaves out the first token)."""
-        lens = [r.prompt_len for r in batch.requests]
+    def _reserve(worker: DecodeWorker, batch: PrefillBatch, going: list[int]) -> Lease | None:
+        """Hold the blocks of the batch's requests at positions `going` on `worker` under one
+        lease (kv_transfer's LeaseTable); None when they are not free (prompt-only
+        accounting leaves out the first token)."""
+        lens = [batch.requests[i].prompt_len for i in going]
         if not worker.can_reserve(lens):
             return None
-        ids = [r.request_id for r in batch.requests]
-        return worker.reserve(ids, lens, batch.kv_blocks_per_request)
+        ids = [batch.requests[i].request_id for i in going]
+        return worker.reserve(ids, lens, [batch.kv_blocks_per_request[i] for i in going])
 
     def _charge(self, part: str, start: tuple[float, float], end: tuple[float, float]) -> None:
         self.cpu[f"{part}_s"] += end[0] - start[0]
@@ -198,7 +201,12 @@ class Simulator:
             self.counts["max_buckets"] = max(self.counts["max_buckets"], len(buckets.buckets))
 
     def _launch(
-        self, prefill: PrefillWorker, batch: PrefillBatch, decode: DecodeWorker, lease_id: str
+        self,
+        prefill: PrefillWorker,
+        batch: PrefillBatch,
+        decode: DecodeWorker,
+        going: list[int],
+        lease_id: str | None,
     ) -> None:
         lens = [r.prompt_len for r in batch.requests]
         pad_to = {
@@ -219,23 +227,29 @@ class Simulator:
             lens,
             pad_to,
             lambda: self._free(prefill),
-            lambda: self._prefilled(batch),
-            lambda: self._landed(batch, decode, lease_id),
+            lambda: self._prefilled(batch, going),
+            lambda: self._landed(batch, going, decode, lease_id),
+            shipped=sum(lens[i] for i in going),
         )
 
     def _free(self, prefill: PrefillWorker) -> None:
         self._idle.append(prefill)
         self._dispatch()
 
-    def _prefilled(self, batch: PrefillBatch) -> None:
+    def _prefilled(self, batch: PrefillBatch, going: list[int]) -> None:
         for request in batch.requests:
             self.records[request.request_id].first_token = self.loop.now
+        ended = set(range(len(batch.requests))) - set(going)
+        for i in sorted(ended):
+            self._finish(batch.requests[i].request_id, 1, 0)
 
-    def _landed(self, batch: PrefillBatch, decode: DecodeWorker, lease_id: str) -> None:
+    def _landed(
+        self, batch: PrefillBatch, going: list[int], decode: DecodeWorker, lease_id: str
+    ) -> None:
         blocks = decode.land(lease_id)
-        for item, block_ids, commit in zip(
-            batch.requests, blocks, batch.kv_blocks_per_request, strict=True
-        ):
+        items = [batch.requests[i] for i in going]
+        commits = [batch.kv_blocks_per_request[i] for i in going]
+        for item, block_ids, commit in zip(items, blocks, commits, strict=True):
             request = self._requests[item.request_id]
             self.records[request.request_id].decode_start = self.loop.now
             seq = Sequence(
@@ -254,14 +268,17 @@ class Simulator:
         return self._params[max_tokens]
 
     def _finished(self, seq: Sequence, output_tokens: int, preemptions: int) -> None:
-        record = self.records[seq.seq_id]
+        self._finish(seq.seq_id, output_tokens, preemptions)
+
+    def _finish(self, request_id: int, output_tokens: int, preemptions: int) -> None:
+        record = self.records[request_id]
         if record.finish is not None:
-            raise RuntimeError(f"request {seq.seq_id} finished twice")
+            raise RuntimeError(f"request {request_id} finished twice")
         record.finish = self.loop.now
         record.preemptions = preemptions
         if output_tokens != record.output_len:
             raise RuntimeError(
-                f"request {seq.seq_id} produced {output_tokens} tokens, "
+                f"request {request_id} produced {output_tokens} tokens, "
                 f"expected {record.output_len}"
             )
         if len(self.batcher):

@@ -68,6 +68,23 @@ def test_fcfs_preempts_under_memory_pressure_and_bucketserve_never_does():
     assert_drained(ours)
 
 
+def test_requests_that_end_at_their_first_token_never_reach_a_decode_worker():
+    """As in the service (PDScheduler.decode_need): max_tokens 1 reserves no decode blocks,
+    ships no KV and finishes with its first token; a batch of only such requests takes no
+    lease, and the others of a mixed run go on to decode as before."""
+    ending = [SimRequest(i, 100 + 10 * i, 1, 1, 0.0) for i in range(4)]
+    sim, result = run("bucketserve", ending)
+    assert len(result.finished) == 4
+    assert all(r.finish == r.first_token and r.decode_start is None for r in sim.records.values())
+    assert sim._stats()["leases_closed"] == 0 and sim._stats()["decode_steps"] == 0
+    sim, result = run("bucketserve", [*ending, SimRequest(9, 120, 3, 8, 0.0)])
+    assert len(result.finished) == 5
+    assert all(sim.records[i].decode_start is None for i in range(4))
+    going = sim.records[9]
+    assert going.first_token < going.decode_start < going.finish
+    assert sim._stats()["leases_closed"] == 1
+
+
 def test_runs_are_deterministic():
     requests = make_workload(WORKLOAD)
     first = [(r.first_token, r.finish) for r in run("bucketserve", requests)[1].records]
