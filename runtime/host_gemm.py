@@ -27,3 +27,16 @@ class HostGemm:
     def _run(self, rows: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
         """`out [M, out] (+)= rows [M, in] . weight^T`, both contiguous."""
         raise NotImplementedError
+
+
+class RowSplitGemm(HostGemm):
+    """One weight packed twice: GEMMs of fewer than `large_rows` rows (decode batches) run
+    on `small`, the others (prefill chunks) on `large`."""
+
+    def __init__(self, small: HostGemm, large: HostGemm, large_rows: int) -> None:
+        self.small, self.large, self.large_rows = small, large, large_rows
+        self.out_features, self.in_features = small.out_features, small.in_features
+
+    def _run(self, rows: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+        gemm = self.large if rows.shape[0] >= self.large_rows else self.small
+        gemm._run(rows, out, accumulate)

@@ -26,6 +26,7 @@ from runtime.device import (
     linear_add,
     linear_silu_mul,
     pack_weight,
+    prefill_gemm_rows,
 )
 from runtime.kv_cache import KVCache
 from runtime.model_config import ModelConfig, RopeScaling
@@ -49,11 +50,13 @@ class Linear(nn.Linear):
 
     packed: tuple[Weight, ...] | None = None
 
-    def pack(self, batch_hint: int, backend: str, parts: int = 1) -> None:
+    def pack(
+        self, batch_hint: int, backend: str, parts: int = 1, large_rows: int | None = None
+    ) -> None:
         """From now on the GEMMs read packed copies (`pack_weight`), and the plain weight is
         dropped (it would double the layer's memory) unless packing kept it as it was."""
         chunks = self.weight.chunk(parts)
-        self.packed = tuple(pack_weight(w, batch_hint, backend) for w in chunks)
+        self.packed = tuple(pack_weight(w, batch_hint, backend, large_rows) for w in chunks)
         if all(p is not w for p, w in zip(self.packed, chunks, strict=True)):
             self.weight = nn.Parameter(self.weight.new_empty((0, self.in_features)), False)
 
@@ -297,9 +300,11 @@ class LlamaForCausalLM(nn.Module):
         shapes = tuple((m.out_features // parts, m.in_features) for m, parts in gemms)
         dtype = next(self.parameters()).dtype
         backend = cpu_gemm_backend(dtype, shapes)
+        layer_bytes = sum(m.weight.numel() for m, _ in gemms) * torch.finfo(dtype).bits // 8
+        large_rows = prefill_gemm_rows(backend, layer_bytes * len(self.model.layers))
         for layer in self.model.layers:
             for module, parts in layer.gemms():
-                module.pack(batch_hint, backend, parts)
+                module.pack(batch_hint, backend, parts, large_rows)
         if head:
             self.packed_head = pack_weight(self.head_weight(), batch_hint, backend)
 

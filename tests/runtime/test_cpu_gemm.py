@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from runtime import device, kernels, mkl_sgemm
 from runtime.device import linear, linear_add, linear_silu_mul, pack_weight
+from runtime.host_gemm import RowSplitGemm
 from runtime.mkl_sgemm import PackedSgemm
 from runtime.panel_gemm import PanelGemm
 
@@ -64,6 +65,41 @@ def test_the_panel_gemm_blocks_rows_and_k_at_prefill_sizes(rows):
     torch.testing.assert_close(packed(x), want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(packed(x, accumulate=residual.clone()), want + residual,
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(
+    kernels.load() is None or not mkl_sgemm.available(), reason="needs the kernels and MKL"
+)
+def test_prefill_sized_gemms_run_on_the_second_packing(monkeypatch):
+    """With `large_rows`, GEMMs of that many rows or more run on MKL's copy, fewer on the
+    panels; both match F.linear, plain and accumulating into a residual."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 40, generator=g)
+    packed = pack_weight(w, 8, "kernels", large_rows=16)
+    assert isinstance(packed, RowSplitGemm)
+    ran = []
+    for name in ("small", "large"):
+        part = getattr(packed, name)
+        run = part._run
+        monkeypatch.setattr(part, "_run", lambda *args, run=run, name=name: (
+            ran.append(name), run(*args)))
+    for rows in (1, 15, 16, 40):
+        x, residual = torch.randn(rows, 40, generator=g), torch.randn(rows, 96, generator=g)
+        want = F.linear(x, w)
+        torch.testing.assert_close(linear(x, packed), want)
+        torch.testing.assert_close(linear_add(x, packed, residual.clone()), want + residual)
+    assert ran == ["small"] * 4 + ["large"] * 4
+
+
+def test_the_second_packing_is_kept_only_for_the_panel_gemm_and_when_it_fits(monkeypatch):
+    monkeypatch.setattr(mkl_sgemm, "available", lambda: True)
+    total = device.psutil.virtual_memory().total
+    assert device.prefill_gemm_rows("kernels", total // 16) == device.PREFILL_GEMM_ROWS
+    assert device.prefill_gemm_rows("kernels", total // 4) is None  # two copies won't fit
+    assert device.prefill_gemm_rows("onednn", 1 << 20) is None
+    assert device.prefill_gemm_rows("mkl", 1 << 20) is None
+    monkeypatch.setenv(device.PREFILL_GEMM_ENV, "0")
+    assert device.prefill_gemm_rows("kernels", 1 << 20) is None
 
 
 def test_a_weight_the_panel_gemm_cannot_pack_falls_back_to_onednn():
