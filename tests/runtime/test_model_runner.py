@@ -317,7 +317,10 @@ def test_device_choice_on_a_cpu_machine():
 def test_packed_weights_replace_the_plain_ones(tiny_model_dir, gemm_backend):
     """Eager CPU steps read packed copies (oneDNN's, MKL's or the panels), so the plain
     Linear weights are dropped rather than held twice (the packed model's tokens:
-    test_greedy_generation_matches_...)."""
+    test_greedy_generation_matches_...). With the panels, the layers' weights also have
+    MKL's packing for prefill-sized GEMMs (a tiny model fits); the LM head does not."""
+    from runtime import mkl_sgemm
+    from runtime.host_gemm import RowSplitGemm
     from runtime.mkl_sgemm import PackedSgemm
     from runtime.panel_gemm import PanelGemm
 
@@ -326,6 +329,10 @@ def test_packed_weights_replace_the_plain_ones(tiny_model_dir, gemm_backend):
     linears = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
     assert all(m.packed is not None and m.weight.numel() == 0 for m in linears)
-    packed = [p for m in linears for p in m.packed] + [runner.model.packed_head]
+    layers = [p for m in linears for p in m.packed]
+    split = gemm_backend == "kernels" and mkl_sgemm.available()
+    assert all(isinstance(p, RowSplitGemm) == split for p in layers)
+    assert all(isinstance(p.large, PackedSgemm) for p in layers if split)
+    packed = [p.small if split else p for p in layers] + [runner.model.packed_head]
     assert all(isinstance(p, PackedSgemm) == (gemm_backend == "mkl") for p in packed)
     assert all(isinstance(p, PanelGemm) == (gemm_backend == "kernels") for p in packed)
