@@ -97,11 +97,10 @@ def _binary(x, other, weight, bias, op):
 Weight = torch.Tensor | HostGemm  # what the GEMMs below take
 GEMM_ENV = "BUCKETSERVE_CPU_GEMM"  # auto (measure) | onednn | mkl | kernels
 GEMM_BACKENDS = ("onednn", "mkl", "kernels")
-# the rows the choice is measured at: a decode batch, where the backends differ most (at
-# prefill's hundreds of rows they measured within a few percent of each other)
+# the rows the choice is measured at: a decode batch, where the backends differ most
 GEMM_CHOICE_ROWS = 32
-# With the panel GEMM, GEMMs of this many rows or more run on a second packing for MKL
-# (`pack_weight`'s large_rows) when both copies of the layers fit `prefill_gemm_rows`.
+# With the panel GEMM, GEMMs of this many rows or more (prefill chunks) run on a second
+# packing of the weight for MKL, which leads the panels there (`prefill_gemm_rows`).
 PREFILL_GEMM_ROWS = 256
 PREFILL_GEMM_ENV = "BUCKETSERVE_PREFILL_GEMM"  # 0: the panel GEMM runs every row count
 
@@ -166,13 +165,13 @@ def linear_add(
     return F.linear(x, weight, bias).add_(other)
 
 
-def prefill_gemm_rows(backend: str, layer_bytes: int) -> int | None:
-    """`large_rows` for a model whose packed layers take `layer_bytes`: PREFILL_GEMM_ROWS
-    when the panel GEMM runs it and MKL's copy of the layers takes at most an eighth of
-    the machine's memory; None (one packing) otherwise or with BUCKETSERVE_PREFILL_GEMM=0."""
+def prefill_gemm_rows(backend: str, weight_bytes: int) -> int | None:
+    """`large_rows` for a model whose layers' weights take `weight_bytes`: PREFILL_GEMM_ROWS
+    when the panel GEMM runs them and MKL's copy takes at most an eighth of the machine's
+    memory; None (one packing) otherwise or with BUCKETSERVE_PREFILL_GEMM=0."""
     if backend != "kernels" or os.environ.get(PREFILL_GEMM_ENV, "1") == "0":
         return None
-    if not mkl_sgemm.available() or layer_bytes > psutil.virtual_memory().total // 8:
+    if not mkl_sgemm.available() or weight_bytes > psutil.virtual_memory().total // 8:
         return None
     return PREFILL_GEMM_ROWS
 
