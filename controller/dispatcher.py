@@ -257,9 +257,9 @@ class Dispatcher:
                     owner.judge(await self.pool.poll(prefilled.poll))
                 return
             self._prefilled(states, prefilled.result)
-            live = [s for s in states if s.phase == "prefill"]
             if handoff.reservation is None:  # every request ended at its first token
                 return
+            live = [s for s in states if s.phase == "prefill"]
             admitted = await handoff.admit([self._handoff_of(s) for s in live])
             await self._admitted(handoff.decode, live, admitted)
         finally:

@@ -227,7 +227,7 @@ class Simulator:
             lens,
             pad_to,
             lambda: self._free(prefill),
-            lambda: self._prefilled(batch, going),
+            lambda: self._prefilled(batch),
             lambda: self._landed(batch, going, decode, lease_id),
             shipped=sum(lens[i] for i in going),
         )
@@ -236,12 +236,11 @@ class Simulator:
         self._idle.append(prefill)
         self._dispatch()
 
-    def _prefilled(self, batch: PrefillBatch, going: list[int]) -> None:
+    def _prefilled(self, batch: PrefillBatch) -> None:
         for request in batch.requests:
             self.records[request.request_id].first_token = self.loop.now
-        ended = set(range(len(batch.requests))) - set(going)
-        for i in sorted(ended):
-            self._finish(batch.requests[i].request_id, 1, 0)
+            if self.pd.ends_at_prefill(request):
+                self._finish(request.request_id, 1, 0)
 
     def _landed(
         self, batch: PrefillBatch, going: list[int], decode: DecodeWorker, lease_id: str
