@@ -68,8 +68,9 @@ def register(subparsers: Any) -> None:
     cmp = p.add_argument_group("comparison (--compare)")
     cmp.add_argument("--compare", action="store_true",
                      help="start the service in three configurations and compare them")
-    cmp.add_argument("--systems", help="comma-separated, from bucketserve,fcfs,shape-only "
-                     "(default: all three; bucketserve,fcfs with --padded)")
+    cmp.add_argument("--systems", help="comma-separated, from bucketserve,fcfs,fcfs-fit,"
+                     "shape-only (default: bucketserve,fcfs,shape-only; bucketserve,fcfs with "
+                     "--padded or --execution graphs; fcfs-fit only then)")
     cmp.add_argument("--serve-model", help="model the harness serves (default: embedded)")
     cmp.add_argument("--num-kv-blocks", type=int, help="decode KV pool of the started service")
     cmp.add_argument("--padded", action="store_true",

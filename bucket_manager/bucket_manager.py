@@ -37,6 +37,8 @@ class BucketManager:
     blocks fit 0.9 x the free blocks (Eq. 5-6) and the batch stays within
     `max_num_seqs`, `max_batched_tokens` and the largest warmed prompt batch
     size; the first that does not fit ends the batch, so nothing overtakes it.
+    Padded, the batch then keeps the most of them that fill a warmed batch size
+    (`BatchingConfig.fit_batch_buckets`).
 
     `padded=False` serves prefill workers that run each batch at its own
     shape (the CPU's varlen runner): no graph can be missed, so the warmed
@@ -109,6 +111,8 @@ class BucketManager:
 
         n = self.controller.admit(needs(), free_blocks)
         n = self.controller.within_token_budget([e.request.prompt_len for e in chosen[:n]])
+        if self.padded and self.config.batching.fit_batch_buckets:
+            n = self._whole_rows([e.request.prompt_len for e in chosen[:n]])
         if n == 0:
             return None
         for entry in chosen[:n]:
@@ -168,6 +172,17 @@ class BucketManager:
             return config
         warmed = max((bs for bs, _, _ in self.shapes.prompt), default=config.max_num_seqs)
         return dataclasses.replace(config, max_num_seqs=min(config.max_num_seqs, warmed))
+
+    def _whole_rows(self, prompt_lens: list[int]) -> int:
+        """The most of these prompts, in order, whose prompt bucket has no empty row; all of
+        them when none does (a batch beyond the buckets, or a bucket file without such a
+        size)."""
+        longest = list(itertools.accumulate(prompt_lens, max))
+        for n in range(len(prompt_lens), 0, -1):
+            fit = self.shapes.prompt_fit(n, longest[n - 1])
+            if fit is not None and fit[0] == n:
+                return n
+        return len(prompt_lens)
 
     def _check_new(self, request: BucketRequest) -> None:
         if request.tenant not in self.tenants:

@@ -239,23 +239,30 @@ class BatchingConfig:
     alone (None: no bound beyond the KV blocks and the shapes). It is how long
     a prefill worker is busy with one batch, so how long a request arriving
     behind it waits: offline work raises it, latency targets keep it low.
+
+    `fit_batch_buckets`: a batch padded to shape buckets takes as many requests
+    as fill a warmed batch size exactly (5 that fit become 4, not 8 rows with
+    3 empty); the rest form the next batch, which the next free prefill slot
+    runs. An empty row costs a whole prompt's compute, so on compute-bound
+    prefill both batches together cost less than the padded one. Unpadded
+    batches are never trimmed.
     """
 
     safety_fraction: float = 0.9
     max_num_seqs: int = 256
     count_output_tokens: bool = True
     max_batched_tokens: int | None = 2048
+    fit_batch_buckets: bool = True
 
     def __post_init__(self) -> None:
         check_number("BatchingConfig.safety_fraction", self.safety_fraction, 1e-9, 1.0)
         check_int("BatchingConfig.max_num_seqs", self.max_num_seqs, 1)
         if self.max_batched_tokens is not None:
             check_int("BatchingConfig.max_batched_tokens", self.max_batched_tokens, 1)
-        if not isinstance(self.count_output_tokens, bool):
-            raise ValueError(
-                f"BatchingConfig.count_output_tokens must be true or false, "
-                f"got {self.count_output_tokens!r}"
-            )
+        for name in ("count_output_tokens", "fit_batch_buckets"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"BatchingConfig.{name} must be true or false, got {value!r}")
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "batching") -> BatchingConfig:

@@ -68,6 +68,10 @@ class ShapeBuckets:
         """The warmed prompt query lengths (context 0): where request buckets may split."""
         return sorted({q for _, q, c in self.prompt if c == 0})
 
+    def prompt_fit(self, batch_size: int, query_len: int) -> ShapeBucket | None:
+        """The prompt bucket (no context) a batch would pad to, or None; counts no miss."""
+        return self._prompt_index.find((batch_size, query_len, 0))
+
     def pad_prompt(self, batch_size: int, query_len: int, ctx_blocks: int = 0) -> PaddedShape:
         return self._pad(self._prompt_index, "prompt", (batch_size, query_len, ctx_blocks))
 

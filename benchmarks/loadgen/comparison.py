@@ -2,8 +2,11 @@
 
 - `bucketserve`: adaptive request buckets (Algorithm 1) + tenant policies (an online FCFS
   tenant for short requests ahead of an offline SJF tenant for long ones);
-- `fcfs`: one request bucket that never splits (`max_buckets=1`), one FCFS tenant — the
+- `fcfs`: one request bucket that never splits (`max_buckets=1`), one FCFS tenant, batches
+  sized by memory and the token budget alone (padded, a batch of 5 runs as 8 rows) — the
   DistServe-like disaggregated FCFS baseline;
+- `fcfs-fit`: as `fcfs`, with bucketserve's batch sizing to the warmed batch sizes
+  (`BatchingConfig.fit_batch_buckets`), to separate what that alone buys (padded runs only);
 - `shape-only`: as `fcfs`, with every batch padded to the fixed shape buckets.
 
 `ServiceSpec.padded` pads every system's batches to the shape buckets, as HPU and CUDA graphs
@@ -27,7 +30,7 @@ from benchmarks.loadgen.server_metrics import ServerMetrics
 from benchmarks.loadgen.service_harness import ServiceHarness
 from benchmarks.loadgen.tenant_mix import TenantShare
 
-SYSTEMS = ("bucketserve", "fcfs", "shape-only")
+SYSTEMS = ("bucketserve", "fcfs", "fcfs-fit", "shape-only")
 TENANTS = [
     {"name": "chat", "api_keys": ["chat-key"]},
     {"name": "batch", "api_keys": ["batch-key"], "class": "offline", "policy": "sjf",
@@ -87,9 +90,14 @@ def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, 
         raise ValueError(f"system must be one of {SYSTEMS}, got {name!r}")
     config = with_tenants(base, [TenantConfig("default")])
     one_bucket = dataclasses.replace(config.buckets.request_buckets, max_buckets=1)
+    batching = dataclasses.replace(
+        config.buckets.batching, fit_batch_buckets=name == "fcfs-fit"
+    )
     config = dataclasses.replace(
         config,
-        buckets=dataclasses.replace(config.buckets, request_buckets=one_bucket),
+        buckets=dataclasses.replace(
+            config.buckets, request_buckets=one_bucket, batching=batching
+        ),
         pad_to_shape_buckets=spec.pads or name == "shape-only",
         scheduler=dataclasses.replace(config.scheduler, scheduling_policy="fcfs"),
     )
@@ -111,6 +119,9 @@ class Comparison:
             why = "--padded" if spec.padded else "--execution graphs"
             raise ValueError(f"with {why} every system pads to the shape buckets, so "
                              "shape-only is fcfs: leave it out of --systems")
+        if not spec.pads and "fcfs-fit" in systems:
+            raise ValueError("fcfs-fit differs from fcfs only in padded batches: add --padded "
+                             "or --execution graphs, or leave it out of --systems")
         if not bench.rates:
             raise ValueError("the comparison sweeps request rates: give --rates")
         self.bench = bench

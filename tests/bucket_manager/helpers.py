@@ -23,6 +23,7 @@ def make_manager(
     count_output_tokens: bool = True,
     max_batched_tokens: int | None = 8192,
     padded: bool = True,
+    fit_batch_buckets: bool = True,
 ) -> BucketManager:
     """Doc shape buckets (block 128, length 1024) with prompt batch sizes 1, 2, 4."""
     shapes = ShapeBucketConfig(prompt=PromptShapeConfig(bs=BucketRange(1, 2, 4, 3)))
@@ -34,6 +35,7 @@ def make_manager(
                 max_num_seqs=max_num_seqs,
                 count_output_tokens=count_output_tokens,
                 max_batched_tokens=max_batched_tokens,
+                fit_batch_buckets=fit_batch_buckets,
             ),
             tenants=tenants or (TenantConfig("default"),),
         ),

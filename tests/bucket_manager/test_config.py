@@ -36,6 +36,8 @@ from bucket_manager import (
         (lambda: BatchingConfig(safety_fraction=0), "safety_fraction must be a number"),
         (lambda: BatchingConfig(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
         (lambda: BatchingConfig(max_batched_tokens=0), "max_batched_tokens must be an integer"),
+        (lambda: BatchingConfig(fit_batch_buckets="yes"),
+         "BatchingConfig.fit_batch_buckets must be true or false, got 'yes'"),
         (
             lambda: TenantConfig("chat", policy="sjf"),
             "tenant 'chat': online tenants are served by earliest arrival, so policy must be",

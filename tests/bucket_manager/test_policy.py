@@ -43,7 +43,8 @@ def test_sjf_orders_by_expected_total_length_when_max_tokens_is_given():
     manager.add(req("long-output", 100, max_tokens=500))
     manager.add(req("short-output", 150, max_tokens=10))
     manager.add(req("prompt-only", 120))
-    assert drain(manager) == [["prompt-only", "short-output", "long-output"]]
+    # three fit one batch; two fill a warmed batch size (1, 2, 4), the third goes next
+    assert drain(manager) == [["prompt-only", "short-output"], ["long-output"]]
 
 
 def test_request_priority_comes_before_arrival_and_length():

@@ -3,6 +3,7 @@ the services started by the harness in child processes."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,8 @@ def test_the_three_systems_differ_only_in_buckets_policies_and_padding(
         "auto", False, True
     )
     assert a.buckets.shape_buckets == b.buckets.shape_buckets == c.buckets.shape_buckets
+    assert a.buckets.batching.fit_batch_buckets
+    assert not b.buckets.batching.fit_batch_buckets and not c.buckets.batching.fit_batch_buckets
     assert {t.name for t in a_mix} == {"chat", "batch"} and [t.name for t in b_mix] == ["default"]
     with pytest.raises(ValueError, match="system must be one of"):
         system_setup("vllm", spec)
@@ -47,6 +50,13 @@ def test_padded_pads_every_system_and_refuses_shape_only(tiny_model_dir: Path) -
     assert b.buckets.request_buckets.max_buckets == 1
     with pytest.raises(ValueError, match="shape-only is fcfs"):
         Comparison(BenchConfig(), spec, ("bucketserve", "shape-only"))
+    fit, _, _ = system_setup("fcfs-fit", spec)
+    assert fit.buckets.batching.fit_batch_buckets and not b.buckets.batching.fit_batch_buckets
+    assert dataclasses.replace(
+        fit, buckets=dataclasses.replace(fit.buckets, batching=b.buckets.batching)
+    ) == b
+    with pytest.raises(ValueError, match="fcfs-fit differs from fcfs only in padded batches"):
+        Comparison(BenchConfig(), dataclasses.replace(spec, padded=False), ("fcfs-fit",))
 
 
 def test_graphs_execution_compiles_every_bucket_in_every_system(tiny_model_dir: Path) -> None:
