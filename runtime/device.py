@@ -118,7 +118,7 @@ def pack_weight(
     if backend == "mkl" and weight.dtype == torch.float32 and weight.device.type == "cpu":
         return PackedSgemm(weight, batch_hint)
     if backend == "kernels" and panel_gemm.supports(weight.shape, weight.dtype, weight.device.type):
-        if large_rows and mkl_sgemm.available():
+        if large_rows:  # prefill_gemm_rows gives it only where MKL runs
             large = PackedSgemm(weight, large_rows)
             return RowSplitGemm(PanelGemm(weight), large, large_rows)
         return PanelGemm(weight)
