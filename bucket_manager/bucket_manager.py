@@ -110,9 +110,10 @@ class BucketManager:
                 yield self.controller.kv_blocks(entry.request, block_size)
 
         n = self.controller.admit(needs(), free_blocks)
-        n = self.controller.within_token_budget([e.request.prompt_len for e in chosen[:n]])
+        lengths = [e.request.prompt_len for e in chosen[:n]]
+        n = self.controller.within_token_budget(lengths)
         if self.padded and self.config.batching.fit_batch_buckets:
-            n = self._whole_rows([e.request.prompt_len for e in chosen[:n]])
+            n = self._whole_rows(lengths[:n])
         if n == 0:
             return None
         for entry in chosen[:n]:
