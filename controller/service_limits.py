@@ -65,7 +65,8 @@ class ServiceLimits:
         max_model_len: int, block_size: int, max_num_seqs: int
     ) -> BucketManagerConfig:
         """Request buckets over the model's length; prompt shapes of batch 1..16 and query
-        block_size..max_model_len (fresh prompts only: no context blocks); decode shapes of
+        block_size..max_model_len in half-octave steps (fresh prompts only: no context
+        blocks), so a prompt pads by at most about 40 % and mostly far less; decode shapes of
         batch 1..max_num_seqs and blocks (the batch's total) up to max_num_seqs max_model_len
         sequences; prefill batches
         of at most max_num_seqs, the decode batch they join."""
@@ -75,7 +76,7 @@ class ServiceLimits:
                 shape_buckets=ShapeBucketConfig(
                     prompt=PromptShapeConfig(
                         bs=BucketRange(1, 1, 16, 5),
-                        query=_doubling(block_size, max_model_len),
+                        query=_doubling(block_size, max_model_len, per_octave=2),
                         ctx=BucketRange(0, 1, 0, 1),
                     ),
                     decode=DecodeShapeConfig(
@@ -145,6 +146,7 @@ def _size_for_model(
     return dataclasses.replace(config, shape_buckets=shapes, request_buckets=requests)
 
 
-def _doubling(low: int, high: int) -> BucketRange:
+def _doubling(low: int, high: int, per_octave: int = 1) -> BucketRange:
+    """Exponential points from low to high, `per_octave` of them per doubling."""
     high = max(low, high)
-    return BucketRange(low, low, high, int(math.log2(high / low)) + 1)
+    return BucketRange(low, low, high, per_octave * int(math.log2(high / low)) + 1)

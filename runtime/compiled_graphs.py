@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime import kernels
 from runtime.device import Device, GraphFn
 from runtime.kv_cache import KVCache
 from runtime.models.llama import graph_decode_layer, graph_layer
@@ -58,6 +59,11 @@ class CompiledGraphs:
         self.compiled = compiled  # False: the same steps run eagerly (padded eager decode)
         compile = device.compile if compiled else (lambda fn: fn)
         self._head = compile(model.graph_head)
+        # CPU attention: the kernels eager steps run, custom ops inside the graph
+        c, kernel = model.config, kernels.for_tensors(kv_cache.dtype, kv_cache.device)
+        self.attention_kernels = kernel is not None and kernel.supports(
+            c.head_dim, c.num_queries_per_kv, kv_cache.block_size
+        )
         self._layer = compile(graph_layer)
         self._decode_layer = compile(graph_decode_layer)
         self._tail = compile(model.graph_tail)
@@ -136,14 +142,19 @@ class CompiledGraphs:
         query_positions: torch.Tensor,
         slots: torch.Tensor,
         block_tables: torch.Tensor,
+        token_order: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        context_lens: torch.Tensor,
         rows: torch.Tensor,
         on_layer: LayerHook | None = None,
     ) -> torch.Tensor:
         num_keys = block_tables.shape[1] * self.kv_cache.block_size
-        x, cos_sin, mask = self._head(input_ids, positions, query_positions, num_keys)
+        masked = None if self.attention_kernels else query_positions  # the kernel needs none
+        x, cos_sin, mask = self._head(input_ids, positions, masked, num_keys)
+        index = (slots, block_tables, mask, token_order, query_start_loc, context_lens)
         for i, layer in enumerate(self.model.model.layers):
             k, v = self.kv_cache.layer(i)
-            x = self._layer(layer, x, cos_sin, k, v, slots, block_tables, mask)
+            x = self._layer(layer, x, cos_sin, k, v, *index, self.attention_kernels)
             if on_layer is not None:
                 on_layer(i)
         return self._tail(x, rows)
@@ -156,15 +167,16 @@ class CompiledGraphs:
         block_list: torch.Tensor,
         block_rows: torch.Tensor,
         block_valid: torch.Tensor,
+        block_starts: torch.Tensor,
+        context_lens: torch.Tensor,
         rows: torch.Tensor,
         on_layer: LayerHook | None = None,
     ) -> torch.Tensor:
         x, cos_sin, _ = self._head(input_ids, positions)
+        index = (slots, block_list, block_rows, block_valid, block_starts, context_lens)
         for i, layer in enumerate(self.model.model.layers):
             k, v = self.kv_cache.layer(i)
-            x = self._decode_layer(
-                layer, x, cos_sin, k, v, slots, block_list, block_rows, block_valid
-            )
+            x = self._decode_layer(layer, x, cos_sin, k, v, *index, self.attention_kernels)
             if on_layer is not None:
                 on_layer(i)
         return self._tail(x, rows)

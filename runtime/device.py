@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import kernels, mkl_sgemm, panel_gemm
+from runtime.graph_ops import gemm_panels, is_panels
 from runtime.host_gemm import HostGemm, RowSplitGemm
 from runtime.mkl_sgemm import PackedSgemm
 from runtime.panel_gemm import PanelGemm
@@ -127,8 +128,21 @@ def pack_weight(
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
 
 
+def pack_graph_weight(weight: torch.Tensor, batch_hint: int, backend: str) -> torch.Tensor:
+    """`pack_weight` for graphs mode, where a packed weight must be a tensor (a compiled
+    region's input): the panel GEMM's panels as they are (`graph_ops.gemm_panels` runs
+    them), oneDNN's blocked layout otherwise (MKL's packing is not a tensor)."""
+    if backend == "kernels" and panel_gemm.supports(weight.shape, weight.dtype, weight.device.type):
+        return PanelGemm(weight).panels
+    packed = pack_weight(weight, batch_hint)
+    return packed if isinstance(packed, torch.Tensor) else weight
+
+
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, through oneDNN, MKL's packed GEMM or the panel GEMM on CPU."""
+    if is_panels(weight):
+        out = gemm_panels(x, weight)
+        return out if bias is None else out + bias
     if isinstance(weight, HostGemm):
         out = weight(x)
         return out if bias is None else out.add_(bias)
@@ -140,6 +154,8 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
 def linear_silu_mul(x: torch.Tensor, gate: Weight, up: Weight) -> torch.Tensor:
     """SwiGLU's `silu(x @ gate.T) * (x @ up.T)`: on CPU two GEMMs with the rest fused into
     them (oneDNN) or into one C pass after them (MKL, the panel GEMM)."""
+    if is_panels(gate):
+        return F.silu(gemm_panels(x, gate)) * gemm_panels(x, up)
     if isinstance(gate, HostGemm):
         g, u = gate(x), up(x)
         kernel = kernels.for_tensors(g.dtype, g.device)
@@ -155,6 +171,9 @@ def linear_add(
     """`x @ weight.T + bias + other` (a residual), one fused GEMM on CPU. `other` is
     consumed: MKL and the panel GEMM accumulate into it in place when it is contiguous
     (callers pass a residual stream they own), oneDNN fuses the add into its output."""
+    if is_panels(weight):
+        out = gemm_panels(x, weight, other)
+        return out if bias is None else out + bias
     if isinstance(weight, HostGemm):
         if not other.is_contiguous():
             other = other.contiguous()

@@ -122,6 +122,8 @@ class ModelRunner:
         self.execution = resolve_execution(config.execution, self.device.type)
         if self.execution == "eager":
             self.model.pack_weights(_PACK_BATCH_HINT)
+        elif self.device.type == "cpu":  # graphs: the CPU's compiled regions call its GEMMs
+            self.model.pack_weights(_PACK_BATCH_HINT, graphs=True)
         self.graphs, self._flat = self._compiled_graphs()
 
     @property

@@ -28,12 +28,16 @@ class StepInputs:
     num_seqs: int
     write_slots: torch.Tensor | None = None  # padded steps: padding writes the null block
     flat: tuple[torch.Tensor, ...] | None = None  # a flat decode step's graph args
+    # a padded rectangle as the CPU's varlen kernel reads it: its real tokens first (token
+    # order), their query_start_loc and each row's context length
+    varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def graph_args(self) -> tuple[torch.Tensor, ...]:
         """A padded step's tensors, in `CompiledGraphs.step` (or `step_flat`) order."""
         if self.flat is not None:
             return self.flat
         assert self.metadata is not None
+        assert self.varlen is not None
         group = self.metadata.groups[0]
         return (
             self.input_ids,
@@ -41,6 +45,7 @@ class StepInputs:
             group.query_positions,
             self.write_slots,
             group.block_tables,
+            *self.varlen,
             self.logits_rows,
         )
 
@@ -189,17 +194,23 @@ class InputBuilder:
         metadata.causal_spans = [
             (int(row_start[i]), int(row_start[i] + b.qlens[i])) for i in np.flatnonzero(fresh)
         ]
-        write = None
+        write = varlen = None
         if pad_to is not None:
             write = t(np.where(slots >= 0, slots, self.null_block * self.block_size))
-        return StepInputs(t(input_ids), t(positions), t(logits_rows), metadata, b.n, write)
+            padding = np.setdiff1d(np.arange(num_tokens), flat, assume_unique=True)
+            compact = np.append(0, np.cumsum(qlens)).astype(np.int32)
+            varlen = (t(np.concatenate([flat, padding])), t(compact), t(context_lens))
+        return StepInputs(
+            t(input_ids), t(positions), t(logits_rows), metadata, b.n, write, varlen=varlen
+        )
 
     def build_flat(
         self, seqs: list[Sequence], num_new_tokens: list[int], pad_to: Shape
     ) -> StepInputs:
         """A validated decode step at `pad_to = (B, 1, NB)`, NB the batch's total blocks as
         vllm-gaudi counts them: the flat list of every row's blocks, each with its row and
-        the slots that hold context (`attend_flat`)."""
+        the slots that hold context (`attend_flat`), and each row's first block in the list
+        and its context length (the CPU kernel's view of the same list)."""
         if any(n != 1 for n in num_new_tokens):
             raise ValueError("a decode shape (batch, 1, blocks) takes one new token per row")
         b = _Batch(seqs, num_new_tokens, self.block_size)
@@ -213,6 +224,8 @@ class InputBuilder:
         block_list = np.full(total, self.null_block, dtype=np.int64)
         block_rows = np.zeros(total, dtype=np.int64)
         valid = np.zeros((total, bs), dtype=bool)
+        starts = np.zeros(rows, dtype=np.int64)
+        context_lens = np.zeros(rows, dtype=np.int32)
         slots = np.full(rows, self.null_block * bs, dtype=np.int64)
         at = 0
         for i, seq in enumerate(seqs):
@@ -221,13 +234,17 @@ class InputBuilder:
             block_rows[at : at + n] = i
             valid[at : at + n] = (np.arange(n * bs) <= pos).reshape(n, bs)
             slots[i] = seq.block_table[pos // bs] * bs + pos % bs
+            starts[i], context_lens[i] = at, pos + 1
             at += n
         input_ids = np.zeros(rows, dtype=np.int64)
         input_ids[: b.n] = b.token_ids()
         positions = np.zeros(rows, dtype=np.int64)
         positions[: b.n] = b.pos
         t = self.to_device
-        arrays = (input_ids, positions, slots, block_list, block_rows, valid, np.arange(rows))
+        arrays = (
+            input_ids, positions, slots, block_list, block_rows, valid, starts, context_lens,
+            np.arange(rows),
+        )  # fmt: skip
         flat = tuple(t(a) for a in arrays)
         return StepInputs(flat[0], flat[1], flat[-1], None, b.n, flat[2], flat)
 

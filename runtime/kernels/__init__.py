@@ -40,6 +40,7 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode": [_P, _I64] + [_P] * 5 + [_I] * 6 + [_I64, _F, _I],
+    "paged_decode_flat": [_P, _I64] + [_P] * 6 + [_I] * 6 + [_I64, _F, _I],
     "paged_prefill": [_P, _I64] + [_P] * 6 + [_I] * 6 + [_I64, _F, _I],
     "rope": [_P, _P, _I, _I, _I, _I64, _I],
     "rms_norm": [_P, _P, _P, _I, _I, _F, _I],
@@ -72,18 +73,19 @@ class CpuKernels:
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        block_starts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Row r's one query `q [R, heads, dim]` over its first `context_lens[r]` (int32)
         pool tokens through `block_tables [R, NB]` (int64, contiguous); caches
-        `[kv_heads, blocks, block_size, dim]`, contiguous."""
-        status, out = self._paged(
-            "paged_decode", q, k_cache, v_cache, (block_tables, context_lens), q.shape[0], scale
-        )
-        if status != 0:
-            raise ValueError(
-                f"paged_decode takes head_dim a multiple of 16 up to 256, <= 16 query heads "
-                f"per KV head and block_size <= 256; got {_shape(q, k_cache)}"
-            )
+        `[kv_heads, blocks, block_size, dim]`, contiguous. With `block_starts` (int64),
+        `block_tables` is a decode step's flat block list (`attend_flat`'s layout) and row
+        r's blocks start at `block_starts[r]`; a row with no context attends to nothing."""
+        if block_starts is None:
+            name, index = "paged_decode", (block_tables, context_lens)
+        else:
+            name, index = "paged_decode_flat", (block_tables, block_starts, context_lens)
+        status, out = self._paged(name, q, k_cache, v_cache, index, q.shape[0], scale)
+        _check(status, "paged_decode", q, k_cache)
         return out
 
     def paged_prefill(
@@ -107,11 +109,7 @@ class CpuKernels:
         )
         if status == -2:
             raise MemoryError("paged_prefill could not allocate its context buffers")
-        if status != 0:
-            raise ValueError(
-                f"paged_prefill takes head_dim a multiple of 16 up to 256, <= 16 query heads "
-                f"per KV head and block_size <= 256; got {_shape(q, k_cache)}"
-            )
+        _check(status, "paged_prefill", q, k_cache)
         return out
 
     def _paged(
@@ -144,7 +142,7 @@ class CpuKernels:
             kv_heads,
             dim,
             block_size,
-            index[0].shape[1],
+            index[0].shape[-1],
             num_blocks * block_size * dim,
             scale,
             torch.get_num_threads(),
@@ -232,9 +230,14 @@ class CpuKernels:
         return rows and caches and v.dtype == k.dtype == k_cache.dtype == v_cache.dtype
 
 
-def _shape(q: torch.Tensor, k_cache: torch.Tensor) -> str:
-    """head_dim, query heads per KV head and block size, for the kernels' refusals."""
-    return f"{q.shape[-1]}, {q.shape[1] // k_cache.shape[0]}, {k_cache.shape[2]}"
+def _check(status: int, name: str, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """An attention kernel's refusal of its shapes (status -1) as an error that names them."""
+    if status != 0:
+        got = f"{q.shape[-1]}, {q.shape[1] // k_cache.shape[0]}, {k_cache.shape[2]}"
+        raise ValueError(
+            f"{name} takes head_dim a multiple of 16 up to 256, <= 16 query heads per KV head "
+            f"and block_size <= 256; got {got}"
+        )
 
 
 def for_tensors(dtype: torch.dtype, device: torch.device) -> CpuKernels | None:

@@ -212,19 +212,21 @@ static void attend_row(const void *q, int64_t q_stride, const void *k_cache, con
     }
 }
 
+// Row r's blocks start at block_tables + starts[r] (a flat block list, vllm-gaudi's decode
+// layout) when `starts` is given, else at block_tables + r * max_blocks (one table per row).
 static int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                        const int64_t *block_tables, const int32_t *context_lens, void *out,
-                        int rows, int heads, int kv_heads, int dim, int block_size,
-                        int max_blocks, int64_t head_stride, float scale, int threads,
-                        int bf16) {
+                        const int64_t *block_tables, const int64_t *starts,
+                        const int32_t *context_lens, void *out, int rows, int heads,
+                        int kv_heads, int dim, int block_size, int max_blocks,
+                        int64_t head_stride, float scale, int threads, int bf16) {
     const int group = heads / kv_heads;
     if (dim > MAX_DIM || dim % VL || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
     for (int r = 0; r < rows; r++) {
         for (int kvh = 0; kvh < kv_heads; kvh++) {
-            attend_row(q, q_stride, k_cache, v_cache, block_tables + (int64_t)r * max_blocks,
-                       context_lens[r], out, r, kvh, heads, group, dim, block_size, head_stride,
-                       scale, bf16);
+            const int64_t at = starts ? starts[r] : (int64_t)r * max_blocks;
+            attend_row(q, q_stride, k_cache, v_cache, block_tables + at, context_lens[r], out, r,
+                       kvh, heads, group, dim, block_size, head_stride, scale, bf16);
         }
     }
     return 0;
@@ -234,16 +236,39 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, con
                      const int64_t *block_tables, const int32_t *context_lens, float *out,
                      int rows, int heads, int kv_heads, int dim, int block_size, int max_blocks,
                      int64_t head_stride, float scale, int threads) {
-    return paged_decode(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, rows, heads,
-                        kv_heads, dim, block_size, max_blocks, head_stride, scale, threads, 0);
+    return paged_decode(q, q_stride, k_cache, v_cache, block_tables, NULL, context_lens, out,
+                        rows, heads, kv_heads, dim, block_size, max_blocks, head_stride, scale,
+                        threads, 0);
 }
 
 int paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                       const int64_t *block_tables, const int32_t *context_lens, uint16_t *out,
                       int rows, int heads, int kv_heads, int dim, int block_size,
                       int max_blocks, int64_t head_stride, float scale, int threads) {
-    return paged_decode(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, rows, heads,
-                        kv_heads, dim, block_size, max_blocks, head_stride, scale, threads, 1);
+    return paged_decode(q, q_stride, k_cache, v_cache, block_tables, NULL, context_lens, out,
+                        rows, heads, kv_heads, dim, block_size, max_blocks, head_stride, scale,
+                        threads, 1);
+}
+
+int paged_decode_flat_f32(const float *q, int64_t q_stride, const float *k_cache,
+                          const float *v_cache, const int64_t *block_list,
+                          const int64_t *block_starts, const int32_t *context_lens, float *out,
+                          int rows, int heads, int kv_heads, int dim, int block_size,
+                          int num_blocks, int64_t head_stride, float scale, int threads) {
+    return paged_decode(q, q_stride, k_cache, v_cache, block_list, block_starts, context_lens,
+                        out, rows, heads, kv_heads, dim, block_size, num_blocks, head_stride,
+                        scale, threads, 0);
+}
+
+int paged_decode_flat_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                           const uint16_t *v_cache, const int64_t *block_list,
+                           const int64_t *block_starts, const int32_t *context_lens,
+                           uint16_t *out, int rows, int heads, int kv_heads, int dim,
+                           int block_size, int num_blocks, int64_t head_stride, float scale,
+                           int threads) {
+    return paged_decode(q, q_stride, k_cache, v_cache, block_list, block_starts, context_lens,
+                        out, rows, heads, kv_heads, dim, block_size, num_blocks, head_stride,
+                        scale, threads, 1);
 }
 
 // Varlen attention of a step with prompt chunks: sequence s has queries at flat tokens

@@ -25,9 +25,11 @@ from runtime.device import (
     linear,
     linear_add,
     linear_silu_mul,
+    pack_graph_weight,
     pack_weight,
     prefill_gemm_rows,
 )
+from runtime.graph_ops import paged_decode_flat, paged_prefill_rect
 from runtime.kv_cache import KVCache
 from runtime.model_config import ModelConfig, RopeScaling
 
@@ -51,12 +53,21 @@ class Linear(nn.Linear):
     packed: tuple[Weight, ...] | None = None
 
     def pack(
-        self, batch_hint: int, backend: str, parts: int = 1, large_rows: int | None = None
+        self,
+        batch_hint: int,
+        backend: str,
+        parts: int = 1,
+        large_rows: int | None = None,
+        graphs: bool = False,
     ) -> None:
-        """From now on the GEMMs read packed copies (`pack_weight`), and the plain weight is
-        dropped (it would double the layer's memory) unless packing kept it as it was."""
+        """From now on the GEMMs read packed copies (`pack_weight`, or `pack_graph_weight`
+        for compiled graphs), and the plain weight is dropped (it would double the layer's
+        memory) unless packing kept it as it was."""
         chunks = self.weight.chunk(parts)
-        self.packed = tuple(pack_weight(w, batch_hint, backend, large_rows) for w in chunks)
+        if graphs:
+            self.packed = tuple(pack_graph_weight(w, batch_hint, backend) for w in chunks)
+        else:
+            self.packed = tuple(pack_weight(w, batch_hint, backend, large_rows) for w in chunks)
         if all(p is not w for p, w in zip(self.packed, chunks, strict=True)):
             self.weight = nn.Parameter(self.weight.new_empty((0, self.in_features)), False)
 
@@ -290,12 +301,12 @@ class LlamaForCausalLM(nn.Module):
     def graph_tail(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(self.model.norm(x), rows)
 
-    def pack_weights(self, batch_hint: int, head: bool = True) -> None:
-        """Eager CPU steps: every GEMM reads a copy of its weight packed for oneDNN, MKL or
+    def pack_weights(self, batch_hint: int, head: bool = True, graphs: bool = False) -> None:
+        """CPU steps: every GEMM reads a copy of its weight packed for oneDNN, MKL or
         the panel GEMM, whichever measures fastest here (`cpu_gemm_backend`), which
         replaces the plain weight; the embedding table stays beside the LM head's packed
-        copy of it (lookups read it). Graphs mode never packs: its compiled regions take
-        the plain weights."""
+        copy of it (lookups read it). `graphs`: packed as tensors a compiled region takes
+        (`pack_graph_weight`); the panel GEMM then runs every row count."""
         gemms = self.model.layers[0].gemms()  # every stage holds at least one layer
         shapes = tuple((m.out_features // parts, m.in_features) for m, parts in gemms)
         dtype = next(self.parameters()).dtype
@@ -304,9 +315,10 @@ class LlamaForCausalLM(nn.Module):
         large_rows = prefill_gemm_rows(backend, layer_bytes * len(self.model.layers))
         for layer in self.model.layers:
             for module, parts in layer.gemms():
-                module.pack(batch_hint, backend, parts, large_rows)
+                module.pack(batch_hint, backend, parts, large_rows, graphs)
         if head:
-            self.packed_head = pack_weight(self.head_weight(), batch_hint, backend)
+            pack = pack_graph_weight if graphs else pack_weight
+            self.packed_head = pack(self.head_weight(), batch_hint, backend)
 
     def head_weight(self) -> torch.Tensor:
         """The LM head's plain weight (the embedding's when tied)."""
@@ -394,12 +406,23 @@ def graph_layer(
     slots: torch.Tensor,
     block_tables: torch.Tensor,
     mask: torch.Tensor,
+    token_order: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """One decoder layer of a padded step from tensors alone: the region compiled once per
-    shape and reused by every layer (the layer's weights are inputs, not constants)."""
+    shape and reused by every layer (the layer's weights are inputs, not constants).
+    Attention: `attend_rect` under `mask`, or with `kernel` the CPU's varlen kernel as a
+    custom op (`graph_ops.paged_prefill_rect`) over the rectangle's real tokens."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         write_slots(k, v, k_cache, v_cache, slots)
+        if kernel:
+            return paged_prefill_rect(
+                q, k_cache, v_cache, block_tables, token_order, query_start_loc, context_lens,
+                scale,
+            )  # fmt: skip
         return attend_rect(q, k_cache, v_cache, block_tables, mask, scale)
 
     return layer(x, cos_sin, attend)
@@ -415,11 +438,20 @@ def graph_decode_layer(
     block_list: torch.Tensor,
     block_rows: torch.Tensor,
     block_valid: torch.Tensor,
+    block_starts: torch.Tensor,
+    context_lens: torch.Tensor,
+    kernel: bool = False,
 ) -> torch.Tensor:
-    """`graph_layer` of a decode step over its flat block list (`attend_flat`)."""
+    """`graph_layer` of a decode step over its flat block list: `attend_flat`, or with
+    `kernel` the CPU kernel as a custom op (`graph_ops.paged_decode_flat`), which reads
+    each row's blocks from `block_starts` and its `context_lens` instead of the masks."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         write_slots(k, v, k_cache, v_cache, slots)
+        if kernel:
+            return paged_decode_flat(
+                q, k_cache, v_cache, block_list, block_starts, context_lens, scale
+            )
         return attend_flat(q, k_cache, v_cache, block_list, block_rows, block_valid, scale)
 
     return layer(x, cos_sin, attend)

@@ -80,8 +80,8 @@ class StageModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return self.inner.compute_logits(hidden, rows)
 
-    def pack_weights(self, batch_hint: int) -> None:
-        self.inner.pack_weights(batch_hint, head=self.spec.is_last)
+    def pack_weights(self, batch_hint: int, graphs: bool = False) -> None:
+        self.inner.pack_weights(batch_hint, head=self.spec.is_last, graphs=graphs)
 
 
 def _stage_weights(

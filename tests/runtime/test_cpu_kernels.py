@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from runtime import kernels
-from runtime.attention import attend_rect, rect_mask
+from runtime.attention import attend_flat, attend_rect, rect_mask
+from runtime.graph_ops import gemm_panels, paged_decode_flat
+from runtime.panel_gemm import PanelGemm
 from runtime.sequence import Sequence
 from runtime.step_inputs import InputBuilder
 
@@ -255,3 +257,46 @@ def test_write_kv_stores_exactly_what_index_copy_stores(dtype: torch.dtype, toke
     assert not kernel.writes(k, v, got_k, got_v.transpose(1, 2))  # a cache it cannot address
     kernel.write_kv(k, v, got_k, got_v, slots)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flat_decode_kernel_matches_attend_flat_over_the_builders_block_list(
+    dtype: torch.dtype,
+) -> None:
+    """The custom op a graphs-mode decode step calls, over the flat block list the input
+    builder lays out (padding rows and padding blocks included), equals the torch code of
+    the same layout (`attend_flat`) on every row."""
+    heads, kv_heads, dim, bs = 9, 3, 64, 16
+    contexts = [1, bs, bs + 1, 3 * bs - 1, 40]
+    k_cache, v_cache = pool(kv_heads, 64, bs, dim, dtype)
+    order = (torch.randperm(63, generator=torch.Generator().manual_seed(3)) + 1).tolist()
+    seqs = []
+    for ctx in contexts:
+        seq = Sequence(list(range(ctx)))
+        seq.block_table, order = order[: -(-ctx // bs)], order[-(-ctx // bs) :]
+        seq.num_computed_tokens = ctx - 1
+        seqs.append(seq)
+    step = InputBuilder(bs, 64, 0, 512, torch.device("cpu")).build_flat(
+        seqs, [1] * len(seqs), (8, 1, 16)
+    )
+    _, _, _, block_list, block_rows, valid, starts, context_lens, _ = step.graph_args()
+    assert context_lens.tolist() == [*contexts, 0, 0, 0]
+    q = queries(8, heads, kv_heads, dim, dtype, qkv_view=True)
+    got = paged_decode_flat(q, k_cache, v_cache, block_list, starts, context_lens, dim**-0.5)
+    want = attend_flat(q, k_cache, v_cache, block_list, block_rows, valid, dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert not got[len(seqs) :].any()  # rows without blocks attend to nothing
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_panel_gemm_op_matches_linear_with_and_without_a_residual(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=g)
+    x, residual = torch.randn(rows, 80, generator=g), torch.randn(rows, 96, generator=g)
+    panels = PanelGemm(weight).panels
+    want = x @ weight.T
+    torch.testing.assert_close(gemm_panels(x, panels), want, atol=1e-4, rtol=1e-4)
+    kept = residual.clone()
+    torch.testing.assert_close(gemm_panels(x, panels, residual), want + kept, atol=1e-4, rtol=1e-4)
+    assert torch.equal(residual, kept)  # the op is functional: its residual is not written

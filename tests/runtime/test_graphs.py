@@ -8,7 +8,9 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
+from runtime import kernels
 from runtime.device import Device, graph_backend_for, hpu_lazy_mode
+from runtime.graph_ops import is_panels
 from runtime.llm import LLM
 from runtime.model_runner import ModelRunner, ModelRunnerConfig
 from runtime.sampling_params import SamplingParams
@@ -77,7 +79,9 @@ def test_every_bucket_matches_eager_and_transformers(graphs_runner, tiny_model_d
 
 
 def test_a_batch_beyond_the_largest_bucket_compiles_once_and_counts_once(graphs_runner):
-    token_lists = prompts(6, seed=7)
+    # six 12-token prompts: one prefill part, padded to (8, 16, 4), 128 tokens, a count no
+    # warmed shape has (a head region is told apart by its tokens alone where no mask is built)
+    token_lists = [(p * 12)[:12] for p in prompts(6, seed=7)]
     reference = generate(graphs_runner, new_seqs(token_lists[:3]), 3, Blocks(seed=1))
     before, stats = compiled_graphs(), graphs_runner.graph_stats
     misses, miss_s = stats.misses, stats.miss_compile_s
@@ -153,3 +157,44 @@ def test_eager_decode_padded_to_total_blocks_matches_unpadded(tiny_model_dir):
     tables = [len(s.block_table) for s in seqs]
     assert sum(tables) <= 32 and len(set(tables)) == 3  # ragged rows, 32 blocks in all
     assert [s.output_token_ids for s in seqs] == plain
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no C compiler: the kernels are not built")
+def test_cpu_graphs_call_the_eager_kernels_inside_the_compiled_regions(
+    gemm_backend, tiny_model_dir, monkeypatch
+):
+    """Graphs mode on CPU: every decode layer's attention is the C kernel (a custom op the
+    compiled region calls, once per layer and step), and the GEMMs read the weights packed
+    as the eager steps' backend packs them (panels for the kernels' GEMM); same tokens as
+    eager and `transformers`, and one compile per region and shape, whatever the layer."""
+    calls = {"paged_decode": 0, "gemm_panels": 0}
+    for name in calls:
+        real = getattr(kernels.CpuKernels, name)
+
+        def counted(self, *args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(self, *args)
+
+        monkeypatch.setattr(kernels.CpuKernels, name, counted)
+    config = ModelRunnerConfig(
+        model=str(tiny_model_dir), block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, execution="graphs"
+    )
+    runner = ModelRunner(config)
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert (
+        is_panels(qkv.packed[0]) == (gemm_backend == "kernels") and runner.graphs.attention_kernels
+    )
+    torch._dynamo.reset()
+    before = compiled_graphs()
+    runner.warmup([(2, 16, 4), (2, 1, 16)])
+    assert compiled_graphs() - before == 2 * regions(runner)
+    token_lists = prompts(2, seed=13)
+    calls.update(dict.fromkeys(calls, 0))  # warm-up ran them too
+    got = generate(runner, new_seqs(token_lists), 4, Blocks(seed=5))
+    assert compiled_graphs() - before == 2 * regions(runner) and runner.graph_stats.misses == 0
+    layers = runner.num_layers
+    assert calls["paged_decode"] == 3 * layers  # three decode steps after the prefill
+    gemms_per_step = 5 * layers + 1  # qkv, o, gate, up, down; the head
+    assert calls["gemm_panels"] == (4 * gemms_per_step if gemm_backend == "kernels" else 0)
+    assert got == generate(eager(tiny_model_dir), new_seqs(token_lists), 4, Blocks(seed=9))
+    assert got == hf_greedy(tiny_model_dir, token_lists, 4)
