@@ -9,11 +9,9 @@ import torch
 
 from runtime import kernels
 
-GraphPanels = torch.Tensor  # a float32 weight packed in column panels, `[out / 32, in, 32]`
-
-
 def is_panels(weight: object) -> bool:
-    """Whether `weight` is a graph's panel-packed weight (`pack_panels`), not a plain one."""
+    """Whether `weight` is a graph's panel-packed weight (`device.pack_graph_weight`: float32
+    column panels `[out / 32, in, 32]`), not a plain `[out, in]` one."""
     return isinstance(weight, torch.Tensor) and weight.dim() == 3
 
 
@@ -24,7 +22,7 @@ def gemm_panels(
     """`x @ W^T` (`+ residual`) for `x [..., in]`, W packed as `panels`."""
     rows = x.reshape(-1, panels.shape[1]).contiguous()
     size = (*x.shape[:-1], panels.shape[0] * panels.shape[2])
-    out = x.new_empty(size) if residual is None else residual.contiguous().clone()
+    out = x.new_empty(size) if residual is None else residual.clone(memory_format=torch.contiguous_format)
     if rows.shape[0]:
         kernels.load().gemm_panels(rows, panels, out.view(rows.shape[0], -1), residual is not None)
     return out

@@ -96,7 +96,8 @@ def test_padded_to_warmed_shape_buckets_matches_the_engine(
         buckets = controller.buckets.config.shape_buckets
         prompt = infos["prefill-0"]
         assert prompt["padding"] and prompt["seconds"] > 0
-        assert len(prompt["shapes"]) == 5 * 8  # batch 1..16 x query 4..512, all warmed
+        # batch 1..16 x query 4..512 (two per doubling), all warmed
+        assert len(prompt["shapes"]) == 5 * 15
         assert len(infos["decode-0"]["shapes"]) == 77  # batch b in 1..64 x blocks 1..b * 128
         assert buckets.block_size == BLOCK_SIZE
         assert {i["device_type"] for i in infos.values()} == {"cpu"}
@@ -104,7 +105,7 @@ def test_padded_to_warmed_shape_buckets_matches_the_engine(
 
     asyncio.run(main())
     text = caplog.text
-    assert "prefill-0: warmed 40 of 40 prompt shapes" in text
+    assert "prefill-0: warmed 75 of 75 prompt shapes" in text
     assert "decode-0: warmed 77 of 77 decode shapes" in text
 
 
