@@ -9,6 +9,7 @@ import torch
 
 from runtime import kernels
 
+
 def is_panels(weight: object) -> bool:
     """Whether `weight` is a graph's panel-packed weight (`device.pack_graph_weight`: float32
     column panels `[out / 32, in, 32]`), not a plain `[out, in]` one."""
@@ -22,7 +23,10 @@ def gemm_panels(
     """`x @ W^T` (`+ residual`) for `x [..., in]`, W packed as `panels`."""
     rows = x.reshape(-1, panels.shape[1]).contiguous()
     size = (*x.shape[:-1], panels.shape[0] * panels.shape[2])
-    out = x.new_empty(size) if residual is None else residual.clone(memory_format=torch.contiguous_format)
+    if residual is None:
+        out = x.new_empty(size)
+    else:
+        out = residual.clone(memory_format=torch.contiguous_format)
     if rows.shape[0]:
         kernels.load().gemm_panels(rows, panels, out.view(rows.shape[0], -1), residual is not None)
     return out
