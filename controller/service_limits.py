@@ -66,7 +66,7 @@ class ServiceLimits:
     ) -> BucketManagerConfig:
         """Request buckets over the model's length; prompt shapes of batch 1..16 and query
         block_size..max_model_len in half-octave steps (fresh prompts only: no context
-        blocks), so a prompt pads by at most about 40 % and mostly far less; decode shapes of
+        blocks), about half the padding of doubling steps; decode shapes of
         batch 1..max_num_seqs and blocks (the batch's total) up to max_num_seqs max_model_len
         sequences; prefill batches
         of at most max_num_seqs, the decode batch they join."""

@@ -163,11 +163,12 @@ def test_eager_decode_padded_to_total_blocks_matches_unpadded(tiny_model_dir):
 def test_cpu_graphs_call_the_eager_kernels_inside_the_compiled_regions(
     gemm_backend, tiny_model_dir, monkeypatch
 ):
-    """Graphs mode on CPU: every decode layer's attention is the C kernel (a custom op the
-    compiled region calls, once per layer and step), and the GEMMs read the weights packed
+    """Graphs mode on CPU: every layer's attention is a C kernel (a custom op the compiled
+    region calls, once per layer and step: the decode kernel, or the varlen kernel over a
+    prompt rectangle's real tokens), and the GEMMs read the weights packed
     as the eager steps' backend packs them (panels for the kernels' GEMM); same tokens as
     eager and `transformers`, and one compile per region and shape, whatever the layer."""
-    calls = {"paged_decode": 0, "gemm_panels": 0}
+    calls = {"paged_decode": 0, "paged_prefill": 0, "gemm_panels": 0}
     for name in calls:
         real = getattr(kernels.CpuKernels, name)
 
@@ -194,6 +195,7 @@ def test_cpu_graphs_call_the_eager_kernels_inside_the_compiled_regions(
     assert compiled_graphs() - before == 2 * regions(runner) and runner.graph_stats.misses == 0
     layers = runner.num_layers
     assert calls["paged_decode"] == 3 * layers  # three decode steps after the prefill
+    assert calls["paged_prefill"] == layers  # the prompt rectangle: one varlen call a layer
     gemms_per_step = 5 * layers + 1  # qkv, o, gate, up, down; the head
     assert calls["gemm_panels"] == (4 * gemms_per_step if gemm_backend == "kernels" else 0)
     assert got == generate(eager(tiny_model_dir), new_seqs(token_lists), 4, Blocks(seed=9))
