@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import kernels, mkl_sgemm, panel_gemm
-from runtime.graph_ops import gemm_panels, is_panels
+from runtime.graph_ops import PanelWeight, gemm, is_panels
 from runtime.host_gemm import HostGemm, RowSplitGemm
 from runtime.mkl_sgemm import PackedSgemm
 from runtime.panel_gemm import PanelGemm
@@ -95,7 +95,7 @@ def _binary(x, other, weight, bias, op):
     return _ONEDNN_LINEAR.binary(x, other, weight, bias, op)
 
 
-Weight = torch.Tensor | HostGemm  # what the GEMMs below take
+Weight = torch.Tensor | HostGemm | PanelWeight  # what the GEMMs below take
 GEMM_ENV = "BUCKETSERVE_CPU_GEMM"  # auto (measure) | onednn | mkl | kernels
 GEMM_BACKENDS = ("onednn", "mkl", "kernels")
 # the rows the choice is measured at: a decode batch, where the backends differ most
@@ -128,12 +128,18 @@ def pack_weight(
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
 
 
-def pack_graph_weight(weight: torch.Tensor, batch_hint: int, backend: str) -> torch.Tensor:
-    """`pack_weight` for graphs mode, where a packed weight must be a tensor (a compiled
-    region's input): the panel GEMM's panels as they are (`graph_ops.gemm_panels` runs
-    them), oneDNN's blocked layout otherwise (MKL's packing is not a tensor)."""
+def pack_graph_weight(
+    weight: torch.Tensor, batch_hint: int, backend: str, large_rows: int | None = None
+) -> torch.Tensor | PanelWeight:
+    """`pack_weight` for graphs mode, where a packed weight must be made of tensors (a
+    compiled region's inputs): the panel GEMM's panels, with MKL's packing beside them for
+    `large_rows` (`graph_ops.gemm` runs them); oneDNN's blocked layout otherwise (MKL's
+    packing alone is not a weight a graph can tell from a plain one)."""
     if backend == "kernels" and panel_gemm.supports(weight.shape, weight.dtype, weight.device.type):
-        return PanelGemm(weight).panels
+        if not large_rows:
+            return PanelWeight(PanelGemm(weight).panels)
+        large = PackedSgemm(weight, large_rows).buffer
+        return PanelWeight(PanelGemm(weight).panels, large, large_rows)
     packed = pack_weight(weight, batch_hint)
     return packed if isinstance(packed, torch.Tensor) else weight
 
@@ -141,7 +147,7 @@ def pack_graph_weight(weight: torch.Tensor, batch_hint: int, backend: str) -> to
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, through oneDNN, MKL's packed GEMM or the panel GEMM on CPU."""
     if is_panels(weight):
-        out = gemm_panels(x, weight)
+        out = gemm(x, weight)
         return out if bias is None else out + bias
     if isinstance(weight, HostGemm):
         out = weight(x)
@@ -155,7 +161,7 @@ def linear_silu_mul(x: torch.Tensor, gate: Weight, up: Weight) -> torch.Tensor:
     """SwiGLU's `silu(x @ gate.T) * (x @ up.T)`: on CPU two GEMMs with the rest fused into
     them (oneDNN) or into one C pass after them (MKL, the panel GEMM)."""
     if is_panels(gate):
-        return F.silu(gemm_panels(x, gate)) * gemm_panels(x, up)
+        return F.silu(gemm(x, gate)) * gemm(x, up)
     if isinstance(gate, HostGemm):
         g, u = gate(x), up(x)
         kernel = kernels.for_tensors(g.dtype, g.device)
@@ -172,7 +178,7 @@ def linear_add(
     consumed: MKL and the panel GEMM accumulate into it in place when it is contiguous
     (callers pass a residual stream they own), oneDNN fuses the add into its output."""
     if is_panels(weight):
-        out = gemm_panels(x, weight, other)
+        out = gemm(x, weight, other)
         return out if bias is None else out + bias
     if isinstance(weight, HostGemm):
         if not other.is_contiguous():

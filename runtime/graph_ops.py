@@ -5,15 +5,42 @@ call over a plain weight and its attention over the gathered blocks."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from runtime import kernels
+from runtime import kernels, mkl_sgemm
+
+
+class PanelWeight(NamedTuple):
+    """A weight packed for a compiled graph's GEMMs (`device.pack_graph_weight`): float32
+    column panels `[out / 32, in, 32]` for the panel GEMM and, with `large_rows`, MKL's
+    packing of the same weight (`mkl_sgemm.PackedSgemm.buffer`), which runs the GEMMs of at
+    least that many rows (prefill rectangles), as the eager steps' `RowSplitGemm` does."""
+
+    panels: torch.Tensor
+    large: torch.Tensor | None = None
+    large_rows: int = 0
 
 
 def is_panels(weight: object) -> bool:
-    """Whether `weight` is a graph's panel-packed weight (`device.pack_graph_weight`: float32
-    column panels `[out / 32, in, 32]`), not a plain `[out, in]` one."""
-    return isinstance(weight, torch.Tensor) and weight.dim() == 3
+    return isinstance(weight, PanelWeight)
+
+
+def gemm(x: torch.Tensor, weight: PanelWeight, residual: torch.Tensor | None = None):
+    """`x @ W^T` (`+ residual`) for `x [..., in]`: MKL's GEMM where `weight` carries its
+    packing and `x` has enough rows, the panel GEMM otherwise. A graph's shapes are static,
+    so the choice is made once, when the graph is traced."""
+    panels = weight.panels
+    if weight.large is not None and x.numel() >= weight.large_rows * panels.shape[1]:
+        return gemm_mkl(x, weight.large, panels.shape[0] * panels.shape[2], residual)
+    return gemm_panels(x, panels, residual)
+
+
+def _gemm_out(x: torch.Tensor, out_features: int, residual: torch.Tensor | None):
+    if residual is None:
+        return x.new_empty((*x.shape[:-1], out_features))
+    return residual.clone(memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("bucketserve::gemm_panels", mutates_args=())
@@ -22,11 +49,7 @@ def gemm_panels(
 ) -> torch.Tensor:
     """`x @ W^T` (`+ residual`) for `x [..., in]`, W packed as `panels`."""
     rows = x.reshape(-1, panels.shape[1]).contiguous()
-    size = (*x.shape[:-1], panels.shape[0] * panels.shape[2])
-    if residual is None:
-        out = x.new_empty(size)
-    else:
-        out = residual.clone(memory_format=torch.contiguous_format)
+    out = _gemm_out(x, panels.shape[0] * panels.shape[2], residual)
     if rows.shape[0]:
         kernels.load().gemm_panels(rows, panels, out.view(rows.shape[0], -1), residual is not None)
     return out
@@ -35,6 +58,23 @@ def gemm_panels(
 @gemm_panels.register_fake
 def _(x, panels, residual=None):
     return x.new_empty((*x.shape[:-1], panels.shape[0] * panels.shape[2]))
+
+
+@torch.library.custom_op("bucketserve::gemm_mkl", mutates_args=())
+def gemm_mkl(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x @ W^T` (`+ residual`) for float32 `x [..., in]`, W packed by MKL into `packed`."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = _gemm_out(x, out_features, residual)
+    if rows.shape[0]:
+        mkl_sgemm.compute(rows, packed, out.view(rows.shape[0], -1), residual is not None)
+    return out
+
+
+@gemm_mkl.register_fake
+def _(x, packed, out_features, residual=None):
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 @torch.library.custom_op("bucketserve::paged_decode_flat", mutates_args=())

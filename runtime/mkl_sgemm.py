@@ -59,11 +59,16 @@ class PackedSgemm(HostGemm):
             _ROW_MAJOR, _B_MATRIX, _TRANS, batch_hint, n, k, 1.0, weight.data_ptr(), k,
             self.buffer.data_ptr(),
         )
-        self._compute = lib.cblas_sgemm_compute
 
     def _run(self, rows: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
-        n, k = self.out_features, self.in_features
-        self._compute(
-            _ROW_MAJOR, _NO_TRANS, _PACKED, rows.shape[0], n, k, rows.data_ptr(), k,
-            self.buffer.data_ptr(), k, 1.0 if accumulate else 0.0, out.data_ptr(), n,
-        )
+        compute(rows, self.buffer, out, accumulate)
+
+
+def compute(rows: torch.Tensor, buffer: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """`out [M, n] (+)= rows [M, k] . W^T` for W packed into `buffer` (`PackedSgemm.buffer`);
+    `rows` and `out` contiguous float32."""
+    (m, k), n = rows.shape, out.shape[1]
+    _library().cblas_sgemm_compute(
+        _ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, rows.data_ptr(), k, buffer.data_ptr(), k,
+        1.0 if accumulate else 0.0, out.data_ptr(), n,
+    )  # fmt: skip

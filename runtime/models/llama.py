@@ -64,10 +64,8 @@ class Linear(nn.Linear):
         for compiled graphs), and the plain weight is dropped (it would double the layer's
         memory) unless packing kept it as it was."""
         chunks = self.weight.chunk(parts)
-        if graphs:
-            self.packed = tuple(pack_graph_weight(w, batch_hint, backend) for w in chunks)
-        else:
-            self.packed = tuple(pack_weight(w, batch_hint, backend, large_rows) for w in chunks)
+        pack = pack_graph_weight if graphs else pack_weight
+        self.packed = tuple(pack(w, batch_hint, backend, large_rows) for w in chunks)
         if all(p is not w for p, w in zip(self.packed, chunks, strict=True)):
             self.weight = nn.Parameter(self.weight.new_empty((0, self.in_features)), False)
 
@@ -306,7 +304,7 @@ class LlamaForCausalLM(nn.Module):
         the panel GEMM, whichever measures fastest here (`cpu_gemm_backend`), which
         replaces the plain weight; the embedding table stays beside the LM head's packed
         copy of it (lookups read it). `graphs`: packed as tensors a compiled region takes
-        (`pack_graph_weight`); the panel GEMM then runs every row count."""
+        (`pack_graph_weight`), MKL's beside the panels as in eager steps."""
         gemms = self.model.layers[0].gemms()  # every stage holds at least one layer
         shapes = tuple((m.out_features // parts, m.in_features) for m, parts in gemms)
         dtype = next(self.parameters()).dtype

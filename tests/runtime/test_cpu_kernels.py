@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import kernels
+from runtime import kernels, mkl_sgemm
 from runtime.attention import attend_flat, attend_rect, rect_mask
-from runtime.graph_ops import gemm_panels, paged_decode_flat
+from runtime.device import pack_graph_weight
+from runtime.graph_ops import gemm, gemm_panels, paged_decode_flat
 from runtime.panel_gemm import PanelGemm
 from runtime.sequence import Sequence
 from runtime.step_inputs import InputBuilder
@@ -300,3 +301,22 @@ def test_panel_gemm_op_matches_linear_with_and_without_a_residual(rows: int) -> 
     kept = residual.clone()
     torch.testing.assert_close(gemm_panels(x, panels, residual), want + kept, atol=1e-4, rtol=1e-4)
     assert torch.equal(residual, kept)  # the op is functional: its residual is not written
+
+
+@pytest.mark.skipif(not mkl_sgemm.available(), reason="this torch build carries no MKL sgemm")
+@pytest.mark.parametrize("rows", [7, 300])
+def test_graph_gemm_runs_mkl_at_large_rows_and_the_panels_below(rows: int, monkeypatch) -> None:
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=g)
+    x, residual = torch.randn(rows, 80, generator=g), torch.randn(rows, 96, generator=g)
+    packed = pack_graph_weight(weight, 32, "kernels", large_rows=256)
+    assert packed.large is not None and packed.large_rows == 256
+    ran = []
+    real = mkl_sgemm.compute
+    monkeypatch.setattr(mkl_sgemm, "compute", lambda *args: ran.append(1) or real(*args))
+    want = x @ weight.T
+    torch.testing.assert_close(gemm(x, packed), want, atol=1e-4, rtol=1e-4)
+    kept = residual.clone()
+    torch.testing.assert_close(gemm(x, packed, residual), want + kept, atol=1e-4, rtol=1e-4)
+    assert torch.equal(residual, kept)
+    assert len(ran) == (2 if rows >= 256 else 0)

@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
-from runtime import kernels
+from runtime import device, kernels, mkl_sgemm
 from runtime.device import Device, graph_backend_for, hpu_lazy_mode
 from runtime.graph_ops import is_panels
 from runtime.llm import LLM
@@ -166,10 +166,11 @@ def test_cpu_graphs_call_the_eager_kernels_inside_the_compiled_regions(
     """Graphs mode on CPU: every layer's attention is a C kernel (a custom op the compiled
     region calls, once per layer and step: the decode kernel, or the varlen kernel over a
     prompt rectangle's real tokens), and the GEMMs read the weights packed
-    as the eager steps' backend packs them (panels for the kernels' GEMM); same tokens as
-    eager and `transformers`, and one compile per region and shape, whatever the layer."""
-    calls = {"paged_decode": 0, "paged_prefill": 0, "gemm_panels": 0}
-    for name in calls:
+    as the eager steps' backend packs them (panels for the kernels' GEMM, and MKL's packing
+    beside them for the prompt rectangle's rows); same tokens as eager and `transformers`,
+    and one compile per region and shape, whatever the layer."""
+    calls = {"paged_decode": 0, "paged_prefill": 0, "gemm_panels": 0, "mkl": 0}
+    for name in ("paged_decode", "paged_prefill", "gemm_panels"):
         real = getattr(kernels.CpuKernels, name)
 
         def counted(self, *args, _real=real, _name=name):
@@ -177,6 +178,16 @@ def test_cpu_graphs_call_the_eager_kernels_inside_the_compiled_regions(
             return _real(self, *args)
 
         monkeypatch.setattr(kernels.CpuKernels, name, counted)
+    real_mkl = mkl_sgemm.compute
+
+    def counted_mkl(*args):
+        calls["mkl"] += 1
+        return real_mkl(*args)
+
+    monkeypatch.setattr(mkl_sgemm, "compute", counted_mkl)
+    # the 2 x 16 prompt rectangle's GEMMs take MKL's path (32 rows), decode's the panels
+    monkeypatch.setattr(device, "PREFILL_GEMM_ROWS", 32)
+    mkl_rows = device.prefill_gemm_rows(gemm_backend, 0) is not None
     config = ModelRunnerConfig(
         model=str(tiny_model_dir), block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, execution="graphs"
     )
@@ -197,6 +208,10 @@ def test_cpu_graphs_call_the_eager_kernels_inside_the_compiled_regions(
     assert calls["paged_decode"] == 3 * layers  # three decode steps after the prefill
     assert calls["paged_prefill"] == layers  # the prompt rectangle: one varlen call a layer
     gemms_per_step = 5 * layers + 1  # qkv, o, gate, up, down; the head
-    assert calls["gemm_panels"] == (4 * gemms_per_step if gemm_backend == "kernels" else 0)
+    prompt_mkl = 5 * layers if mkl_rows else 0  # the head's 2 rows stay on the panels
+    assert calls["mkl"] == prompt_mkl
+    panels = 4 * gemms_per_step - prompt_mkl if gemm_backend == "kernels" else 0
+    assert calls["gemm_panels"] == panels
+    assert mkl_rows == (gemm_backend == "kernels" and mkl_sgemm.available())
     assert got == generate(eager(tiny_model_dir), new_seqs(token_lists), 4, Blocks(seed=9))
     assert got == hf_greedy(tiny_model_dir, token_lists, 4)
