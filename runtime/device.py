@@ -136,10 +136,8 @@ def pack_graph_weight(
     `large_rows` (`graph_ops.gemm` runs them); oneDNN's blocked layout otherwise (MKL's
     packing alone is not a weight a graph can tell from a plain one)."""
     if backend == "kernels" and panel_gemm.supports(weight.shape, weight.dtype, weight.device.type):
-        if not large_rows:
-            return PanelWeight(PanelGemm(weight).panels)
-        large = PackedSgemm(weight, large_rows).buffer
-        return PanelWeight(PanelGemm(weight).panels, large, large_rows)
+        large = PackedSgemm(weight, large_rows).buffer if large_rows else None
+        return PanelWeight(PanelGemm(weight).panels, large, large_rows or 0)
     packed = pack_weight(weight, batch_hint)
     return packed if isinstance(packed, torch.Tensor) else weight
 

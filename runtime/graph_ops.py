@@ -1,7 +1,8 @@
 """The CPU kernels a compiled graph calls as custom ops (vLLM's CPU backend does the same):
 inductor fuses the elementwise work around them but never traces into them, so a graphs-mode
-step runs the eager step's panel GEMM and attention kernels instead of inductor's own GEMM
-call over a plain weight and its attention over the gathered blocks."""
+step runs the eager step's GEMMs (the panel GEMM, MKL's for prompt rectangles) and attention
+kernels instead of inductor's own GEMM call over a plain weight and its attention over the
+gathered blocks."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def is_panels(weight: object) -> bool:
     return isinstance(weight, PanelWeight)
 
 
-def gemm(x: torch.Tensor, weight: PanelWeight, residual: torch.Tensor | None = None):
+def gemm(
+    x: torch.Tensor, weight: PanelWeight, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """`x @ W^T` (`+ residual`) for `x [..., in]`: MKL's GEMM where `weight` carries its
     packing and `x` has enough rows, the panel GEMM otherwise. A graph's shapes are static,
     so the choice is made once, when the graph is traced."""
@@ -37,7 +40,9 @@ def gemm(x: torch.Tensor, weight: PanelWeight, residual: torch.Tensor | None = N
     return gemm_panels(x, panels, residual)
 
 
-def _gemm_out(x: torch.Tensor, out_features: int, residual: torch.Tensor | None):
+def _gemm_out(
+    x: torch.Tensor, out_features: int, residual: torch.Tensor | None
+) -> torch.Tensor:
     if residual is None:
         return x.new_empty((*x.shape[:-1], out_features))
     return residual.clone(memory_format=torch.contiguous_format)
