@@ -160,6 +160,9 @@ def test_eager_decode_padded_to_total_blocks_matches_unpadded(tiny_model_dir):
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="no C compiler: the kernels are not built")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU graphs: on a GPU the runner captures CUDA graphs"
+)
 def test_cpu_graphs_call_the_eager_kernels_inside_the_compiled_regions(
     gemm_backend, tiny_model_dir, monkeypatch
 ):
