@@ -29,16 +29,17 @@ class _Entry(NamedTuple):
 class BucketManager:
     """Request buckets (Algorithm 1) per tenant policy, batched within the decode pool's room.
 
-    A batch comes from one tenant and one request bucket. The tenant is the
-    highest-priority one with queued requests and, among equals, the smallest
-    fair share. Inside it, a request older than the tenant's `max_wait_s` is
-    served first (aging); otherwise the bucket holding the tenant's first
-    request in policy order. Requests are taken in that order while their KV
-    blocks fit 0.9 x the free blocks (Eq. 5-6) and the batch stays within
-    `max_num_seqs`, `max_batched_tokens` and the largest warmed prompt batch
-    size; the first that does not fit ends the batch, so nothing overtakes it.
-    Padded, the batch then keeps the most of them that fill a warmed batch size
-    (`BatchingConfig.fit_batch_buckets`).
+    A batch comes from one tenant and one request bucket. A request that has
+    waited its tenant's `max_wait_s` is served first (aging), the earliest such
+    arrival across tenants, whatever their priorities and fair shares: no tenant
+    starves. Otherwise the tenant is the highest-priority one with queued
+    requests and, among equals, the smallest fair share, and the bucket is the
+    one holding the tenant's first request in policy order. Requests are taken
+    in that order while their KV blocks fit 0.9 x the free blocks (Eq. 5-6)
+    and the batch stays within `max_num_seqs`, `max_batched_tokens` and the
+    largest warmed prompt batch size; the first that does not fit ends the
+    batch, so nothing overtakes it. Padded, the batch then keeps the most of
+    them that fill a warmed batch size (`BatchingConfig.fit_batch_buckets`).
 
     `padded=False` serves prefill workers that run each batch at its own
     shape (the CPU's varlen runner): no graph can be missed, so the warmed
@@ -98,9 +99,10 @@ class BucketManager:
         if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
             raise ValueError(f"now must be a finite number of seconds, got {now!r}")
         self.adjust(free_blocks, block_size)
-        tenant = min((t for t in self.tenants.values() if t.queued), key=Tenant.rank, default=None)
-        if tenant is None:
+        queued = [t for t in self.tenants.values() if t.queued]
+        if not queued:
             return None
+        tenant = self._most_aged(queued, now) or min(queued, key=Tenant.rank)
         bucket, order = self._serving_order(tenant, now)
         chosen: list[_Entry] = []
 
@@ -225,6 +227,17 @@ class BucketManager:
     def _is_queued(self, request: BucketRequest, seq: int) -> bool:
         entry = self._entries.get(request.request_id)
         return entry is not None and entry.key[-1] == seq
+
+    def _most_aged(self, tenants: list[Tenant], now: float) -> Tenant | None:
+        """The tenant whose oldest queued request arrived first among those past their
+        tenant's `max_wait_s`; None when no request has waited that long."""
+        aged = [
+            (oldest.arrival_time, tenant.name, tenant)
+            for tenant in tenants
+            if (oldest := tenant.oldest(self._is_queued)) is not None
+            and tenant.is_aged(oldest, now)
+        ]
+        return min(aged)[2] if aged else None
 
     def _serving_order(self, tenant: Tenant, now: float) -> tuple[RequestBucket, Iterator[_Entry]]:
         oldest = tenant.oldest(self._is_queued)

@@ -183,7 +183,8 @@ class TenantConfig:
 
     Online tenants are served by earliest arrival (policy fcfs); offline tenants
     may use sjf or ljf. `max_wait_s` is the aging bound: a request that waited
-    that long is served next in its tenant whatever its length (None: no aging).
+    that long is served next whatever its length, its tenant's priority or fair
+    share, so a low-priority tenant waits, but never starves (None: no aging).
     """
 
     name: str

@@ -1,7 +1,8 @@
 """The same workload against the service in three configurations, each started here:
 
 - `bucketserve`: adaptive request buckets (Algorithm 1) + tenant policies (an online FCFS
-  tenant for short requests ahead of an offline SJF tenant for long ones);
+  tenant for short requests ahead of an offline SJF tenant for long ones, whose requests
+  age past the chat tenant's after half the run's TTFT target: `batch_tenant_wait_s`);
 - `fcfs`: one request bucket that never splits (`max_buckets=1`), one FCFS tenant, batches
   sized by memory and the token budget alone (padded, a batch of 5 runs as 8 rows) — the
   DistServe-like disaggregated FCFS baseline;
@@ -63,8 +64,18 @@ class ServiceSpec:
         return self.padded or self.execution == "graphs"
 
 
-def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, list[TenantShare]]:
-    """(controller config, server tenants, client tenant mix) of one system."""
+def batch_tenant_wait_s(ttft_target_s: float) -> float:
+    """The offline tenant's aging bound (`max_wait_s`): half the TTFT target, leaving the
+    other half for the batch in flight and its own prefill. Priority still puts the chat
+    tenant first; aging keeps the batch tenant's requests within the target."""
+    return ttft_target_s / 2
+
+
+def system_setup(
+    name: str, spec: ServiceSpec, ttft_target_s: float | None = None
+) -> tuple[Any, list[dict] | None, list[TenantShare]]:
+    """(controller config, server tenants, client tenant mix) of one system; with a TTFT
+    target the batch tenant ages at `batch_tenant_wait_s`, else at the tenant default."""
     from bucket_manager.config import TenantConfig
     from controller.config import ControllerConfig
     from deploy.serve_config import with_tenants
@@ -83,9 +94,13 @@ def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, 
         runner=runner, mode=spec.mode, warmup=warmup, pad_to_shape_buckets=padding, **shape
     )
     if name == "bucketserve":
-        config = with_tenants(base, TenantRegistry.from_dict(TENANTS).bucket_configs())
+        tenants = TENANTS
+        if ttft_target_s is not None:
+            wait = {"max_wait_s": batch_tenant_wait_s(ttft_target_s)}
+            tenants = [t | wait if t["name"] == "batch" else t for t in TENANTS]
+        config = with_tenants(base, TenantRegistry.from_dict(tenants).bucket_configs())
         mix = [TenantShare("chat", 1.0, "chat-key"), TenantShare("batch", 1.0, "batch-key", "long")]
-        return config, TENANTS, mix
+        return config, tenants, mix
     if name not in SYSTEMS:
         raise ValueError(f"system must be one of {SYSTEMS}, got {name!r}")
     config = with_tenants(base, [TenantConfig("default")])
@@ -140,7 +155,7 @@ class Comparison:
         with contextlib.ExitStack() as stack:
             tokenizer = None
             for name in self.systems:
-                controller, tenants, mix = system_setup(name, self.spec)
+                controller, tenants, mix = system_setup(name, self.spec, self.bench.slo.ttft_s)
                 service = stack.enter_context(
                     ServiceHarness(controller, tenants, self.spec.start_timeout_s)
                 )

@@ -121,3 +121,33 @@ def test_aging_serves_a_long_request_under_a_steady_stream_of_short_ones():
 
     assert run(max_wait_s=None) is None  # pure SJF starves it
     assert run(max_wait_s=5.0) == 5  # served as soon as it has waited the bound
+
+
+def test_aging_crosses_tenant_priorities_so_a_low_priority_tenant_never_starves():
+    def run(max_wait_s):
+        manager = make_manager(
+            TenantConfig("vip", priority=-1),
+            TenantConfig("batch", max_wait_s=max_wait_s),
+            max_num_seqs=1,
+        )
+        manager.add(req("late", 100, arrival=0.0, tenant="batch"))
+        served = []
+        for step in range(10):  # the vip tenant always has a request queued
+            manager.add(req(f"v{step}", 100, arrival=float(step), tenant="vip"))
+            served.append(ids(manager.next_batch(BIG, 16, float(step)))[0])
+        return served
+
+    assert "late" not in run(max_wait_s=None)  # strict priority starves it
+    assert run(max_wait_s=3.0) == ["v0", "v1", "v2", "late", "v3", "v4", "v5", "v6", "v7", "v8"]
+
+
+def test_the_earliest_aged_arrival_goes_first_across_tenants():
+    manager = make_manager(
+        TenantConfig("a", max_wait_s=1.0), TenantConfig("b", priority=1, max_wait_s=1.0),
+        max_num_seqs=1,
+    )
+    manager.add(req("a-young", 100, arrival=4.5, tenant="a"))
+    manager.add(req("b-old", 100, arrival=1.0, tenant="b"))
+    manager.add(req("a-old", 100, arrival=2.0, tenant="a"))
+    # at 5.0 both old ones are past 1 s: b's arrived first; then a's by arrival, then the young
+    assert drain(manager, now=5.0) == [["b-old"], ["a-old"], ["a-young"]]
