@@ -81,6 +81,9 @@ def register(subparsers: Any) -> None:
                      "shape bucket at warm-up (and so pads, like --padded); auto is eager on CPU")
     cmp.add_argument("--shape", choices=("colocated", "disaggregated"),
                      help="the started services' deployment shape (default: the service's)")
+    cmp.add_argument("--batch-max-wait", type=float, metavar="SECONDS",
+                     help="bucketserve's offline batch tenant: its requests go first once they "
+                     "waited this long, whatever its priority (default: the tenant default, 30)")
     cmp.add_argument("--aggregate", type=Path, nargs="+", metavar="JSON",
                      help="print the medians of earlier --compare results and exit")
     p.set_defaults(func=run)
@@ -166,7 +169,8 @@ def _compare(args: argparse.Namespace, config: Any) -> int:
 
     spec = ServiceSpec(model=args.serve_model, max_model_len=args.max_model_len,
                        num_kv_blocks=args.num_kv_blocks, padded=args.padded,
-                       execution=args.execution, shape=args.shape)
+                       execution=args.execution, shape=args.shape,
+                       batch_max_wait_s=args.batch_max_wait)
     names = args.systems or ("bucketserve,fcfs" if spec.pads else "bucketserve,fcfs,shape-only")
     systems = tuple(s.strip() for s in names.split(",") if s.strip())
     comparison = Comparison(config, spec, systems)

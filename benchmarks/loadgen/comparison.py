@@ -2,7 +2,7 @@
 
 - `bucketserve`: adaptive request buckets (Algorithm 1) + tenant policies (an online FCFS
   tenant for short requests ahead of an offline SJF tenant for long ones, whose requests
-  age past the chat tenant's after half the run's TTFT target: `batch_tenant_wait_s`);
+  go first once they waited the tenant's aging bound: `ServiceSpec.batch_max_wait_s`);
 - `fcfs`: one request bucket that never splits (`max_buckets=1`), one FCFS tenant, batches
   sized by memory and the token budget alone (padded, a batch of 5 runs as 8 rows) — the
   DistServe-like disaggregated FCFS baseline;
@@ -51,6 +51,15 @@ class ServiceSpec:
     padded: bool = False
     execution: str = "auto"
     shape: str | None = None  # the controller's default unless set
+    batch_max_wait_s: float | None = None  # the batch tenant's aging bound; None: the default
+
+    def __post_init__(self) -> None:
+        wait = self.batch_max_wait_s
+        if wait is not None and not (isinstance(wait, (int, float)) and wait > 0):
+            raise ValueError(
+                f"--batch-max-wait must be a number of seconds > 0, got {wait!r}; leave it out "
+                "for the tenant default (30 s)"
+            )
 
     @property
     def start_timeout_s(self) -> float:
@@ -64,18 +73,8 @@ class ServiceSpec:
         return self.padded or self.execution == "graphs"
 
 
-def batch_tenant_wait_s(ttft_target_s: float) -> float:
-    """The offline tenant's aging bound (`max_wait_s`): half the TTFT target, leaving the
-    other half for the batch in flight and its own prefill. Priority still puts the chat
-    tenant first; aging keeps the batch tenant's requests within the target."""
-    return ttft_target_s / 2
-
-
-def system_setup(
-    name: str, spec: ServiceSpec, ttft_target_s: float | None = None
-) -> tuple[Any, list[dict] | None, list[TenantShare]]:
-    """(controller config, server tenants, client tenant mix) of one system; with a TTFT
-    target the batch tenant ages at `batch_tenant_wait_s`, else at the tenant default."""
+def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, list[TenantShare]]:
+    """(controller config, server tenants, client tenant mix) of one system."""
     from bucket_manager.config import TenantConfig
     from controller.config import ControllerConfig
     from deploy.serve_config import with_tenants
@@ -95,8 +94,8 @@ def system_setup(
     )
     if name == "bucketserve":
         tenants = TENANTS
-        if ttft_target_s is not None:
-            wait = {"max_wait_s": batch_tenant_wait_s(ttft_target_s)}
+        if spec.batch_max_wait_s is not None:
+            wait = {"max_wait_s": spec.batch_max_wait_s}
             tenants = [t | wait if t["name"] == "batch" else t for t in TENANTS]
         config = with_tenants(base, TenantRegistry.from_dict(tenants).bucket_configs())
         mix = [TenantShare("chat", 1.0, "chat-key"), TenantShare("batch", 1.0, "batch-key", "long")]
@@ -155,7 +154,7 @@ class Comparison:
         with contextlib.ExitStack() as stack:
             tokenizer = None
             for name in self.systems:
-                controller, tenants, mix = system_setup(name, self.spec, self.bench.slo.ttft_s)
+                controller, tenants, mix = system_setup(name, self.spec)
                 service = stack.enter_context(
                     ServiceHarness(controller, tenants, self.spec.start_timeout_s)
                 )

@@ -36,9 +36,13 @@ def test_the_three_systems_differ_only_in_buckets_policies_and_padding(
     assert not b.buckets.batching.fit_batch_buckets and not c.buckets.batching.fit_batch_buckets
     assert {t.name for t in a_mix} == {"chat", "batch"} and [t.name for t in b_mix] == ["default"]
     assert [t.max_wait_s for t in a.buckets.tenants] == [30.0, 30.0]  # the tenant default
-    aged, aged_tenants, _ = system_setup("bucketserve", spec, ttft_target_s=4.0)
+    aged, aged_tenants, _ = system_setup(
+        "bucketserve", dataclasses.replace(spec, batch_max_wait_s=2.0)
+    )
     assert [t.max_wait_s for t in aged.buckets.tenants] == [30.0, 2.0]
     assert [t.get("max_wait_s") for t in aged_tenants] == [None, 2.0]
+    with pytest.raises(ValueError, match="--batch-max-wait must be a number of seconds > 0"):
+        dataclasses.replace(spec, batch_max_wait_s=0.0)
     with pytest.raises(ValueError, match="system must be one of"):
         system_setup("vllm", spec)
     with pytest.raises(ValueError, match="unknown systems"):
