@@ -102,8 +102,9 @@ class BucketManager:
         queued = [t for t in self.tenants.values() if t.queued]
         if not queued:
             return None
-        tenant = self._most_aged(queued, now) or min(queued, key=Tenant.rank)
-        bucket, order = self._serving_order(tenant, now)
+        aged = self._most_aged(queued, now)
+        tenant = self.tenants[aged.tenant] if aged else min(queued, key=Tenant.rank)
+        bucket, order = self._serving_order(tenant, aged)
         chosen: list[_Entry] = []
 
         def needs() -> Iterator[int]:
@@ -228,22 +229,25 @@ class BucketManager:
         entry = self._entries.get(request.request_id)
         return entry is not None and entry.key[-1] == seq
 
-    def _most_aged(self, tenants: list[Tenant], now: float) -> Tenant | None:
-        """The tenant whose oldest queued request arrived first among those past their
-        tenant's `max_wait_s`; None when no request has waited that long."""
+    def _most_aged(self, tenants: list[Tenant], now: float) -> BucketRequest | None:
+        """The earliest-arriving of the tenants' oldest queued requests that waited their
+        tenant's `max_wait_s`; None when none has waited that long."""
         aged = [
-            (oldest.arrival_time, tenant.name, tenant)
+            (oldest.arrival_time, tenant.name, oldest)
             for tenant in tenants
             if (oldest := tenant.oldest(self._is_queued)) is not None
             and tenant.is_aged(oldest, now)
         ]
         return min(aged)[2] if aged else None
 
-    def _serving_order(self, tenant: Tenant, now: float) -> tuple[RequestBucket, Iterator[_Entry]]:
-        oldest = tenant.oldest(self._is_queued)
-        if oldest is not None and tenant.is_aged(oldest, now):
-            first = self._entries[oldest.request_id]
-            bucket = self.buckets.find(oldest.prompt_len)
+    def _serving_order(
+        self, tenant: Tenant, aged: BucketRequest | None
+    ) -> tuple[RequestBucket, Iterator[_Entry]]:
+        """`aged` (from `_most_aged`, one of `tenant`'s) first, then its bucket in policy
+        order; without one, the bucket holding the tenant's first request in policy order."""
+        if aged is not None:
+            first = self._entries[aged.request_id]
+            bucket = self.buckets.find(aged.prompt_len)
         else:
             first = None
             bucket = min(
