@@ -84,6 +84,10 @@ def register(subparsers: Any) -> None:
     cmp.add_argument("--batch-max-wait", type=float, metavar="SECONDS",
                      help="bucketserve's offline batch tenant: its requests go first once they "
                      "waited this long, whatever its priority (default: the tenant default, 30)")
+    cmp.add_argument("--decode-pace", type=float, metavar="FRACTION",
+                     help="every system's controller.decode.pace (disaggregated): decode steps "
+                     "wait for a prefill batch until a request would get its next token later "
+                     "than this fraction of --slo-tpot, which becomes every tenant's TPOT target")
     cmp.add_argument("--aggregate", type=Path, nargs="+", metavar="JSON",
                      help="print the medians of earlier --compare results and exit")
     p.set_defaults(func=run)
@@ -170,7 +174,8 @@ def _compare(args: argparse.Namespace, config: Any) -> int:
     spec = ServiceSpec(model=args.serve_model, max_model_len=args.max_model_len,
                        num_kv_blocks=args.num_kv_blocks, padded=args.padded,
                        execution=args.execution, shape=args.shape,
-                       batch_max_wait_s=args.batch_max_wait)
+                       batch_max_wait_s=args.batch_max_wait, decode_pace=args.decode_pace,
+                       tpot_slo_s=config.slo.tpot_s)
     names = args.systems or ("bucketserve,fcfs" if spec.pads else "bucketserve,fcfs,shape-only")
     systems = tuple(s.strip() for s in names.split(",") if s.strip())
     comparison = Comparison(config, spec, systems)

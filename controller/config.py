@@ -10,6 +10,7 @@ from typing import Any
 from bucket_manager.config import (
     BucketManagerConfig,
 )
+from decode_worker.config import check_pace
 from kv_worker.worker_env import check_cpus, check_worker_options
 from runtime.model_runner import ModelRunnerConfig
 from runtime.scheduler import SchedulerConfig
@@ -102,6 +103,11 @@ class ControllerConfig:
     ranks by its tenant's priority plus its own, so in the colocated shape, where a
     batch joins the engine as soon as the pool has room, tenant priorities still order
     the prompts waiting for the token budget.
+    `decode_pace` (disaggregated only): while a prefill batch for a decode worker is in
+    flight, its steps wait until a running request would otherwise get its next token
+    later than this fraction of its TPOT target, so a prefill worker on the same cores gets
+    them (`decode_worker.pacer`); requests without a TPOT target are never held. None
+    (the default) never holds a step.
     """
 
     runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
@@ -132,6 +138,7 @@ class ControllerConfig:
     placement_timeout_s: float = 300.0  # for Ray to place a worker (an autoscaler adds nodes)
     admit_delay_s: float = 0.0  # fault drill: decode admissions wait this long
     admit_delay_count: int = 0  # ... the first this many on each decode worker; 0: all
+    decode_pace: float | None = None
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES)
@@ -160,6 +167,13 @@ class ControllerConfig:
                 f"ControllerConfig.admit_delay_s must be >= 0, got {self.admit_delay_s!r}"
             )
         _positive_int("admit_delay_count", self.admit_delay_count, 0)
+        check_pace("ControllerConfig.decode_pace", self.decode_pace)
+        if self.colocated and self.decode_pace is not None:
+            raise ValueError(
+                "ControllerConfig.decode_pace holds decode steps for a prefill worker's "
+                "batches; the colocated shape has none (its engine prefills within its "
+                "steps): leave decode_pace out or use shape 'disaggregated'"
+            )
         check_worker_options("ControllerConfig", self.pad_to_shape_buckets, self.warmup, None)
         prefill = self.prefill_placement.pipeline_parallel_size
         decode = self.decode_placement.pipeline_parallel_size

@@ -174,6 +174,7 @@ class WorkerPool:
             admit_delay_count=c.admit_delay_count,
             stall_timeout_s=c.worker_timeout_s,
             prefills=c.colocated,
+            pace=c.decode_pace,
         )
 
     def _shared(self, role: str, index: int) -> dict[str, Any]:

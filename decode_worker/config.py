@@ -20,6 +20,10 @@ class DecodeWorkerConfig(WorkerConfig):
     makes every later call fail: the worker is hung and gets restarted.
     `prefills`: the colocated shape, where this worker's engine also prefills, so in
     graphs mode its warm-up compiles the prompt buckets too.
+    `pace`: while a prefill batch for this worker is in flight (a lease is open), a step
+    waits until a running sequence would otherwise get its next token later than this
+    fraction of its TPOT target (`decode_worker.pacer`); None never waits. For workers
+    whose cores a prefill worker shares.
     """
 
     name: str = "decode-0"
@@ -28,6 +32,7 @@ class DecodeWorkerConfig(WorkerConfig):
     admit_delay_count: int = 0
     stall_timeout_s: float | None = None
     prefills: bool = False
+    pace: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -37,3 +42,13 @@ class DecodeWorkerConfig(WorkerConfig):
             raise ValueError(
                 f"DecodeWorkerConfig.admit_delay_count must be an integer >= 0, got {count!r}"
             )
+        check_pace("DecodeWorkerConfig.pace", self.pace)
+
+
+def check_pace(where: str, pace: object) -> None:
+    ok = isinstance(pace, (int, float)) and not isinstance(pace, bool) and 0 < pace <= 1
+    if pace is not None and not ok:
+        raise ValueError(
+            f"{where} must be null (never hold decode steps) or a fraction of the TPOT target "
+            f"in (0, 1], e.g. 0.8; got {pace!r}"
+        )

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from decode_worker.config import DecodeWorkerConfig
+from decode_worker.pacer import DecodePacer
 from kv_transfer.kv_format import KVBlockHandle
 from kv_transfer.lease import Lease, LeaseState, LeaseTable
 from kv_transfer.transport import KVTransport, TransferError
@@ -72,6 +73,8 @@ class DecodeWorker(KVWorker):
         self._failure: str | None = None
         self._admissions = 0
         self._step_started: float | None = None  # the running step's start
+        self._step_s = 0.0  # recent steps' seconds, a moving average (for pacing)
+        self._pacer = None if config.pace is None else DecodePacer(config.pace)
         built: Future[None] = Future()
         self._thread = threading.Thread(
             target=self._run, args=(transport, built), name=f"{config.name}-loop", daemon=True
@@ -287,6 +290,7 @@ class DecodeWorker(KVWorker):
                 waiting=len(sched.waiting),
                 preemptions=sched.num_preemptions,
                 slo_holds=0 if sched.slo is None else sched.slo.num_holds,
+                paced_s=0.0 if self._pacer is None else self._pacer.held_s,
                 graph_misses=self.graph_misses(self.shapes.graph_misses + self._unbucketed_steps),
                 boot_id=self.boot_id,
                 transport=self.transport_name,
@@ -341,16 +345,38 @@ class DecodeWorker(KVWorker):
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                self._step_started = time.monotonic()
+                if self._hold():
+                    continue
+                self._step_started = started = time.monotonic()
                 outputs = self.engine.step()
                 self._step_started = None
                 if outputs:
+                    self._step_s += 0.2 * (time.monotonic() - started - self._step_s)
                     self._publish(outputs)
                 elif not self.engine.executor.num_in_flight:
                     self._wake.wait(0.005)  # nothing runnable yet: do not spin
         except Exception as exc:
             logger.exception("%s: decode loop failed", self.name)
             self._failure = f"{self.name}: decode loop failed: {exc!r}"
+
+    def _hold(self) -> bool:
+        """Wait (up to 50 ms, or until called) while pacing lets the next step wait;
+        True if it waited."""
+        pacer = self._pacer
+        if pacer is None:
+            return False
+        with self.engine.lock:
+            if not len(self.leases):  # no prefill batch for this worker in flight
+                return False
+            sched = self.engine.scheduler
+            now = time.monotonic()
+            hold = pacer.hold_s(sched.running, len(sched.waiting), now, self._step_s)
+        if hold <= 0:
+            return False
+        self._wake.wait(min(hold, 0.05))
+        self._wake.clear()
+        pacer.record(time.monotonic() - now)
+        return True
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         self._steps += 1
@@ -399,6 +425,7 @@ class DecodeWorker(KVWorker):
                     rid,
                     output_token_ids=request.output_token_ids[:-1],
                     priority=request.priority,
+                    tpot_target=request.tpot_s,
                 )
             except (ValueError, IndexError) as exc:
                 self.block_manager.release(blocks)

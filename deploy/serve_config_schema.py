@@ -59,6 +59,7 @@ def _fields() -> dict[str, tuple[str, str]]:
         "controller.prefill.max_batches": ("controller", "max_batches_per_prefill"),
         "controller.decode.num_workers": ("controller", "num_decode"),
         "controller.decode.pipeline_depth": ("controller", "pipeline_depth"),
+        "controller.decode.pace": ("controller", "decode_pace"),
     }
     table |= {f"controller.{name}": ("controller", name) for name in _CONTROLLER}
     for role in ("prefill", "decode"):

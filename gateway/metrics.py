@@ -189,6 +189,11 @@ def _service_metrics(stats: Any) -> Iterator[Metric]:
         "Decode steps that held a new prompt back to keep running requests' TPOT targets.",
         sum(w.slo_holds for w in workers),
     )
+    yield counter(
+        "decode_paced_seconds",
+        "Seconds decode steps waited, under their TPOT targets, for a prefill on shared cores.",
+        sum(w.paced_s for w in workers),
+    )
     waste = buckets.mean_waste_ratio
     yield gauge("padding_waste_ratio", "Mean padding waste of prefill batches (Eq. 2).", waste)
     yield counter(

@@ -215,6 +215,7 @@ class WorkerStats:
     waiting: int = 0
     preemptions: int = 0
     slo_holds: int = 0  # steps whose SLO-aware admission held a new prompt back
+    paced_s: float = 0.0  # seconds decode steps waited for a prefill (DecodeWorkerConfig.pace)
     graph_misses: int = 0
     boot_id: str = ""
     alive: bool = True

@@ -142,17 +142,7 @@ class LLMEngine:
                     )
                 for sample in request.samples:
                     sample.seq.ttft_deadline = float(ttft_deadline)
-            if tpot_target is not None:
-                if (
-                    isinstance(tpot_target, bool)
-                    or not isinstance(tpot_target, (int, float))
-                    or not tpot_target > 0
-                ):
-                    raise ValueError(
-                        f"tpot_target must be a positive number of seconds, got {tpot_target!r}"
-                    )
-                for sample in request.samples:
-                    sample.seq.tpot_target = float(tpot_target)
+            _set_tpot_target(request, tpot_target)
             if output_token_ids:
                 if len(request.samples) > 1:
                     raise ValueError("a request resumed with its outputs has one sample (n=1)")
@@ -237,6 +227,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         output_token_ids: list[int] | tuple[int, ...] = (),
         priority: int = 0,
+        tpot_target: float | None = None,
     ) -> str:
         """Take a request whose K/V was written into `block_ids` (reserved with
         `block_manager.reserve`) and whose first token was sampled elsewhere; it joins
@@ -244,7 +235,8 @@ class LLMEngine:
 
         A request re-prefilled after it had streamed `output_token_ids` has the K/V of
         prompt + those tokens in `block_ids`, and `first_token_id` is its next token; it
-        finishes by max_tokens counting all of them, and its first output holds them all."""
+        finishes by max_tokens counting all of them, and its first output holds them all.
+        `tpot_target`: as for `add_request` (decode pacing keeps it)."""
         with self.lock:  # the ids come from the controller, validated at its edge
             token_ids = [int(t) for t in prompt_token_ids]
             request = self._new_request(
@@ -252,6 +244,7 @@ class LLMEngine:
             )
             if output_token_ids and len(request.samples) > 1:
                 raise ValueError("a request resumed with its outputs has one sample (n=1)")
+            _set_tpot_target(request, tpot_target)
             seq = request.seq
             seq.token_ids.extend(int(t) for t in (*output_token_ids, first_token_id))
             seq.num_computed_tokens = len(seq) - 1
@@ -418,3 +411,13 @@ def _new_runner(config: EngineConfig) -> ModelRunner | PipelineRunner:
     return PipelineRunner.local(
         config.runner, config.pipeline_parallel_size, config.stage_torch_threads
     )
+
+
+def _set_tpot_target(request: EngineRequest, tpot_target: float | None) -> None:
+    if tpot_target is None:
+        return
+    bad = isinstance(tpot_target, bool) or not isinstance(tpot_target, (int, float))
+    if bad or not tpot_target > 0:
+        raise ValueError(f"tpot_target must be a positive number of seconds, got {tpot_target!r}")
+    for sample in request.samples:
+        sample.seq.tpot_target = float(tpot_target)

@@ -52,8 +52,21 @@ class ServiceSpec:
     execution: str = "auto"
     shape: str | None = None  # the controller's default unless set
     batch_max_wait_s: float | None = None  # the batch tenant's aging bound; None: the default
+    # every system's ControllerConfig.decode_pace, with every tenant's TPOT target set to
+    # `tpot_slo_s` (the bench's), which the pacing keeps
+    decode_pace: float | None = None
+    tpot_slo_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.decode_pace is not None:
+            from decode_worker.config import check_pace
+
+            check_pace("--decode-pace", self.decode_pace)
+            if self.shape != "disaggregated":
+                raise ValueError("--decode-pace needs --shape disaggregated: it holds decode "
+                                 "steps for prefill workers' batches")
+            if self.tpot_slo_s is None:
+                raise ValueError("ServiceSpec.decode_pace needs tpot_slo_s, the target it keeps")
         wait = self.batch_max_wait_s
         if wait is not None and not (isinstance(wait, (int, float)) and wait > 0):
             raise ValueError(
@@ -90,19 +103,22 @@ def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, 
     warmup = "all" if spec.execution == "graphs" else "smallest"
     shape = {} if spec.shape is None else {"shape": spec.shape}
     base = ControllerConfig(
-        runner=runner, mode=spec.mode, warmup=warmup, pad_to_shape_buckets=padding, **shape
+        runner=runner, mode=spec.mode, warmup=warmup, pad_to_shape_buckets=padding,
+        decode_pace=spec.decode_pace, **shape,
     )
+    # pacing keeps each request's TPOT target: both systems get the bench's
+    targets = {} if spec.decode_pace is None else {"tpot_slo_s": spec.tpot_slo_s}
     if name == "bucketserve":
-        tenants = TENANTS
+        tenants = [t | targets for t in TENANTS]
         if spec.batch_max_wait_s is not None:
             wait = {"max_wait_s": spec.batch_max_wait_s}
-            tenants = [t | wait if t["name"] == "batch" else t for t in TENANTS]
+            tenants = [t | wait if t["name"] == "batch" else t for t in tenants]
         config = with_tenants(base, TenantRegistry.from_dict(tenants).bucket_configs())
         mix = [TenantShare("chat", 1.0, "chat-key"), TenantShare("batch", 1.0, "batch-key", "long")]
         return config, tenants, mix
     if name not in SYSTEMS:
         raise ValueError(f"system must be one of {SYSTEMS}, got {name!r}")
-    config = with_tenants(base, [TenantConfig("default")])
+    config = with_tenants(base, [TenantConfig("default", **targets)])
     one_bucket = dataclasses.replace(config.buckets.request_buckets, max_buckets=1)
     batching = dataclasses.replace(
         config.buckets.batching, fit_batch_buckets=name == "fcfs-fit"

@@ -17,6 +17,7 @@ COUNTERS = {
     "bucketserve:generation_tokens_total": "generation_tokens",
     "bucketserve:prefill_batch_tokens_total": "prefill_batch_tokens",
     "bucketserve:prefill_padded_tokens_total": "prefill_padded_tokens",
+    "bucketserve:decode_paced_seconds_total": "decode_paced_s",
     "vllm:num_preemptions_total": "preemptions",
     "vllm:prompt_tokens_total": "prompt_tokens",
     "vllm:generation_tokens_total": "generation_tokens",

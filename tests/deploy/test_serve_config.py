@@ -41,10 +41,11 @@ def test_the_yaml_lands_in_the_typed_configs(tmp_path: Path, tiny_model_dir: Pat
         "kv_cache": {"block_size": 8, "memory_fraction": 0.5, "num_blocks": 300},
         "controller": {
             "ray_address": "auto",
+            "shape": "disaggregated",
             "prefill": {"num_workers": 2, "accelerator": "hpu", "resources": {"p": 1},
                         "kv_blocks": 40},
             "decode": {"num_workers": 3, "accelerator": "hpu", "max_num_seqs": 32,
-                       "pipeline_depth": 2},
+                       "pipeline_depth": 2, "pace": 0.8},
         },
         "buckets": {"strategy": "linear", "theta": 0.7, "max_buckets": 8,
                     "prompt": {"bs": [1, 1, 4], "query": [8, 8, 64]},
@@ -64,6 +65,7 @@ def test_the_yaml_lands_in_the_typed_configs(tmp_path: Path, tiny_model_dir: Pat
     assert controller.prefill_placement.resources == {"p": 1}
     assert controller.decode_placement.accelerator == "hpu"
     assert (controller.scheduler.max_num_seqs, controller.pipeline_depth) == (32, 2)
+    assert (controller.shape, controller.decode_pace) == ("disaggregated", 0.8)
     assert (controller.mode, controller.ray_address) == ("ray", "auto")
     buckets = controller.buckets
     assert (buckets.request_buckets.theta, buckets.request_buckets.max_len) == (0.7, 256)

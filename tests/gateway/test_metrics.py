@@ -95,6 +95,7 @@ def test_metrics_parse_and_move_with_traffic(
     ):
         assert value(after, name) >= 0
     assert "bucketserve:graph_misses" in after
+    assert value(after, "bucketserve:decode_paced_seconds_total") == 0.0  # pacing is off
     bubbles = after["bucketserve:pipeline_bubble_fraction"].samples  # one stage: no bubble
     assert bubbles and all(s.value == 0.0 for s in bubbles)
     assert "bucketserve:pipeline_microbatches_in_flight" in after

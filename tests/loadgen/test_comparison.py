@@ -49,6 +49,22 @@ def test_the_three_systems_differ_only_in_buckets_policies_and_padding(
         Comparison(BenchConfig(), spec, ("bucketserve", "vllm"))
 
 
+def test_decode_pace_paces_both_systems_to_the_same_tpot_target(tiny_model_dir: Path) -> None:
+    spec = ServiceSpec(model=str(tiny_model_dir), max_model_len=256, block_size=4,
+                       shape="disaggregated")
+    plain, _, _ = system_setup("fcfs", spec)
+    assert plain.decode_pace is None and plain.buckets.tenants[0].tpot_slo_s is None
+    paced = dataclasses.replace(spec, decode_pace=0.8, tpot_slo_s=0.25)
+    for name in ("bucketserve", "fcfs"):
+        config, _, _ = system_setup(name, paced)
+        assert config.decode_pace == 0.8
+        assert {t.tpot_slo_s for t in config.buckets.tenants} == {0.25}
+    with pytest.raises(ValueError, match="--decode-pace needs --shape disaggregated"):
+        dataclasses.replace(paced, shape="colocated")
+    with pytest.raises(ValueError, match=r"--decode-pace must be null .* in \(0, 1\]"):
+        dataclasses.replace(paced, decode_pace=2.0)
+
+
 def test_padded_pads_every_system_and_refuses_shape_only(tiny_model_dir: Path) -> None:
     spec = ServiceSpec(model=str(tiny_model_dir), max_model_len=256, block_size=4, padded=True)
     a, _, _ = system_setup("bucketserve", spec)
