@@ -73,7 +73,6 @@ class DecodeWorker(KVWorker):
         self._failure: str | None = None
         self._admissions = 0
         self._step_started: float | None = None  # the running step's start
-        self._step_s = 0.0  # recent steps' seconds, a moving average (for pacing)
         self._pacer = None if config.pace is None else DecodePacer(config.pace)
         built: Future[None] = Future()
         self._thread = threading.Thread(
@@ -347,11 +346,10 @@ class DecodeWorker(KVWorker):
                     continue
                 if self._hold():
                     continue
-                self._step_started = started = time.monotonic()
+                self._step_started = time.monotonic()
                 outputs = self.engine.step()
                 self._step_started = None
                 if outputs:
-                    self._step_s += 0.2 * (time.monotonic() - started - self._step_s)
                     self._publish(outputs)
                 elif not self.engine.executor.num_in_flight:
                     self._wake.wait(0.005)  # nothing runnable yet: do not spin
@@ -370,7 +368,8 @@ class DecodeWorker(KVWorker):
                 return False
             sched = self.engine.scheduler
             now = time.monotonic()
-            hold = pacer.hold_s(sched.running, len(sched.waiting), now, self._step_s)
+            step_s = sched.step_times.decode_s or 0.0
+            hold = pacer.hold_s(sched.running, len(sched.waiting), now, step_s)
         if hold <= 0:
             return False
         self._wake.wait(min(hold, 0.05))

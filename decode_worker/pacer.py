@@ -11,13 +11,14 @@ from runtime.sequence import Sequence
 class DecodePacer:
     """How long the next decode step may wait.
 
-    A decode step's cost is mostly fixed (the weights are read once a step, whatever the
+    A decode step has a large fixed cost (the weights are read once a step, whatever the
     batch), so on cores that a prefill worker shares, decoding faster than the requests'
     TPOT targets takes time from the prompts queued behind that prefill. While a prefill
     batch for this worker is in flight, the step waits until the running sequence closest
     to its target would otherwise see its next token later than `fraction` of it: each
     sequence's next token is due `fraction x tpot_target` after its last one, and the step
-    must start `step_s` (its expected length) before the earliest of those.
+    must start `step_s` (its expected length: the scheduler's `StepTimes.decode_s`) before
+    the earliest of those.
 
     Nothing waits for a sequence without a target or a first token from this worker (a
     newly admitted one: its first token is its TTFT), nor while a sequence waits to be
@@ -27,7 +28,6 @@ class DecodePacer:
     def __init__(self, fraction: float) -> None:
         self.fraction = fraction
         self.held_s = 0.0  # seconds steps were held, since start
-        self.holds = 0  # waits begun
 
     def hold_s(self, running: Iterable[Sequence], waiting: int, now: float, step_s: float) -> float:
         """Seconds the next step may wait from `now`; 0 when it must run now."""
@@ -46,4 +46,3 @@ class DecodePacer:
 
     def record(self, seconds: float) -> None:
         self.held_s += seconds
-        self.holds += 1

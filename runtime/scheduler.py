@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from runtime.block_manager import BlockManager
 from runtime.scheduler_output import SchedulerOutput
 from runtime.sequence import FinishReason, Sequence, SequenceStatus, finish_reason
-from runtime.slo_admission import SloAdmission
+from runtime.slo_admission import SloAdmission, StepTimes
 from runtime.waiting_queue import POLICIES, WaitingQueue
 
 
@@ -97,7 +97,9 @@ class Scheduler:
         self._forks: dict[int | str, list[Sequence]] = {}  # parent id -> samples waiting for it
         self._in_flight: set[int | str] = set()
         self._watermark_blocks = int(config.watermark * block_manager.num_total_blocks)
-        self.slo = SloAdmission() if config.slo_admission else None
+        # what steps cost, learned from those run: SLO-aware admission and decode pacing
+        self.step_times = StepTimes()
+        self.slo = SloAdmission(self.step_times) if config.slo_admission else None
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -348,8 +350,8 @@ class Scheduler:
         """Apply a finished microbatch: advance computed counts, append sampled tokens, check
         stop conditions. Returns the sequences that got a token (finished ones included)."""
         now = time.monotonic()
-        if self.slo is not None and out.alone:
-            self.slo.times.record(out, now - out.scheduled_at)
+        if out.alone:
+            self.step_times.record(out, now - out.scheduled_at)
         changed: list[Sequence] = []
         finished = False
         for seq, n, token in zip(out.seqs, out.num_new_tokens, token_ids, strict=True):

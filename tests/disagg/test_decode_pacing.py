@@ -74,18 +74,27 @@ TPOT = 0.3
 TOKENS = 6
 
 
-def run_one(model_dir: Path, pace: float | None) -> tuple[list[int], list[float], float]:
-    """One greedy request on a decode worker (prefilled by its own engine) while a lease
-    stands for a prefill batch in flight: its tokens, their arrival times, paced seconds."""
+def decode_worker(model_dir: Path, pace: float | None) -> DecodeWorker:
     runner = ModelRunnerConfig(model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=64)
-    worker = DecodeWorker(
+    return DecodeWorker(
         DecodeWorkerConfig(engine=EngineConfig(runner), transport="inprocess", pace=pace)
     )
+
+
+def greedy(tpot_s: float) -> HandoffRequest:
+    """A greedy request of TOKENS tokens with TPOT target `tpot_s`, which the worker's
+    own engine prefills (the colocated entry: no prefill worker needed)."""
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    return HandoffRequest(ServeRequest("r", [5, 6, 7, 8, 9], params), [], tpot_s=tpot_s)
+
+
+def run_one(model_dir: Path, pace: float | None) -> tuple[list[int], list[float], float]:
+    """One greedy request on a decode worker while a lease stands for a prefill batch in
+    flight: its tokens, their arrival times, paced seconds."""
+    worker = decode_worker(model_dir, pace)
     try:
         lease = worker.reserve([("in-flight", 2)]).lease_id
-        params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-        request = HandoffRequest(ServeRequest("r", [5, 6, 7, 8, 9], params), [], tpot_s=TPOT)
-        assert worker.add_requests([request]).admitted == ["r"]
+        assert worker.add_requests([greedy(TPOT)]).admitted == ["r"]
         tokens: list[int] = []
         times: list[float] = []
         deadline = time.monotonic() + 30
@@ -112,16 +121,9 @@ def test_a_paced_worker_spaces_tokens_to_the_target_and_keeps_them(tiny_model_di
 
 
 def test_without_a_prefill_in_flight_nothing_waits(tiny_model_dir: Path) -> None:
-    runner = ModelRunnerConfig(
-        model=str(tiny_model_dir), block_size=BLOCK_SIZE, num_kv_blocks=64
-    )
-    worker = DecodeWorker(
-        DecodeWorkerConfig(engine=EngineConfig(runner), transport="inprocess", pace=1.0)
-    )
+    worker = decode_worker(tiny_model_dir, pace=1.0)
     try:
-        params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-        request = HandoffRequest(ServeRequest("r", [5, 6, 7, 8, 9], params), [], tpot_s=60.0)
-        worker.add_requests([request])
+        assert worker.add_requests([greedy(60.0)]).admitted == ["r"]
         got = 0
         deadline = time.monotonic() + 30  # paced, 60 s a token: far past this
         while got < TOKENS and time.monotonic() < deadline:
