@@ -68,7 +68,7 @@ def register(subparsers: Any) -> None:
     cmp = p.add_argument_group("comparison (--compare)")
     cmp.add_argument("--compare", action="store_true",
                      help="start the service in three configurations and compare them")
-    cmp.add_argument("--systems", help="comma-separated, from bucketserve,fcfs,fcfs-fit,"
+    cmp.add_argument("--systems", help="comma-separated, from bucketserve,fcfs,fcfs-slo,fcfs-fit,"
                      "shape-only (default: bucketserve,fcfs,shape-only; bucketserve,fcfs with "
                      "--padded or --execution graphs; fcfs-fit only then)")
     cmp.add_argument("--serve-model", help="model the harness serves (default: embedded)")

@@ -102,7 +102,9 @@ class ControllerConfig:
     The decode engines schedule by priority (`scheduler.scheduling_policy`): a request
     ranks by its tenant's priority plus its own, so in the colocated shape, where a
     batch joins the engine as soon as the pool has room, tenant priorities still order
-    the prompts waiting for the token budget.
+    the prompts waiting for the token budget; a prompt past its TTFT deadline yields to
+    those on time for at most `scheduler.late_yield_s` (8 s, from a screen of the served sweep:
+    benchmarks/results/xeon_model207/README.md).
     `decode_pace` (disaggregated only): while a prefill batch for a decode worker is in
     flight, its steps wait until a running request would otherwise get its next token
     later than this fraction of its TPOT target, so a prefill worker on the same cores gets
@@ -112,7 +114,7 @@ class ControllerConfig:
 
     runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
     scheduler: SchedulerConfig = field(
-        default_factory=lambda: SchedulerConfig(scheduling_policy="priority")
+        default_factory=lambda: SchedulerConfig(scheduling_policy="priority", late_yield_s=8.0)
     )
     pipeline_depth: int = 1
     prefill_kv_blocks: int | None = None

@@ -25,8 +25,13 @@ class SchedulerConfig:
     waiting queue: `fcfs`, or `priority` (lowest `priority` first, then arrival; under
     memory pressure the lowest-priority running sequence is preempted first), as vLLM's.
     `slo_admission`: a new prompt waits while prefilling it would make a running sequence
-    miss its TPOT target, or an admitted prompt its TTFT deadline (`runtime.slo_admission`);
-    inert for sequences without targets.
+    miss its TPOT target, or an admitted prompt its TTFT deadline (`runtime.slo_admission`),
+    and a prompt past its TTFT deadline yields to those still on time (`WaitingQueue.peek`);
+    inert for sequences without targets. Off, prompts start in plain queue order, as
+    vLLM's scheduler starts them. `late_yield_s`: how long past its TTFT deadline a
+    prompt yields to those on time before it takes its queue place back (None: until none
+    is on time), which bounds the TTFT tail of an overload at the cost of some of the SLOs
+    the yielding keeps.
     """
 
     max_num_seqs: int = 64
@@ -35,8 +40,14 @@ class SchedulerConfig:
     watermark: float = 0.01
     scheduling_policy: str = "fcfs"
     slo_admission: bool = True
+    late_yield_s: float | None = None
 
     def __post_init__(self) -> None:
+        y = self.late_yield_s
+        if y is not None and (isinstance(y, bool) or not isinstance(y, (int, float)) or y <= 0):
+            raise ValueError(
+                f"late_yield_s must be a number of seconds > 0, or null for no bound, got {y!r}"
+            )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -60,10 +71,10 @@ class Scheduler:
 
     A step schedules running sequences first (one decode token each, or the
     next chunk of a prompt), then admits waiting ones in queue order while the
-    running limit, the token budget and the free blocks allow (a waiting sequence past its
-    TTFT deadline goes after those of its priority still on time). A sequence in
-    an in-flight microbatch is never scheduled again until `update` has seen
-    that microbatch. When a sequence needs a block and none is free, the
+    running limit, the token budget and the free blocks allow (under SLO admission a
+    waiting sequence past its TTFT deadline goes after those of its priority still on
+    time). A sequence in an in-flight microbatch is never scheduled again until `update`
+    has seen that microbatch. When a sequence needs a block and none is free, the
     newest running sequence (under the priority policy: of the lowest priority)
     is preempted by recompute: its blocks are freed, it keeps its tokens, and it
     goes back to the waiting queue (FCFS: to its front).
@@ -311,10 +322,11 @@ class Scheduler:
         ):
             slo = self.slo
             if slo is None:
-                seq = self.waiting.peek(now)
+                seq = self.waiting.front
             else:
                 backlog = slo.backlog(self.running)
-                seq = self.waiting.peek(now, functools.partial(slo.lead_s, backlog=backlog))
+                lead = functools.partial(slo.lead_s, backlog=backlog)
+                seq = self.waiting.peek(now, lead, self.config.late_yield_s)
                 if not slo.allows(seq, self.running, now, backlog):
                     return
             n = seq.num_uncomputed_tokens

@@ -18,11 +18,12 @@ class WaitingQueue:
     lowest `Sequence.priority` first, then earliest arrival; a sequence put back keeps its
     place by that key, so it still goes before later arrivals of its priority.
 
-    Under either policy a sequence whose TTFT deadline has passed (`Sequence.is_late`)
-    yields to every sequence of its priority that can still meet its own: once a queue
-    forms, serving the late one first would only make the on-time ones late too, so a
-    burst past capacity costs the SLO of the requests it overflows, not of every request
-    behind it. Without deadlines (the offline engine) the order is the policy's alone.
+    Under either policy `peek` (the order of the scheduler's SLO admission; `front` is the
+    plain one) lets a sequence whose TTFT deadline has passed (`Sequence.is_late`) yield to
+    every sequence of its priority that can still meet its own: once a queue forms,
+    serving the late one first would only make the on-time ones late too, so a burst past
+    capacity costs the SLO of the requests it overflows, not of every request behind it.
+    Without deadlines (the offline engine) the order is the policy's alone.
     """
 
     def __init__(self, policy: str = "fcfs") -> None:
@@ -41,15 +42,29 @@ class WaitingQueue:
     def __reversed__(self) -> Iterator[Sequence]:
         return reversed(self._seqs)
 
-    def peek(self, now: float, lead_s: Callable[[Sequence], float] | None = None) -> Sequence:
+    @property
+    def front(self) -> Sequence:
+        """The first sequence in queue order."""
+        return self._seqs[0]
+
+    def peek(
+        self,
+        now: float,
+        lead_s: Callable[[Sequence], float] | None = None,
+        yield_s: float | None = None,
+    ) -> Sequence:
         """The sequence to start next at time `now` (monotonic): the first in queue order
         that is not late among those of the front's priority; the front if all are late.
         `lead_s(seq)`: the seconds `seq` needs from its start to its first token; one that
-        cannot make its deadline even if started now counts as late already."""
+        cannot make its deadline even if started now counts as late already. `yield_s`:
+        a sequence late by more than this has yielded enough and takes its place back, so
+        an overload's late requests wait a bounded time, not until the overload ends."""
         front = self._seqs[0]
         for seq in self._seqs:
             if seq.priority != front.priority and self.policy == "priority":
                 break
+            if yield_s is not None and seq.is_late(now - yield_s):
+                return seq
             if not seq.is_late(now + (lead_s(seq) if lead_s else 0.0)):
                 return seq
         return front

@@ -1,11 +1,16 @@
-"""The same workload against the service in three configurations, each started here:
+"""The same workload against the service in several configurations, each started here:
 
 - `bucketserve`: adaptive request buckets (Algorithm 1) + tenant policies (an online FCFS
   tenant for short requests ahead of an offline SJF tenant for long ones, whose requests
   go first once they waited the tenant's aging bound: `ServiceSpec.batch_max_wait_s`);
 - `fcfs`: one request bucket that never splits (`max_buckets=1`), one FCFS tenant, batches
   sized by memory and the token budget alone (padded, a batch of 5 runs as 8 rows) — the
-  DistServe-like disaggregated FCFS baseline;
+  DistServe-like disaggregated FCFS baseline. Its engines start prompts in plain queue
+  order, as vLLM's scheduler does (`SchedulerConfig.slo_admission` off);
+- `fcfs-slo`: as `fcfs`, with the engines' SLO-aware admission that bucketserve runs (the
+  `fcfs` of the runs recorded until 2026-11-27), to separate what the tenant
+  policies buy from what the admission buys (it acts in the colocated shape, where the
+  engine prefills; a disaggregated decode engine only takes prefilled requests);
 - `fcfs-fit`: as `fcfs`, with bucketserve's batch sizing to the warmed batch sizes
   (`BatchingConfig.fit_batch_buckets`), to separate what that alone buys (padded runs only);
 - `shape-only`: as `fcfs`, with every batch padded to the fixed shape buckets.
@@ -31,7 +36,7 @@ from benchmarks.loadgen.server_metrics import ServerMetrics
 from benchmarks.loadgen.service_harness import ServiceHarness
 from benchmarks.loadgen.tenant_mix import TenantShare
 
-SYSTEMS = ("bucketserve", "fcfs", "fcfs-fit", "shape-only")
+SYSTEMS = ("bucketserve", "fcfs", "fcfs-slo", "fcfs-fit", "shape-only")
 TENANTS = [
     {"name": "chat", "api_keys": ["chat-key"]},
     {"name": "batch", "api_keys": ["batch-key"], "class": "offline", "policy": "sjf",
@@ -129,7 +134,9 @@ def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, 
             config.buckets, request_buckets=one_bucket, batching=batching
         ),
         pad_to_shape_buckets=spec.pads or name == "shape-only",
-        scheduler=dataclasses.replace(config.scheduler, scheduling_policy="fcfs"),
+        scheduler=dataclasses.replace(
+            config.scheduler, scheduling_policy="fcfs", slo_admission=name == "fcfs-slo"
+        ),
     )
     return config, None, [TenantShare("default")]
 

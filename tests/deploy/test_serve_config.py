@@ -115,6 +115,13 @@ def test_decode_engines_schedule_by_priority_unless_the_yaml_says_fcfs() -> None
     assert fcfs.controller.scheduler.scheduling_policy == "fcfs"
 
 
+def test_late_prompts_yield_for_8_s_unless_the_yaml_says_otherwise() -> None:
+    assert ServeConfig.from_dict({}).controller.scheduler.late_yield_s == 8.0
+    for value in (None, 3.5):
+        config = ServeConfig.from_dict({"controller": {"decode": {"late_yield_s": value}}})
+        assert config.controller.scheduler.late_yield_s == value
+
+
 HPU_CLUSTER = {"cluster": {"resources": {"HPU": 4}}}
 BROKEN = [
     ({"controller": {"prefill": {"num_workers": 0}}},
@@ -132,6 +139,8 @@ BROKEN = [
      "controller.decode.enable_chunked_prefill", "must be true or false"),
     ({"controller": {"decode": {"scheduling_policy": "sjf"}}},
      "controller.decode.scheduling_policy", "must be one of fcfs, priority, got 'sjf'"),
+    ({"controller": {"decode": {"late_yield_s": 0}}},
+     "controller.decode.late_yield_s", "must be a number of seconds > 0, or null for no bound"),
     ({"controller": {"prefill": {"resources": {"HPU": "one"}}}},
      "controller.prefill.resources", "a mapping of names to numbers"),
     ({"controller": {"shape": "disaggregated", "decode": {"num_workers": 3, "accelerator": "hpu"},

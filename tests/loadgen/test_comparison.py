@@ -36,6 +36,14 @@ def test_the_three_systems_differ_only_in_buckets_policies_and_padding(
     assert not b.buckets.batching.fit_batch_buckets and not c.buckets.batching.fit_batch_buckets
     assert {t.name for t in a_mix} == {"chat", "batch"} and [t.name for t in b_mix] == ["default"]
     assert [t.max_wait_s for t in a.buckets.tenants] == [30.0, 30.0]  # the tenant default
+    # fcfs starts prompts in plain queue order; fcfs-slo adds bucketserve's admission only
+    slo, _, _ = system_setup("fcfs-slo", spec)
+    assert a.scheduler.slo_admission and slo.scheduler.slo_admission
+    assert not b.scheduler.slo_admission and not c.scheduler.slo_admission
+    assert slo == dataclasses.replace(
+        b, scheduler=dataclasses.replace(b.scheduler, slo_admission=True)
+    )
+    assert (a.scheduler.scheduling_policy, b.scheduler.scheduling_policy) == ("priority", "fcfs")
     aged, aged_tenants, _ = system_setup(
         "bucketserve", dataclasses.replace(spec, batch_max_wait_s=2.0)
     )

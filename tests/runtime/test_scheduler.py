@@ -169,6 +169,30 @@ def test_a_request_past_its_ttft_deadline_waits_behind_those_still_on_time(polic
     assert run(s) == [("late", 3)]
 
 
+def test_without_slo_admission_a_late_request_keeps_its_place():
+    now = time.monotonic()
+    s = make(max_num_seqs=1, slo_admission=False)
+    for q in (due("late", now - 1), due("on-time", now + 60)):
+        s.add(q)
+    assert [run(s)[0][0] for _ in range(4)] == ["late", "late", "on-time", "on-time"]
+
+
+def test_a_request_late_by_more_than_late_yield_s_takes_its_place_back():
+    now = time.monotonic()
+    s = make(max_num_seqs=1, late_yield_s=5.0)
+    for q in (due("late", now - 1), due("overdue", now - 60), due("on-time", now + 60)):
+        s.add(q)
+    # "late" yields (1 s past its deadline, under 5 s); "overdue" has waited long enough
+    order = [run(s)[0][0] for _ in range(6)]
+    assert order == ["overdue", "overdue", "on-time", "on-time", "late", "late"]
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, True, "5"])
+def test_late_yield_s_must_be_positive_seconds(bad):
+    with pytest.raises(ValueError, match="late_yield_s must be a number of seconds > 0"):
+        SchedulerConfig(late_yield_s=bad)
+
+
 def test_only_late_requests_keep_their_order_and_priority_still_comes_first():
     now = time.monotonic()
     s = make(max_num_seqs=1, scheduling_policy="priority")
