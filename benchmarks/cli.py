@@ -67,7 +67,7 @@ def register(subparsers: Any) -> None:
                      help="also write every request's record to NAME.records.json")
     cmp = p.add_argument_group("comparison (--compare)")
     cmp.add_argument("--compare", action="store_true",
-                     help="start the service in three configurations and compare them")
+                     help="start the service in several configurations and compare them")
     cmp.add_argument("--systems", help="comma-separated, from bucketserve,fcfs,fcfs-slo,fcfs-fit,"
                      "shape-only (default: bucketserve,fcfs,shape-only; bucketserve,fcfs with "
                      "--padded or --execution graphs; fcfs-fit only then)")
