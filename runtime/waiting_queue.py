@@ -59,7 +59,7 @@ class WaitingQueue:
         cannot make its deadline even if started now counts as late already. `yield_s`:
         a sequence late by more than this has yielded enough and takes its place back, so
         an overload's late requests wait a bounded time, not until the overload ends."""
-        front = self._seqs[0]
+        front = self.front
         for seq in self._seqs:
             if seq.priority != front.priority and self.policy == "priority":
                 break
