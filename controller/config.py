@@ -103,8 +103,8 @@ class ControllerConfig:
     ranks by its tenant's priority plus its own, so in the colocated shape, where a
     batch joins the engine as soon as the pool has room, tenant priorities still order
     the prompts waiting for the token budget; a prompt past its TTFT deadline yields to
-    those on time for at most `scheduler.late_yield_s` (8 s, from a screen of the served sweep:
-    benchmarks/results/xeon_model207/README.md).
+    those on time it would make late, for at most `scheduler.late_yield_s` (8 s, from a
+    screen of the served sweep: benchmarks/results/xeon_model207/README.md).
     `decode_pace` (disaggregated only): while a prefill batch for a decode worker is in
     flight, its steps wait until a running request would otherwise get its next token
     later than this fraction of its TPOT target, so a prefill worker on the same cores gets

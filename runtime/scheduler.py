@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -26,12 +25,13 @@ class SchedulerConfig:
     memory pressure the lowest-priority running sequence is preempted first), as vLLM's.
     `slo_admission`: a new prompt waits while prefilling it would make a running sequence
     miss its TPOT target, or an admitted prompt its TTFT deadline (`runtime.slo_admission`),
-    and a prompt past its TTFT deadline yields to those still on time (`WaitingQueue.peek`);
-    inert for sequences without targets. Off, prompts start in plain queue order, as
-    vLLM's scheduler starts them. `late_yield_s`: how long past its TTFT deadline a
-    prompt yields to those on time before it takes its queue place back (None: until none
-    is on time), which bounds the TTFT tail of an overload at the cost of some of the SLOs
-    the yielding keeps.
+    and a prompt past its TTFT deadline yields to those still on time that starting it
+    first would make late (`WaitingQueue.peek`); inert for sequences without targets.
+    Off, prompts start in plain queue order, as vLLM's scheduler starts them.
+    `late_yield_s`: how long past its TTFT deadline a prompt yields before it takes its
+    queue place back and is no longer held for running sequences' TPOT (None: it yields
+    while any would be made late, and is held), which bounds the TTFT tail of an overload
+    at the cost of some of the SLOs the yielding keeps.
     """
 
     max_num_seqs: int = 64
@@ -110,7 +110,11 @@ class Scheduler:
         self._watermark_blocks = int(config.watermark * block_manager.num_total_blocks)
         # what steps cost, learned from those run: SLO-aware admission and decode pacing
         self.step_times = StepTimes()
-        self.slo = SloAdmission(self.step_times) if config.slo_admission else None
+        self.slo = (
+            SloAdmission(self.step_times, late_yield_s=config.late_yield_s)
+            if config.slo_admission
+            else None
+        )
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -313,19 +317,21 @@ class Scheduler:
         scheduled: set[int | str],
         now: float,
     ) -> None:
-        bm = self.block_manager
+        bm, slo = self.block_manager, self.slo
         while (
             self.waiting
             and budget > 0
             and len(out) < max_seqs
             and len(self.running) < self.config.max_num_seqs
         ):
-            slo = self.slo
             if slo is None:
                 seq = self.waiting.front
             else:
                 backlog = slo.backlog(self.running)
-                lead = functools.partial(slo.lead_s, backlog=backlog)
+
+                def lead(seq: Sequence, ahead: int, backlog: int = backlog) -> float:
+                    return slo.lead_s(seq, backlog + ahead)
+
                 seq = self.waiting.peek(now, lead, self.config.late_yield_s)
                 if not slo.allows(seq, self.running, now, backlog):
                     return

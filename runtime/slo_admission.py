@@ -60,6 +60,10 @@ class SloAdmission:
     waits for all of them (without this check most TTFT misses of the served sweep were a
     few tenths of a second late).
 
+    A prompt late by more than `late_yield_s` past its TTFT deadline is no longer held for
+    running sequences' TPOT: it has yielded its bounded time (`WaitingQueue.peek`) and now
+    starts as in plain queue order, so an overload's TTFT tail stays bounded too.
+
     A running sequence already past its budget is not protected, and a sequence that
     already streamed tokens (a preempted one resuming) is never held: its own TPOT is
     running. Until both step costs are measured, and with no running sequence that has a
@@ -70,9 +74,15 @@ class SloAdmission:
     on time (`WaitingQueue`), so the SLOs lost are the overflow's.
     """
 
-    def __init__(self, times: StepTimes | None = None, headroom: float = 0.05) -> None:
+    def __init__(
+        self,
+        times: StepTimes | None = None,
+        headroom: float = 0.05,
+        late_yield_s: float | None = None,
+    ) -> None:
         self.times = times or StepTimes()
         self.headroom = headroom  # of each target, kept for what the estimates miss
+        self.late_yield_s = late_yield_s  # late by more: no longer held for running TPOTs
         self.num_holds = 0  # admissions held back, counted once per step that held one
 
     def lead_s(self, seq: Sequence, backlog: int = 0) -> float:
@@ -96,6 +106,8 @@ class SloAdmission:
         times = self.times
         if candidate.num_output_tokens or not times.ready:
             return True
+        if (y := self.late_yield_s) is not None and candidate.is_late(now - y):
+            return self._admit_or_hold(self._keeps_first_tokens(candidate, running, now, backlog))
         assert times.decode_s is not None and times.prefill_token_s is not None
         committed = backlog * times.prefill_token_s  # computed whether or not this one waits
         slacks = []
@@ -115,12 +127,15 @@ class SloAdmission:
             own < prefill + min(left, rows) * times.prefill_token_s for own, left in slacks
         )
         last_chance = broken == 1 and self._last_chance(candidate, backlog, now)
-        if (broken == 0 or last_chance) and self._keeps_first_tokens(
-            candidate, running, now, backlog
-        ):
-            return True
-        self.num_holds += 1
-        return False
+        return self._admit_or_hold(
+            (broken == 0 or last_chance)
+            and self._keeps_first_tokens(candidate, running, now, backlog)
+        )
+
+    def _admit_or_hold(self, admit: bool) -> bool:
+        if not admit:
+            self.num_holds += 1
+        return admit
 
     def _keeps_first_tokens(
         self, candidate: Sequence, running: Collection[Sequence], now: float, backlog: int

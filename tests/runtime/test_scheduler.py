@@ -153,20 +153,45 @@ def due(name: str, deadline: float | None, priority: int = 0) -> Sequence:
     return seq
 
 
+def timed(s: Scheduler, decode_s: float = 0.1, prefill_token_s: float = 1.0) -> Scheduler:
+    """`s` with its step costs known: a 3-token prompt's first token comes 2.1 s after it
+    starts, 5.1 s when another such prompt is computed first."""
+    assert s.slo is not None
+    s.slo.times.decode_s, s.slo.times.prefill_token_s = decode_s, prefill_token_s
+    return s
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_a_request_past_its_ttft_deadline_waits_behind_those_still_on_time(policy):
-    """The first in line is late; the two behind it can still make their first token's
-    deadline, so they start first, and the late one runs as soon as room allows."""
+def test_a_late_request_yields_to_one_it_would_make_late(policy):
+    """The first in line is late; the one behind it makes its deadline only if it starts
+    first, so it does, and the late one runs as soon as room allows."""
     now = time.monotonic()
-    s = make(max_num_seqs=1, scheduling_policy=policy)
-    for q in (due("late", now - 1), due("on-time", now + 60), due("no-target", None)):
+    s = timed(make(max_num_seqs=1, scheduling_policy=policy))
+    for q in (due("late", now - 1), due("on-time", now + 3.5), due("no-target", None)):
         s.add(q)
-    assert not s.get("on-time").is_late(now) and s.get("late").is_late(now)
+    assert not s.get("on-time").is_late(now + 2.1) and s.get("on-time").is_late(now + 5.1)
     assert run(s) == [("on-time", 3)]
     assert run(s) == [("on-time", 1)]
+    assert run(s) == [("late", 3)]  # nothing behind it has a deadline to lose
+    assert run(s) == [("late", 1)]
     assert run(s) == [("no-target", 3)]
-    assert run(s) == [("no-target", 1)]
-    assert run(s) == [("late", 3)]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_late_request_keeps_its_place_when_those_behind_can_spare_the_time(policy):
+    now = time.monotonic()
+    s = timed(make(max_num_seqs=1, scheduling_policy=policy))
+    for q in (due("late", now - 1), due("on-time", now + 60)):
+        s.add(q)
+    assert [run(s)[0][0] for _ in range(4)] == ["late", "late", "on-time", "on-time"]
+
+
+def test_until_step_costs_are_known_a_late_request_keeps_its_place():
+    now = time.monotonic()
+    s = make(max_num_seqs=1)
+    for q in (due("late", now - 1), due("on-time", now + 1)):
+        s.add(q)
+    assert [run(s)[0][0] for _ in range(4)] == ["late", "late", "on-time", "on-time"]
 
 
 def test_without_slo_admission_a_late_request_keeps_its_place():
@@ -179,12 +204,14 @@ def test_without_slo_admission_a_late_request_keeps_its_place():
 
 def test_a_request_late_by_more_than_late_yield_s_takes_its_place_back():
     now = time.monotonic()
-    s = make(max_num_seqs=1, late_yield_s=5.0)
-    for q in (due("late", now - 1), due("overdue", now - 60), due("on-time", now + 60)):
+    s = timed(make(max_num_seqs=1, late_yield_s=5.0))
+    for q in (due("late", now - 1), due("overdue", now - 60), due("on-time", now + 6.5)):
         s.add(q)
-    # "late" yields (1 s past its deadline, under 5 s); "overdue" has waited long enough
+    # "overdue" has waited long enough and keeps its place; "on-time" makes its deadline
+    # behind it (5.1 s), not behind "late" as well (8.1 s), so "late" (1 s past its
+    # deadline, under 5 s) yields; once "overdue" is done, "on-time" can spare the time
     order = [run(s)[0][0] for _ in range(6)]
-    assert order == ["overdue", "overdue", "on-time", "on-time", "late", "late"]
+    assert order == ["overdue", "overdue", "late", "late", "on-time", "on-time"]
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, True, "5"])

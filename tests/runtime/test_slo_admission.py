@@ -3,7 +3,6 @@ TPOT target needs the time, late-if-started-now ordering (no model needed)."""
 
 from __future__ import annotations
 
-import functools
 import time
 
 import pytest
@@ -151,7 +150,7 @@ def test_a_prompt_that_cannot_make_its_deadline_if_started_now_yields():
     assert s.waiting.peek(now, s.slo.lead_s) is fine
     assert s.waiting.peek(now) is doomed  # without lead times: queue order
     # behind 200 prompt tokens admitted first, neither makes it: the front goes first
-    assert s.waiting.peek(now, functools.partial(s.slo.lead_s, backlog=200)) is doomed
+    assert s.waiting.peek(now, lambda q, ahead: s.slo.lead_s(q, 200 + ahead)) is doomed
 
 
 def test_a_prompt_waits_rather_than_push_an_admitted_one_past_its_first_token_deadline():
@@ -183,3 +182,20 @@ def test_a_sequence_the_admitted_prompts_already_break_holds_nothing_back():
     admitted.token_ids = admitted.token_ids[:5_001]
     assert not admits(slo, seq("p", 200), [tight, admitted], now)
     assert admits(slo, seq("p", 100, max_tokens=1), [tight, admitted], now)
+
+
+def test_a_prompt_late_by_more_than_late_yield_s_is_no_longer_held_for_running_targets():
+    now = time.monotonic()
+    slo = SloAdmission(times(), late_yield_s=8.0)
+    tight = decoding("tight", 10, 1.0, now, tpot=0.25)
+    late, overdue = seq("late", 50_000), seq("overdue", 50_000)
+    late.ttft_deadline, overdue.ttft_deadline = now - 7.0, now - 9.0
+    assert not admits(slo, late, [tight], now)  # 7 s past: still yields its TPOT target
+    assert admits(slo, overdue, [tight], now)
+    assert not admits(SloAdmission(times()), overdue, [tight], now)  # no bound: held
+    # it still waits a step rather than push an admitted prompt past its first token
+    admitted = seq("admitted", 500)
+    admitted.status = SequenceStatus.RUNNING
+    admitted.ttft_deadline = now + 0.9
+    assert not admits(slo, overdue, [tight, admitted], now)
+    assert slo.num_holds == 2
