@@ -60,8 +60,11 @@ class SloAdmission:
     waits for all of them (without this check most TTFT misses of the served sweep were a
     few tenths of a second late).
 
-    A prompt late by more than `late_yield_s` past its TTFT deadline is no longer held for
-    running sequences' TPOT: it has yielded its bounded time (`WaitingQueue.peek`) and now
+    A prompt is held for at most `hold_fraction` of the time it had to its TTFT deadline
+    when it arrived (None: until its last chance), so holding trades only part of its TTFT
+    budget for the running requests' TPOT rather than pushing first tokens up to the
+    deadline. A prompt late by more than `late_yield_s` past its TTFT deadline is no
+    longer held either: it has yielded its bounded time (`WaitingQueue.peek`) and now
     starts as in plain queue order, so an overload's TTFT tail stays bounded too.
 
     A running sequence already past its budget is not protected, and a sequence that
@@ -79,10 +82,12 @@ class SloAdmission:
         times: StepTimes | None = None,
         headroom: float = 0.05,
         late_yield_s: float | None = None,
+        hold_fraction: float | None = None,
     ) -> None:
         self.times = times or StepTimes()
         self.headroom = headroom  # of each target, kept for what the estimates miss
         self.late_yield_s = late_yield_s  # late by more: no longer held for running TPOTs
+        self.hold_fraction = hold_fraction  # of its time to its TTFT deadline, held at most
         self.num_holds = 0  # admissions held back, counted once per step that held one
 
     def lead_s(self, seq: Sequence, backlog: int = 0) -> float:
@@ -106,7 +111,7 @@ class SloAdmission:
         times = self.times
         if candidate.num_output_tokens or not times.ready:
             return True
-        if (y := self.late_yield_s) is not None and candidate.is_late(now - y):
+        if self._held_enough(candidate, now):
             return self._admit_or_hold(self._keeps_first_tokens(candidate, running, now, backlog))
         assert times.decode_s is not None and times.prefill_token_s is not None
         committed = backlog * times.prefill_token_s  # computed whether or not this one waits
@@ -131,6 +136,18 @@ class SloAdmission:
             (broken == 0 or last_chance)
             and self._keeps_first_tokens(candidate, running, now, backlog)
         )
+
+    def _held_enough(self, seq: Sequence, now: float) -> bool:
+        """`seq` is no longer held for running TPOTs: it has waited `hold_fraction` of the
+        time it had to its TTFT deadline when it arrived, or is late by more than
+        `late_yield_s`."""
+        deadline = seq.ttft_deadline
+        if deadline is None:
+            return False
+        fraction, y, arrived = self.hold_fraction, self.late_yield_s, seq.arrival_time
+        if fraction is not None and now - arrived >= fraction * (deadline - arrived):
+            return True
+        return y is not None and now > deadline + y
 
     def _admit_or_hold(self, admit: bool) -> bool:
         if not admit:
