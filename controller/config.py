@@ -104,9 +104,7 @@ class ControllerConfig:
     batch joins the engine as soon as the pool has room, tenant priorities still order
     the prompts waiting for the token budget; a prompt past its TTFT deadline yields to
     those on time it would make late, for at most `scheduler.late_yield_s` (8 s, from a
-    screen of the served sweep: benchmarks/results/xeon_model207/README.md), and SLO
-    admission holds a prompt for running requests' TPOT for at most half the time it had
-    to its TTFT deadline (`scheduler.slo_hold_fraction`).
+    screen of the served sweep: benchmarks/results/xeon_model207/README.md).
     `decode_pace` (disaggregated only): while a prefill batch for a decode worker is in
     flight, its steps wait until a running request would otherwise get its next token
     later than this fraction of its TPOT target, so a prefill worker on the same cores gets
@@ -116,9 +114,7 @@ class ControllerConfig:
 
     runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
     scheduler: SchedulerConfig = field(
-        default_factory=lambda: SchedulerConfig(
-            scheduling_policy="priority", late_yield_s=8.0, slo_hold_fraction=0.5
-        )
+        default_factory=lambda: SchedulerConfig(scheduling_policy="priority", late_yield_s=8.0)
     )
     pipeline_depth: int = 1
     prefill_kv_blocks: int | None = None

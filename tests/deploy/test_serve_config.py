@@ -122,6 +122,13 @@ def test_late_prompts_yield_for_8_s_unless_the_yaml_says_otherwise() -> None:
         assert config.controller.scheduler.late_yield_s == value
 
 
+def test_prompts_are_held_up_to_their_last_chance_unless_the_yaml_caps_it() -> None:
+    assert ServeConfig.from_dict({}).controller.scheduler.slo_hold_fraction is None
+    for value in (0.5, 1):
+        config = ServeConfig.from_dict({"controller": {"decode": {"slo_hold_fraction": value}}})
+        assert config.controller.scheduler.slo_hold_fraction == value
+
+
 HPU_CLUSTER = {"cluster": {"resources": {"HPU": 4}}}
 BROKEN = [
     ({"controller": {"prefill": {"num_workers": 0}}},
@@ -141,6 +148,8 @@ BROKEN = [
      "controller.decode.scheduling_policy", "must be one of fcfs, priority, got 'sjf'"),
     ({"controller": {"decode": {"late_yield_s": 0}}},
      "controller.decode.late_yield_s", "must be a number of seconds > 0, or null for no bound"),
+    ({"controller": {"decode": {"slo_hold_fraction": 2}}},
+     "controller.decode.slo_hold_fraction", "must be a number in (0, 1]"),
     ({"controller": {"prefill": {"resources": {"HPU": "one"}}}},
      "controller.prefill.resources", "a mapping of names to numbers"),
     ({"controller": {"shape": "disaggregated", "decode": {"num_workers": 3, "accelerator": "hpu"},
