@@ -61,11 +61,10 @@ class WaitingQueue:
         `lead_s(seq, ahead)`: the seconds `seq` needs from its start to its first token
         when `ahead` more prompt tokens are computed before it (none given: no time, so
         queue order); one that cannot make its deadline even if started now counts as late
-        already. A late sequence yields only
-        to those it would cost their deadline, so below capacity it loses no more time
-        than queue order gives it. `yield_s`: a sequence late by more than this has yielded
-        enough and keeps its place, so an overload's late requests wait a bounded time, not
-        until the overload ends."""
+        already. A late sequence yields only to those it would cost their deadline, so
+        below capacity it loses no more time than queue order gives it. `yield_s`: a
+        sequence late by more than this has yielded enough and keeps its place, so an
+        overload's late requests wait a bounded time, not until the overload ends."""
         front = self.front
         lead_s = lead_s or _no_lead
         late: Sequence | None = None  # the first in queue order that may yield

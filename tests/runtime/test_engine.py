@@ -100,19 +100,28 @@ def test_priority_policy_runs_lower_priority_values_first_with_the_same_tokens(t
     assert not llm.engine.has_unfinished()
 
 
-def test_a_request_past_its_ttft_deadline_yields_with_the_same_tokens(tiny_runner):
+@pytest.mark.parametrize("spare_s", [600.0, None])
+def test_a_request_past_its_ttft_deadline_yields_with_the_same_tokens(tiny_runner, spare_s):
+    """The late request goes first when the on-time one behind it can spare the time
+    (600 s); it yields when its prefill would cost that one its deadline (priced at 1 s a
+    prompt token, the deadline lies halfway through the late prompt's prefill)."""
     prompts, params = token_prompts(3, seed=4), varied_params(3)
     engine = LLMEngine.from_kwargs(runner=tiny_runner, max_num_seqs=1)
+    times = engine.scheduler.step_times
+    times.decode_s, times.prefill_token_s = 0.1, 1.0
     now = time.monotonic()
+    n0, n1 = len(prompts[0]), len(prompts[1])
+    on_time = spare_s or 0.1 + (n1 - 1) + n0 / 2
     ids = [
         engine.add_request(prompts[0], params[0], ttft_deadline=now - 1.0),  # already late
-        engine.add_request(prompts[1], params[1], ttft_deadline=now + 600.0),
+        engine.add_request(prompts[1], params[1], ttft_deadline=now + on_time),
         engine.add_request(prompts[2], params[2]),  # no target: never late
     ]
     streams = drain(engine)
     assert [streams[i][-1].token_ids for i in ids] == reference(tiny_runner, prompts, params)
     started = [streams[i][-1].metrics.first_scheduled_time for i in ids]
-    assert started[1] < started[2] < started[0]
+    order = sorted(range(3), key=lambda i: started[i])
+    assert order == ([0, 1, 2] if spare_s else [1, 0, 2])
     with pytest.raises(ValueError, match=r"ttft_deadline must be a time\.monotonic"):
         engine.add_request(prompts[0], GREEDY, ttft_deadline="soon")
     assert not engine.has_unfinished()
