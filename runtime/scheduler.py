@@ -85,11 +85,11 @@ class Scheduler:
     next chunk of a prompt), then admits waiting ones in queue order while the
     running limit, the token budget and the free blocks allow (under SLO admission a
     waiting sequence past its TTFT deadline goes after those of its priority still on
-    time). A sequence in an in-flight microbatch is never scheduled again until `update`
-    has seen that microbatch. When a sequence needs a block and none is free, the
-    newest running sequence (under the priority policy: of the lowest priority)
-    is preempted by recompute: its blocks are freed, it keeps its tokens, and it
-    goes back to the waiting queue (FCFS: to its front).
+    time that it would make late). A sequence in an in-flight microbatch is never
+    scheduled again until `update` has seen that microbatch. When a sequence needs a
+    block and none is free, the newest running sequence (under the priority policy: of
+    the lowest priority) is preempted by recompute: its blocks are freed, it keeps its
+    tokens, and it goes back to the waiting queue (FCFS: to its front).
     """
 
     def __init__(

@@ -141,13 +141,13 @@ class SloAdmission:
         """`seq` is no longer held for running TPOTs: it has waited `hold_fraction` of the
         time it had to its TTFT deadline when it arrived, or is late by more than
         `late_yield_s`."""
-        deadline = seq.ttft_deadline
+        deadline, fraction, y = seq.ttft_deadline, self.hold_fraction, self.late_yield_s
         if deadline is None:
             return False
-        fraction, y, arrived = self.hold_fraction, self.late_yield_s, seq.arrival_time
+        arrived = seq.arrival_time
         if fraction is not None and now - arrived >= fraction * (deadline - arrived):
             return True
-        return y is not None and now > deadline + y
+        return y is not None and seq.is_late(now - y)  # the overdue test of WaitingQueue.peek
 
     def _admit_or_hold(self, admit: bool) -> bool:
         if not admit:
