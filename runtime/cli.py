@@ -1,8 +1,10 @@
-"""`bucketserve offline`: chat completions for a few prompts with the in-process engine."""
+"""`bucketserve offline`: chat completions for a few prompts with the in-process engine;
+`bucketserve kernels build`: the CPU kernel library, built now rather than on first use."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 DEFAULT_PROMPTS = (
@@ -33,6 +35,48 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     parser.add_argument("--device", default="auto", help="cpu, cuda, hpu or auto")
     parser.set_defaults(func=run)
+    _register_kernels(subparsers)
+
+
+def _register_kernels(subparsers: argparse._SubParsersAction) -> None:
+    kernels = subparsers.add_parser(
+        "kernels",
+        help="the CPU kernels (C, built with the system compiler)",
+        description="Manage the CPU kernels, built once per machine, source and ISA.",
+    )
+    kernels.set_defaults(func=lambda args: kernels.print_help() or 2)
+    actions = kernels.add_subparsers(dest="kernels_command", metavar="ACTION")
+    build = actions.add_parser(
+        "build",
+        help="build the kernel library now (or find it cached)",
+        description="Build the CPU kernel library for this machine, or find it cached, and "
+        "print its path. A failed build is recorded and later processes run the torch code "
+        "without retrying it; --force clears the record and builds again.",
+    )
+    build.add_argument(
+        "--isa", default=None,
+        help="the -march target, e.g. x86-64-v3 (default: $BUCKETSERVE_CPU_ISA, else native)",
+    )
+    build.add_argument(
+        "--force", action="store_true",
+        help="forget a recorded failure and build again even where a library is cached",
+    )
+    build.set_defaults(func=build_kernels)
+
+
+def build_kernels(args: argparse.Namespace) -> int:
+    """One line: the library, its ISA and how long the build took; or why it failed."""
+    from runtime.kernels.build import KernelBuild, KernelBuildError
+
+    try:
+        build = KernelBuild(args.isa)
+        path = build.library(force=args.force)
+    except (KernelBuildError, OSError) as exc:
+        print(f"bucketserve kernels build: {exc}", file=sys.stderr)
+        return 1
+    took = "cached" if build.seconds is None else f"built in {build.seconds:.1f} s"
+    print(f"{path} (-march={build.isa}, {took})")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:

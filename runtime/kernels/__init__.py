@@ -1,41 +1,34 @@
-"""CPU kernels torch lacks, in plain C (`cpu_kernels.c`), built once per machine with the
-system compiler and called through ctypes: no torch headers, so a build takes 1-2 s.
+"""CPU kernels torch lacks, in plain C (`cpu_kernels.c`), built with the system compiler
+and called through ctypes: no torch headers to compile against.
 
-`load()` is None where no C compiler is found, or with `BUCKETSERVE_CPU_KERNELS=0`; the
-model then runs the torch code each kernel replaces (same result, more passes over
-memory). Inside a graph being compiled the torch code runs too: the compiler sees it.
+`build.KernelBuild` builds the library once per machine, source and target ISA
+(`BUCKETSERVE_CPU_ISA`, the `-march` value: `native` by default, or a level such as
+`x86-64-v3`), under a file lock so workers starting together wait for one build. The
+compiler's output goes to a log file beside the library, never to the console. A failed
+build is recorded and not retried (later processes skip the compiler) until
+`bucketserve kernels build --force`.
+
+`load()` is None where the build failed (one warning line says why and where the log is),
+or with `BUCKETSERVE_CPU_KERNELS=0`; the model then runs the torch code each kernel
+replaces (same result, more passes over memory). Inside a graph being compiled the torch
+code runs too: the compiler sees it.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from runtime.default_model import CACHE_ENV
+from runtime.kernels.build import ISA_ENV as ISA_ENV  # re-exported: the ISA switch
+from runtime.kernels.build import KernelBuild, KernelBuildError
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
 ENV_SWITCH = "BUCKETSERVE_CPU_KERNELS"
-# -march=native: the library is built on (and cached for) the CPU that runs it.
-# -ffast-math + libmvec: vector expf and reassociated sums, 1.2-1.4x (the source keeps
-# every value finite). torch's libgomp is already loaded: the OpenMP runtime is shared.
-# x86: full-width vectors in the auto-vectorised loops too (GCC's Intel targets prefer 256).
-FLAGS = ["-O3", "-ffast-math", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-LIBS = []
-if platform.machine() == "x86_64":
-    FLAGS.append("-mprefer-vector-width=512")
-    LIBS.append("-lmvec")
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -55,8 +48,9 @@ class CpuKernels:
     """The loaded library; each method takes float32 or bfloat16 CPU tensors and runs on
     torch's thread count."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, isa: str) -> None:
         self._library = library
+        self.isa = isa  # the -march value the library was built for
         self._fns = {}
         signatures = [(n, args, dtype) for n, args in _SIGNATURES.items() for dtype in _SUFFIX]
         signatures += [(name, args, torch.float32) for name, args in _FLOAT32_ONLY.items()]
@@ -155,6 +149,12 @@ class CpuKernels:
         a CPU with AMX, granted by the OS, and not switched off with `BUCKETSERVE_AMX=0`."""
         return bool(self._library.amx_prefill())
 
+    @property
+    def lanes(self) -> int:
+        """float32 lanes of the vectors this build computes with: 16 on AVX-512, 8 on
+        AVX2, 4 on NEON."""
+        return int(self._library.cpu_kernels_lanes())
+
     @staticmethod
     def supports(head_dim: int, num_queries_per_kv: int, block_size: int) -> bool:
         """Whether both attention kernels take these shapes."""
@@ -250,50 +250,13 @@ def for_tensors(dtype: torch.dtype, device: torch.device) -> CpuKernels | None:
 
 @cache
 def load() -> CpuKernels | None:
-    """The kernel library (built on first use and cached), or None where it cannot be."""
+    """The kernel library (built on first use and cached), or None where it cannot be: a
+    failed build costs one warning line, not the compiler's output."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     try:
-        return CpuKernels(ctypes.CDLL(str(_build())))
-    except OSError as exc:
-        logger.warning("CPU kernels unavailable (%s); using the torch code", exc)
+        build = KernelBuild()
+        return CpuKernels(ctypes.CDLL(str(build.library())), build.isa)
+    except (KernelBuildError, OSError) as exc:
+        logger.warning("CPU kernels unavailable, the torch code runs: %s", exc)
         return None
-
-
-def _build() -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        source + " ".join([compiler, *FLAGS, *LIBS, platform.machine(), _cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    base = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "bucketserve"
-    target = Path(base) / "kernels" / f"cpu_kernels-{key}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside the target, then renamed: workers starting at once never load half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        built = subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True
-        )
-        if built.returncode != 0:
-            raise OSError(f"{compiler} failed: {built.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()

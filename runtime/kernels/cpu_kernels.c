@@ -10,10 +10,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__x86_64__) && defined(__AVX__)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX 1
@@ -21,7 +23,29 @@
 #define HAVE_AMX 0
 #endif
 
-enum { MAX_DIM = 256, MAX_GROUP = 16, MAX_BLOCK = 256 };
+// The vector width follows the ISA the library is built for: 16 floats on AVX-512, 8 on
+// AVX2 (x86-64-v3), 4 on NEON and anything else. So do the register blocks of the
+// microkernels: FMA_COLS vectors of a 4-row block (4 x 4 where 32 vector registers hold
+// them, 4 x 2 with AVX2's 16), and GEMM_MR rows of a panel's PANEL / VL vectors.
+#if defined(__AVX512F__)
+#define VL 16
+enum { FMA_COLS = 4, GEMM_MR = 12 };
+#elif defined(__AVX__)
+#define VL 8
+enum { FMA_COLS = 2, GEMM_MR = 3 };
+#elif defined(__aarch64__)
+#define VL 4
+enum { FMA_COLS = 4, GEMM_MR = 6 };
+#else
+#define VL 4
+enum { FMA_COLS = 2, GEMM_MR = 2 };
+#endif
+
+// The vector lanes this build computes with (the loader reports it; tests assert it).
+int cpu_kernels_lanes(void) { return VL; }
+
+// Head sizes a multiple of DIM_UNIT, on every ISA (each one's VL divides it).
+enum { MAX_DIM = 256, MAX_GROUP = 16, MAX_BLOCK = 256, DIM_UNIT = 16 };
 
 static inline __attribute__((always_inline)) float load(const void *p, int64_t i, int bf16) {
     if (!bf16) return ((const float *)p)[i];
@@ -46,43 +70,48 @@ static inline __attribute__((always_inline)) void store(void *p, int64_t i, floa
     ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
 }
 
-typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));
-enum { VL = 16 };
+typedef float vf __attribute__((vector_size(VL * 4), aligned(4), may_alias));
 
 // Plain dereferences of the unaligned, aliasing vector type: one vector load or store. A
 // 64-byte memcpy is split into two 32-byte moves where GCC prefers 256-bit vectors (Intel
 // -march targets), and the 64-byte reload of a spilled copy then misses store forwarding:
 // prefill attention measured 3.8x slower on a Sapphire Rapids class VM.
-static inline __attribute__((always_inline)) vf16 vload(const float *p) { return *(const vf16 *)p; }
+static inline __attribute__((always_inline)) vf vload(const float *p) { return *(const vf *)p; }
 
-static inline __attribute__((always_inline)) void vstore(float *p, vf16 v) { *(vf16 *)p = v; }
+static inline __attribute__((always_inline)) void vstore(float *p, vf v) { *(vf *)p = v; }
 
-typedef uint16_t vh16 __attribute__((vector_size(32), aligned(2), may_alias));
-typedef uint32_t vu16 __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2), aligned(2), may_alias));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
 // VL elements from p + i, float32 or bfloat16, as float32.
-static inline __attribute__((always_inline)) vf16 vload_as(const void *p, int64_t i, int bf16) {
+static inline __attribute__((always_inline)) vf vload_as(const void *p, int64_t i, int bf16) {
     if (!bf16) return vload((const float *)p + i);
-    const vh16 h = *(const vh16 *)((const uint16_t *)p + i);
-    const vu16 u = __builtin_convertvector(h, vu16) << 16;
-    return (vf16)u;
+    const vh h = *(const vh *)((const uint16_t *)p + i);
+    const vu u = __builtin_convertvector(h, vu) << 16;
+    return (vf)u;
 }
 
 // VL floats to p + i as float32 or bfloat16 (each rounded as `store` rounds it).
-static inline __attribute__((always_inline)) void vstore_as(void *p, int64_t i, vf16 f, int bf16) {
+static inline __attribute__((always_inline)) void vstore_as(void *p, int64_t i, vf f, int bf16) {
     if (!bf16) {
         vstore((float *)p + i, f);
         return;
     }
-    const vu16 u = (vu16)f;
-    const vu16 nan = (vu16)((u & 0x7fffffffu) > 0x7f800000u);
-    const vu16 r = ((u + 0x7fffu + ((u >> 16) & 1u)) & ~nan) | ((u | 0x400000u) & nan);
-    *(vh16 *)((uint16_t *)p + i) = __builtin_convertvector(r >> 16, vh16);
+    const vu u = (vu)f;
+    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    const vu r = ((u + 0x7fffu + ((u >> 16) & 1u)) & ~nan) | ((u | 0x400000u) & nan);
+    *(vh *)((uint16_t *)p + i) = __builtin_convertvector(r >> 16, vh);
 }
 
-static inline __attribute__((always_inline)) float hsum(vf16 v) {
+static inline __attribute__((always_inline)) float hsum(vf v) {
 #if defined(__AVX512F__)
     return _mm512_reduce_add_ps((__m512)v);
+#elif defined(__AVX__)
+    const __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+#elif defined(__aarch64__)
+    return vaddvq_f32((float32x4_t)v);
 #else
     float t = 0.0f;
     for (int i = 0; i < VL; i++) t += v[i];
@@ -105,14 +134,14 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, int6
                               int64_t head_stride, float scale, int bf16) {
     enum { MAX_VECS = MAX_DIM / VL };
     const int nv = dim / VL;
-    vf16 qv[MAX_GROUP][MAX_VECS], acc[MAX_GROUP][MAX_VECS];
+    vf qv[MAX_GROUP][MAX_VECS], acc[MAX_GROUP][MAX_VECS];
     float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][MAX_BLOCK];
     const int64_t q0 = (int64_t)r * q_stride + (int64_t)kvh * group * dim;
     const int64_t o0 = ((int64_t)r * heads + (int64_t)kvh * group) * dim;
     for (int g = 0; g < group; g++) {
         for (int c = 0; c < nv; c++) {
             qv[g][c] = vload_as(q, q0 + g * dim + c * VL, bf16) * scale;
-            acc[g][c] = (vf16){0};
+            acc[g][c] = (vf){0};
         }
         m[g] = -FLT_MAX;  // finite: the library is built with -ffast-math
         l[g] = 0.0f;
@@ -135,10 +164,10 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, int6
                 __builtin_prefetch((const char *)k_cache + (next + t * dim) * es + b, 0, 3);
                 __builtin_prefetch((const char *)v_cache + (next + t * dim) * es + b, 0, 3);
             }
-            vf16 k[MAX_VECS];
+            vf k[MAX_VECS];
             for (int c = 0; c < nv; c++) k[c] = vload_as(k_cache, at + c * VL, bf16);
             for (int g = 0; g < group; g++) {
-                vf16 dot = qv[g][0] * k[0];
+                vf dot = qv[g][0] * k[0];
                 for (int c = 1; c < nv; c++) dot += qv[g][c] * k[c];
                 s[g][t] = hsum(dot);
             }
@@ -159,7 +188,7 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, int6
                 for (int c = 0; c < nv; c++) acc[g][c] *= rescale;
         }
         for (int t = 0; t < n; t++) {
-            vf16 v[MAX_VECS];
+            vf v[MAX_VECS];
             for (int c = 0; c < nv; c++) v[c] = vload_as(v_cache, base + (int64_t)t * dim + c * VL, bf16);
             for (int g = 0; g < group; g++)
                 for (int c = 0; c < nv; c++) acc[g][c] += s[g][t] * v[c];
@@ -168,7 +197,7 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, int6
     for (int g = 0; g < group; g++) {
         const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
         for (int c = 0; c < nv; c++) {
-            const vf16 o = acc[g][c] * inv;
+            const vf o = acc[g][c] * inv;
             for (int i = 0; i < VL; i++) store(out, o0 + g * dim + c * VL + i, o[i], bf16);
         }
     }
@@ -220,7 +249,7 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_cache, co
                         int kv_heads, int dim, int block_size, int max_blocks,
                         int64_t head_stride, float scale, int threads, int bf16) {
     const int group = heads / kv_heads;
-    if (dim > MAX_DIM || dim % VL || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
+    if (dim > MAX_DIM || dim % DIM_UNIT || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
     for (int r = 0; r < rows; r++) {
         for (int kvh = 0; kvh < kv_heads; kvh++) {
@@ -281,26 +310,31 @@ int paged_decode_flat_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
 
 enum { TILE_ROWS = 64, TILE_KEYS = 64, MASKED = -1000000000 };
 
-// Keeps four loaded vectors in registers: without it GCC folds their loads into each of
-// the FMAs that use them, and the microkernels below become load-bound.
+// Keeps a loaded vector in a register: without it GCC folds its load into each of the
+// FMAs that use it, and the microkernels below become load-bound. The vector type is the
+// ISA's register width, so the constraint always fits.
 #if defined(__x86_64__)
-#define IN_REGISTERS(a, b, c, d) __asm__("" : "+v"(a), "+v"(b), "+v"(c), "+v"(d))
+#define IN_REGISTER(a) __asm__("" : "+v"(a))
+#elif defined(__aarch64__)
+#define IN_REGISTER(a) __asm__("" : "+w"(a))
 #else
-#define IN_REGISTERS(a, b, c, d)
+#define IN_REGISTER(a)
 #endif
 
-// The microkernels' 4 x 4 register block: acc[i][c] += a[i * stride] * b[c * VL : +VL].
-static inline __attribute__((always_inline)) void fma_block(vf16 acc[4][4], const float *a,
+// The microkernels' 4 x FMA_COLS register block: acc[i][c] += a[i * stride] * b[c * VL : +VL].
+static inline __attribute__((always_inline)) void fma_block(vf acc[4][FMA_COLS], const float *a,
                                                             int64_t stride, const float *b) {
-    vf16 b0 = vload(b), b1 = vload(b + VL), b2 = vload(b + 2 * VL), b3 = vload(b + 3 * VL);
-    IN_REGISTERS(b0, b1, b2, b3);
+    vf bv[FMA_COLS];
+#pragma GCC unroll 4
+    for (int c = 0; c < FMA_COLS; c++) {
+        bv[c] = vload(b + c * VL);
+        IN_REGISTER(bv[c]);
+    }
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {
         const float x = a[i * stride];
-        acc[i][0] += x * b0;
-        acc[i][1] += x * b1;
-        acc[i][2] += x * b2;
-        acc[i][3] += x * b3;
+#pragma GCC unroll 4
+        for (int c = 0; c < FMA_COLS; c++) acc[i][c] += x * bv[c];
     }
 }
 
@@ -308,43 +342,48 @@ static inline __attribute__((always_inline)) void fma_block(vf16 acc[4][4], cons
 static void tile_scores(const float *Q, const float *Kt, int64_t kstride, float *S, int rows,
                         int dim) {
     for (int r = 0; r < rows; r += 4) {
-        vf16 acc[4][4];
-        memset(acc, 0, sizeof acc);
-        for (int d = 0; d < dim; d++) fma_block(acc, Q + r * dim + d, dim, Kt + (int64_t)d * kstride);
+        for (int c0 = 0; c0 < TILE_KEYS; c0 += FMA_COLS * VL) {
+            vf acc[4][FMA_COLS];
+            memset(acc, 0, sizeof acc);
+            for (int d = 0; d < dim; d++)
+                fma_block(acc, Q + r * dim + d, dim, Kt + (int64_t)d * kstride + c0);
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; i++)
-            for (int c = 0; c < 4; c++) vstore(S + (r + i) * TILE_KEYS + c * VL, acc[i][c]);
+            for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
+                for (int c = 0; c < FMA_COLS; c++)
+                    vstore(S + (r + i) * TILE_KEYS + c0 + c * VL, acc[i][c]);
+        }
     }
 }
 
 // O[rows, dim] = O * rescale[row] + P[rows, keys] . V[keys, dim], `dim` a multiple of VL
-// (the online softmax's rescale of O rides on loading it). Four-vector column blocks keep
-// their 4 x 4 accumulators in registers (constant loop bounds: a variable width sent them
+// (the online softmax's rescale of O rides on loading it). FMA_COLS-vector column blocks
+// keep their accumulators in registers (constant loop bounds: a variable width sent them
 // to the stack, copied 8 bytes at a time); what is left of `dim` goes a vector at a time.
 static void tile_values(const float *P, const float *V, float *O, const float *rescale,
                         int rows, int keys, int dim) {
     for (int r = 0; r < rows; r += 4) {
         int c0 = 0;
-        for (; c0 + 4 * VL <= dim; c0 += 4 * VL) {
-            vf16 acc[4][4];
+        for (; c0 + FMA_COLS * VL <= dim; c0 += FMA_COLS * VL) {
+            vf acc[4][FMA_COLS];
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++)
 #pragma GCC unroll 4
-                for (int c = 0; c < 4; c++)
+                for (int c = 0; c < FMA_COLS; c++)
                     acc[i][c] = vload(O + (r + i) * dim + c0 + c * VL) * rescale[r + i];
             for (int j = 0; j < keys; j++)
                 fma_block(acc, P + r * TILE_KEYS + j, TILE_KEYS, V + (int64_t)j * dim + c0);
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++)
 #pragma GCC unroll 4
-                for (int c = 0; c < 4; c++) vstore(O + (r + i) * dim + c0 + c * VL, acc[i][c]);
+                for (int c = 0; c < FMA_COLS; c++) vstore(O + (r + i) * dim + c0 + c * VL, acc[i][c]);
         }
         for (; c0 < dim; c0 += VL) {
-            vf16 acc[4];
+            vf acc[4];
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) acc[i] = vload(O + (r + i) * dim + c0) * rescale[r + i];
             for (int j = 0; j < keys; j++) {
-                const vf16 v = vload(V + (int64_t)j * dim + c0);
+                const vf v = vload(V + (int64_t)j * dim + c0);
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) acc[i] += P[(r + i) * TILE_KEYS + j] * v;
             }
@@ -661,7 +700,7 @@ static int paged_prefill(const void *q, int64_t q_stride, const void *k_cache, c
                          int kv_heads, int dim, int block_size, int max_blocks,
                          int64_t head_stride, float scale, int threads, int bf16) {
     const int group = heads / kv_heads;
-    if (dim > MAX_DIM || dim % VL || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
+    if (dim > MAX_DIM || dim % DIM_UNIT || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
     const int per_tile = TILE_ROWS / group, amx = bf16 && dim % 64 == 0 && amx_usable();
     // Work items: (seq, kvh) of one-query rows, (seq, kvh, tile) of chunks, each chunk's
     // last tiles (the most keys) first.
@@ -818,9 +857,9 @@ static void rms_norm(const void *x, const void *weight, void *out, int tokens, i
     for (int t = 0; t < tokens; t++) {
         const int64_t base = (int64_t)t * size;
         if (size % VL == 0) {  // every hidden size in practice: whole vectors, no tail
-            vf16 acc = {0};
+            vf acc = {0};
             for (int i = 0; i < size; i += VL) {
-                const vf16 v = vload_as(x, base + i, bf16);
+                const vf v = vload_as(x, base + i, bf16);
                 acc += v * v;
             }
             const float inv = 1.0f / sqrtf(hsum(acc) / size + eps);
@@ -929,7 +968,7 @@ int write_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t k_stride, int64_
 // thread owns a contiguous run of panels. At prefill sizes rows go in blocks of GEMM_ROWS
 // (x's block stays in L2) and k in chunks of GEMM_KC (a row block's x and the panel's
 // chunk stay in L1), as MKL blocks them.
-enum { PANEL = 32, GEMM_MR = 12, GEMM_ROWS = 96, GEMM_KC = 256 };
+enum { PANEL = 32, PANEL_VECS = PANEL / VL, GEMM_ROWS = 96, GEMM_KC = 256 };
 
 // rows [0, MR) of x (row stride ldx) times a panel's k-range [0, K) into y (row stride
 // ldy), adding to y when `acc`; prefetches `lines` cache lines of `pf` per k-step (a
@@ -939,26 +978,26 @@ enum { PANEL = 32, GEMM_MR = 12, GEMM_ROWS = 96, GEMM_KC = 256 };
 static inline __attribute__((always_inline)) void gemm_block(
     const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int K, int MR, int acc,
     const char *pf, int lines) {
-    vf16 sum[GEMM_MR][2];
-    for (int i = 0; i < MR; i++) {
-        sum[i][0] = acc ? vload(y + i * ldy) : (vf16){0};
-        sum[i][1] = acc ? vload(y + i * ldy + VL) : (vf16){0};
-    }
+    vf sum[GEMM_MR][PANEL_VECS];
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+        for (int c = 0; c < PANEL_VECS; c++) sum[i][c] = acc ? vload(y + i * ldy + c * VL) : (vf){0};
     for (int k = 0; k < K; k++) {
         const float *wk = w + (int64_t)k * PANEL;
         for (int l = 0; l < lines; l++) __builtin_prefetch(pf + ((int64_t)k * lines + l) * 64, 0, 2);
-        const vf16 w0 = vload(wk), w1 = vload(wk + VL);
+        vf wv[PANEL_VECS];
+#pragma GCC unroll 8
+        for (int c = 0; c < PANEL_VECS; c++) wv[c] = vload(wk + c * VL);
 #pragma GCC unroll 12
         for (int i = 0; i < MR; i++) {
             const float a = x[i * ldx + k];
-            sum[i][0] += a * w0;
-            sum[i][1] += a * w1;
+#pragma GCC unroll 8
+            for (int c = 0; c < PANEL_VECS; c++) sum[i][c] += a * wv[c];
         }
     }
-    for (int i = 0; i < MR; i++) {
-        vstore(y + i * ldy, sum[i][0]);
-        vstore(y + i * ldy + VL, sum[i][1]);
-    }
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+        for (int c = 0; c < PANEL_VECS; c++) vstore(y + i * ldy + c * VL, sum[i][c]);
 }
 
 // `rows` rows of x (row stride K) through one panel, k in chunks of `kc`. One chunk (decode
@@ -982,20 +1021,19 @@ static void gemm_panel(const float *x, const float *w, float *y, int64_t ldy, in
                                    y + (int64_t)m0 * ldy, ldy, kn, R, acc || k0 > 0, pf, L)
 #define GEMM_BLOCK(R) (lines == 0 ? GEMM_CALL(R, 0) : lines == 1 ? GEMM_CALL(R, 1) \
                                                                   : GEMM_CALL(R, 2))
-            switch (rows - m0 < GEMM_MR ? rows - m0 : GEMM_MR) {
-            case 1: GEMM_BLOCK(1); break;
-            case 2: GEMM_BLOCK(2); break;
-            case 3: GEMM_BLOCK(3); break;
-            case 4: GEMM_BLOCK(4); break;
-            case 5: GEMM_BLOCK(5); break;
-            case 6: GEMM_BLOCK(6); break;
-            case 7: GEMM_BLOCK(7); break;
-            case 8: GEMM_BLOCK(8); break;
-            case 9: GEMM_BLOCK(9); break;
-            case 10: GEMM_BLOCK(10); break;
-            case 11: GEMM_BLOCK(11); break;
-            default: GEMM_BLOCK(12);
+            // MR a constant in each call; a full block is GEMM_MR rows, a last one fewer.
+#define GEMM_CASE(R) case R: if (R < GEMM_MR) GEMM_BLOCK(R); break
+            const int mr = rows - m0 < GEMM_MR ? rows - m0 : GEMM_MR;
+            if (mr == GEMM_MR) {
+                GEMM_BLOCK(GEMM_MR);
+            } else {
+                switch (mr) {
+                GEMM_CASE(1); GEMM_CASE(2); GEMM_CASE(3); GEMM_CASE(4); GEMM_CASE(5);
+                GEMM_CASE(6); GEMM_CASE(7); GEMM_CASE(8); GEMM_CASE(9); GEMM_CASE(10);
+                GEMM_CASE(11);
+                }
             }
+#undef GEMM_CASE
 #undef GEMM_BLOCK
 #undef GEMM_CALL
         }

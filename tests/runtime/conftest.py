@@ -2,21 +2,59 @@
 
 from __future__ import annotations
 
+import platform
+from collections.abc import Iterator
+
 import pytest
 
+# Every build of the C kernels CI proves: the native one, and on x86 the AVX2 + FMA one
+# (x86-64-v3), which an AVX-512 CPU runs as well, so no ISA can silently stop compiling.
+KERNEL_ISAS = ("native", "x86-64-v3") if platform.machine() == "x86_64" else ("native",)
+LANES = {"x86-64-v3": 8}
 
-@pytest.fixture(params=["onednn", "mkl", "kernels"])
-def gemm_backend(request, monkeypatch) -> str:
+
+def use_kernels(isa: str, monkeypatch: pytest.MonkeyPatch):
+    """The kernels built for `-march=isa`, loaded in place of the native build for the rest
+    of the test. A build that fails here fails the test: the torch fallback is for users'
+    odd machines, not a way for CI to stay green. Skipped only when switched off."""
+    import os
+
+    from runtime import kernels
+
+    if os.environ.get(kernels.ENV_SWITCH) == "0":
+        pytest.skip(f"{kernels.ENV_SWITCH}=0: the torch code runs")
+    monkeypatch.setenv(kernels.ISA_ENV, isa)
+    kernels.load.cache_clear()
+    loaded = kernels.load()
+    assert loaded is not None, f"the CPU kernels did not build for -march={isa} (log above)"
+    assert loaded.isa == isa and loaded.lanes == LANES.get(isa, loaded.lanes)
+    return loaded
+
+
+@pytest.fixture(params=KERNEL_ISAS)
+def kernel(request, monkeypatch) -> Iterator:
+    """The C kernels of each ISA build (`KERNEL_ISAS`), asserted loaded."""
+    from runtime import kernels
+
+    yield use_kernels(request.param, monkeypatch)
+    kernels.load.cache_clear()
+
+
+@pytest.fixture(params=["onednn", "mkl", *(f"kernels-{isa}" for isa in KERNEL_ISAS)])
+def gemm_backend(request, monkeypatch) -> Iterator[str]:
     """Eager CPU GEMMs through oneDNN, MKL's packed sgemm or the kernels' panel GEMM,
     whichever a machine measures fastest (`cpu_gemm_backend`): all must give the same
-    tokens."""
+    tokens. The kernels' GEMM runs once per ISA build, and so does everything else the
+    kernels compute in that test (attention, norms, rotary)."""
     from runtime import device, kernels, mkl_sgemm
 
-    if request.param == "mkl" and not mkl_sgemm.available():
+    backend, _, isa = request.param.partition("-")
+    if backend == "mkl" and not mkl_sgemm.available():
         pytest.skip("this torch build carries no MKL packed sgemm")
-    if request.param == "kernels" and kernels.load() is None:
-        pytest.skip("no C compiler: the kernels are not built")
-    monkeypatch.setenv(device.GEMM_ENV, request.param)
+    if isa:
+        use_kernels(isa, monkeypatch)
+    monkeypatch.setenv(device.GEMM_ENV, backend)
     device.cpu_gemm_backend.cache_clear()
-    yield request.param
+    yield backend
     device.cpu_gemm_backend.cache_clear()
+    kernels.load.cache_clear()

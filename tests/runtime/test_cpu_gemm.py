@@ -13,21 +13,14 @@ from runtime.host_gemm import RowSplitGemm
 from runtime.mkl_sgemm import PackedSgemm
 from runtime.panel_gemm import PanelGemm
 
-BACKENDS = [
-    "onednn",
-    pytest.param("mkl", marks=pytest.mark.skipif(
-        not mkl_sgemm.available(), reason="this torch build carries no MKL packed sgemm")),
-    pytest.param("kernels", marks=pytest.mark.skipif(
-        kernels.load() is None, reason="no C compiler: the kernels are not built")),
-]
 PACKED = {"mkl": PackedSgemm, "kernels": PanelGemm}
 
 
 # rows: none, one, a part of one 12-row block, several, and past one 96-row block of the
 # panel GEMM, with a ragged last block
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rows", [0, 1, 5, 64, 130])
-def test_packed_gemms_match_f_linear(backend, rows):
+def test_packed_gemms_match_f_linear(gemm_backend, rows):
+    backend = gemm_backend
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
     x = torch.randn(rows, 40, generator=g)
@@ -52,9 +45,8 @@ def test_packed_gemms_match_f_linear(backend, rows):
     torch.testing.assert_close(linear(wide[:, :40], packed), F.linear(wide[:, :40], w))
 
 
-@pytest.mark.skipif(kernels.load() is None, reason="no C compiler: the kernels are not built")
 @pytest.mark.parametrize("rows", [1, 12, 97, 300])
-def test_the_panel_gemm_blocks_rows_and_k_at_prefill_sizes(rows):
+def test_the_panel_gemm_blocks_rows_and_k_at_prefill_sizes(kernel, rows):
     # past 96 rows the kernel takes k in chunks of 256: k = 600 leaves a ragged last chunk;
     # 5 panels split unevenly across the threads
     g = torch.Generator().manual_seed(rows)
@@ -67,10 +59,8 @@ def test_the_panel_gemm_blocks_rows_and_k_at_prefill_sizes(rows):
                                atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(
-    kernels.load() is None or not mkl_sgemm.available(), reason="needs the kernels and MKL"
-)
-def test_prefill_sized_gemms_run_on_the_second_packing(monkeypatch):
+@pytest.mark.skipif(not mkl_sgemm.available(), reason="this torch build carries no MKL sgemm")
+def test_prefill_sized_gemms_run_on_the_second_packing(kernel, monkeypatch):
     """With `large_rows`, GEMMs of that many rows or more run on MKL's copy, fewer on the
     panels; both match F.linear, plain and accumulating into a residual."""
     g = torch.Generator().manual_seed(0)
