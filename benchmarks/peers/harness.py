@@ -25,6 +25,17 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 # vLLM's CPU backend keeps a core for itself unless told; both systems get every core.
 PEER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# `--isa avx2`: an AVX2-only CPU (x86-64-v3) on an AVX-512 host, for both systems alike:
+# torch's own kernels, oneDNN and MKL held to AVX2, bucketserve's kernels built for
+# x86-64-v3, and vLLM's AVX2 build of its kernels (vllm_offline.py reads the first key).
+ISA_ENV = {
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "BUCKETSERVE_CPU_ISA": "x86-64-v3",
+    },
+}
 
 
 def peer_python() -> Path:
@@ -128,7 +139,10 @@ def hardware_line() -> str:
     except OSError:
         pass
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
-    return f"{model}, {os.cpu_count()} CPUs, {' '.join(isa) or 'no AVX-512'}"
+    line = f"{model}, {os.cpu_count()} CPUs, {' '.join(isa) or 'no AVX-512'}"
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
+        line += " (both systems held to AVX2: --isa avx2)"
+    return line
 
 
 Generate = Callable[[list[list[int]], int], list[list[int]]]  # (prompt ids, max_tokens) -> ids

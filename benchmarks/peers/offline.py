@@ -26,6 +26,7 @@ Workloads:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.peers.harness import (
+    ISA_ENV,
     PEERS_DIR,
     Worker,
     hardware_line,
@@ -210,8 +212,11 @@ def main() -> None:
                         help="bucketserve's execution mode (graphs: compiled per shape)")
     parser.add_argument("--systems", default="vllm,bucketserve",
                         help=f"comma-separated, vllm first: {', '.join(SCRIPTS)}")
+    parser.add_argument("--isa", default=None, choices=sorted(ISA_ENV),
+                        help="hold both systems to this ISA on a CPU that has more")
     parser.add_argument("--out", default=None, help="default: peers_offline_<dtype>.json")
     args = parser.parse_args()
+    os.environ.update(ISA_ENV.get(args.isa, {}))  # before anything loads torch's kernels
     args.systems = args.systems.split(",")
     unknown = sorted(set(args.systems) - set(SCRIPTS))
     if unknown or args.systems[0] != BASELINE or len(set(args.systems)) < 2:

@@ -892,25 +892,33 @@ int rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int 
     return 0;
 }
 
+// SwiGLU's `silu(gate) * up` of one row of `size` into `out`.
+static inline __attribute__((always_inline)) void silu_mul_row(const void *gate, const void *up,
+                                                               void *out, int64_t g0, int64_t u0,
+                                                               int64_t o0, int size, int bf16) {
+    // exp's argument is kept in [-80, 80], off the vector expf's slow scalar lanes
+#pragma omp simd
+    for (int i = 0; i < size; i++) {
+        const float g = load(gate, g0 + i, bf16);
+        const float e = expf(fminf(fmaxf(-g, -80.0f), 80.0f));
+        store(out, o0 + i, g / (1.0f + e) * load(up, u0 + i, bf16), bf16);
+    }
+}
+
 // SwiGLU's `silu(gate) * up` over `rows` rows of `size` (each operand's rows `*_stride`
 // elements apart) into contiguous `out`, which may be `gate` itself: one pass where torch
-// takes two (silu_, then mul_).
-static inline __attribute__((always_inline)) void silu_mul(const void *gate, const void *up,
-                                                           void *out, int rows, int size,
-                                                           int64_t gate_stride,
-                                                           int64_t up_stride, int threads,
-                                                           int bf16) {
+// takes two (silu_, then mul_). The dtype is a constant in each row loop: the parallel
+// region is outlined before `bf16` is propagated, and a loop that tests it per element
+// does not vectorise without AVX-512's masked stores.
+static void silu_mul(const void *gate, const void *up, void *out, int rows, int size,
+                     int64_t gate_stride, int64_t up_stride, int threads, int bf16) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int r = 0; r < rows; r++) {
         const int64_t g0 = (int64_t)r * gate_stride, u0 = (int64_t)r * up_stride;
-        const int64_t o0 = (int64_t)r * size;
-        // exp's argument is kept in [-80, 80], off the vector expf's slow scalar lanes
-#pragma omp simd
-        for (int i = 0; i < size; i++) {
-            const float g = load(gate, g0 + i, bf16);
-            const float e = expf(fminf(fmaxf(-g, -80.0f), 80.0f));
-            store(out, o0 + i, g / (1.0f + e) * load(up, u0 + i, bf16), bf16);
-        }
+        if (bf16)
+            silu_mul_row(gate, up, out, g0, u0, (int64_t)r * size, size, 1);
+        else
+            silu_mul_row(gate, up, out, g0, u0, (int64_t)r * size, size, 0);
     }
 }
 
