@@ -27,7 +27,7 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 PEER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 # `--isa avx2`: an AVX2-only CPU (x86-64-v3) on an AVX-512 host, for both systems alike:
 # torch's own kernels, oneDNN and MKL held to AVX2, bucketserve's kernels built for
-# x86-64-v3, and vLLM's AVX2 build of its kernels (vllm_offline.py reads the first key).
+# x86-64-v3, and vLLM's AVX2 build of its kernels (`peer_env`).
 ISA_ENV = {
     "avx2": {
         "ATEN_CPU_CAPABILITY": "avx2",
@@ -36,6 +36,21 @@ ISA_ENV = {
         "BUCKETSERVE_CPU_ISA": "x86-64-v3",
     },
 }
+
+
+def hold_to_isa(isa: str | None) -> None:
+    """Every process started from here on, of either system, runs as on a CPU with `isa`."""
+    os.environ.update(ISA_ENV.get(isa or "", {}))
+
+
+def peer_env(*paths: str) -> dict[str, str]:
+    """The environment of vLLM's processes over ours: PEER_ENV, `paths` on PYTHONPATH, and
+    under `--isa avx2` a sitecustomize before them that makes every peer-venv process
+    (vLLM's spawned engine and workers too) find no AVX-512, so vLLM loads its AVX2
+    kernels."""
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
+        paths = (str(PEERS_DIR / "avx2"), *paths)
+    return {**PEER_ENV, "PYTHONPATH": os.pathsep.join(paths)} if paths else dict(PEER_ENV)
 
 
 def peer_python() -> Path:
@@ -56,6 +71,8 @@ class Worker:
     def __init__(self, name: str, python: str | Path, script: Path, spec: dict[str, Any]) -> None:
         self.name = name
         env = {**os.environ, **PEER_ENV, "PYTHONPATH": str(REPO_ROOT)}
+        if Path(python) == PEER_PYTHON:
+            env.update(peer_env(str(REPO_ROOT)))
         self.proc = subprocess.Popen(
             [str(python), str(script), json.dumps(spec)],
             cwd=REPO_ROOT,

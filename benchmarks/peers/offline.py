@@ -26,7 +26,6 @@ Workloads:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +37,7 @@ from benchmarks.peers.harness import (
     PEERS_DIR,
     Worker,
     hardware_line,
+    hold_to_isa,
     identical,
     median,
     paired_ratio,
@@ -216,7 +216,7 @@ def main() -> None:
                         help="hold both systems to this ISA on a CPU that has more")
     parser.add_argument("--out", default=None, help="default: peers_offline_<dtype>.json")
     args = parser.parse_args()
-    os.environ.update(ISA_ENV.get(args.isa, {}))  # before anything loads torch's kernels
+    hold_to_isa(args.isa)
     args.systems = args.systems.split(",")
     unknown = sorted(set(args.systems) - set(SCRIPTS))
     if unknown or args.systems[0] != BASELINE or len(set(args.systems)) < 2:

@@ -39,7 +39,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peers.harness import PEER_ENV, PEER_PYTHON, REPO_ROOT, RESULTS_DIR
+from benchmarks.peers.harness import (
+    ISA_ENV,
+    PEER_PYTHON,
+    REPO_ROOT,
+    RESULTS_DIR,
+    hold_to_isa,
+    peer_env,
+)
 from benchmarks.simulator.report import rate_at
 
 PEER_BIN = PEER_PYTHON.parent
@@ -100,6 +107,8 @@ class Server:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """What `start` reads from the command line: both servers' dtype and limits."""
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--isa", default=None, choices=sorted(ISA_ENV),
+                        help="hold both servers to this ISA on a CPU that has more")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--decode-config", default="",
@@ -124,7 +133,7 @@ def start(
             "--port", str(port), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
             "--max-model-len", str(args.max_model_len), "--no-enable-prefix-caching",
         ]
-        return Server(system, argv, {**PEER_ENV, **env}, port)
+        return Server(system, argv, {**peer_env(), **env}, port)
     shape, local = _shape_mode(system)
     config = Path(tempfile.mkstemp(prefix=f"{system}-", suffix=".yaml")[1])
     config.write_text(
@@ -158,7 +167,7 @@ def bench(server: Server, model: Path, rate: float, args: argparse.Namespace, ou
         "--result-dir", str(out), "--result-filename", name,
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90",
     ]
-    subprocess.run(argv, cwd=REPO_ROOT, env={**os.environ, **PEER_ENV}, check=True,
+    subprocess.run(argv, cwd=REPO_ROOT, env={**os.environ, **peer_env()}, check=True,
                    stdout=subprocess.DEVNULL)
     return json.loads((out / name).read_text())
 
@@ -227,6 +236,7 @@ def main() -> None:
     parser.add_argument("--slo-tpot", type=float, default=0.25)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "peers_served")
     args = parser.parse_args()
+    hold_to_isa(args.isa)
     require_peer_venv()
     systems = args.systems.split(",")
     for system in systems:
