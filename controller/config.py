@@ -100,7 +100,7 @@ class ControllerConfig:
     prefills its batches itself, chunked into its decode steps under the scheduler's
     token budget, so no KV moves and decode never waits behind a whole long prompt.
     The decode engines schedule by priority (`scheduler.scheduling_policy`): a request
-    ranks by its tenant's priority plus its own, so in the colocated shape, where a
+    ranks by its tenant's priority, then its own, so in the colocated shape, where a
     batch joins the engine as soon as the pool has room, tenant priorities still order
     the prompts waiting for the token budget; a prompt past its TTFT deadline yields to
     those on time it would make late, for at most `scheduler.late_yield_s` (8 s, from a

@@ -70,14 +70,15 @@ class RequestState:
 
     def handoff(self, tenant: TenantConfig | None = None) -> HandoffRequest:
         """The request as the workers get it: itself, a snapshot of the tokens so far, its
-        engine priority (its tenant's plus its own) and the time left to its TTFT target
-        (its own, else its tenant's), and its TPOT target."""
+        engine priority (its tenant's, then its own: a request's priority ranks it only
+        among its tenant's requests, as the bucket manager ranks them) and the time left
+        to its TTFT target (its own, else its tenant's), and its TPOT target."""
         r = self.request
         target = r.slo_ttft_s or (tenant.ttft_slo_s if tenant else None)
         left = None
         if target is not None and not self.output_token_ids:
             left = target - (time.monotonic() - r.arrival_time)
-        priority = (tenant.priority if tenant else 0) + r.priority
+        priority = (tenant.priority if tenant else 0, r.priority)
         tpot = r.slo_tpot_s or (tenant.tpot_slo_s if tenant else None)
         return HandoffRequest(r, list(self.output_token_ids), priority, left, tpot)
 

@@ -161,7 +161,8 @@ class HandoffRequest:
 
     request: ServeRequest
     output_token_ids: list[int]
-    priority: int = 0  # the engine's: the tenant's priority plus the request's own
+    # the engine's, compared in order: the tenant's priority, then the request's own
+    priority: tuple[int, int] = (0, 0)
     # seconds left, at handoff, until its first token is due (its TTFT target, the
     # request's or its tenant's); None without a target or once it has streamed a token.
     # A duration, not a time: the worker's clock may be another node's.

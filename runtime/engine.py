@@ -22,7 +22,7 @@ from runtime.pipeline.pipeline_runner import PipelineRunner
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.scheduler_output import SchedulerOutput
-from runtime.sequence import Sequence
+from runtime.sequence import Priority, Sequence
 
 Shape = tuple[int, int, int]
 PadFn = Callable[[list[Sequence], list[int]], "Shape | None"]
@@ -116,13 +116,15 @@ class LLMEngine:
         prompt_text: str | None = None,
         arrival_time: float | None = None,
         output_token_ids: list[int] | tuple[int, ...] = (),
-        priority: int = 0,
+        priority: Priority = 0,
         ttft_deadline: float | None = None,
         tpot_target: float | None = None,
     ) -> str:
         """Queue a prompt (text, or token ids shown as `prompt_text`); returns its request id.
         Raises ValueError, admitting nothing, if the request is malformed or can never fit.
-        `priority`: lower runs first under `scheduling_policy="priority"`. `ttft_deadline`
+        `priority`: lower runs first under `scheduling_policy="priority"`; an int (vLLM's),
+        or a tuple of ints compared in order (the service's (tenant, request) pair, so a
+        request's own priority never outranks another tenant's). `ttft_deadline`
         (`time.monotonic()`): when its first token is due; once that passes, it waits
         behind the requests of its priority that can still meet theirs. `tpot_target`
         (seconds per output token after the first): with `slo_admission`, new prompts wait
@@ -181,7 +183,7 @@ class LLMEngine:
         request_id: str | None,
         prompt_text: str | None,
         arrival_time: float | None,
-        priority: int = 0,
+        priority: Priority = 0,
     ) -> EngineRequest:
         token_ids = self._encode(prompt)
         request = self._new_request(
@@ -226,7 +228,7 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         output_token_ids: list[int] | tuple[int, ...] = (),
-        priority: int = 0,
+        priority: Priority = 0,
         tpot_target: float | None = None,
     ) -> str:
         """Take a request whose K/V was written into `block_ids` (reserved with
@@ -355,7 +357,7 @@ class LLMEngine:
         request_id: str | None,
         arrival_time: float | None,
         prompt_text: str | None = None,
-        priority: int = 0,
+        priority: Priority = 0,
     ) -> EngineRequest:
         """The request's `n` sample sequences: sample 0 named `request_id`, sample i
         `request_id#i`, each with its settings (`SamplingParams.sample(i)`)."""
@@ -367,8 +369,11 @@ class LLMEngine:
             request_id = f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        parts = priority if isinstance(priority, tuple) else (priority,)
+        if not parts or any(isinstance(p, bool) or not isinstance(p, int) for p in parts):
+            raise ValueError(
+                f"priority must be an integer (or a tuple of integers), got {priority!r}"
+            )
         ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
         for seq_id in ids:
             if seq_id in self._requests or seq_id in self._owners:

@@ -14,6 +14,11 @@ from runtime.sampling_params import SamplingParams
 _seq_counter = itertools.count()
 
 
+
+# Lower runs first: an int (the offline API's, as vLLM's) or a tuple of ints compared in
+# order (the service's (tenant priority, request priority)).
+Priority = int | tuple[int, ...]
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -61,12 +66,13 @@ class Sequence:
         seq_id: int | str | None = None,
         arrival_time: float | None = None,
         output_token_ids: Iterable[int] = (),
-        priority: int = 0,
+        priority: Priority = 0,
         ttft_deadline: float | None = None,
         tpot_target: float | None = None,
     ) -> None:
         """`output_token_ids`: tokens generated before, for a request that resumes elsewhere;
-        `priority`: lower is scheduled first under the priority policy; `ttft_deadline`:
+        `priority`: lower is scheduled first under the priority policy (an int, or a tuple
+        of ints compared in order: the service's (tenant, request) pair); `ttft_deadline`:
         when (`time.monotonic()`) its first token is due, if it has a TTFT target;
         `tpot_target`: the mean seconds per output token after the first it should keep."""
         if not prompt_token_ids:

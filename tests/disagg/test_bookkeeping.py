@@ -62,7 +62,8 @@ def test_the_admitted_request_is_one_object_from_the_controller_to_the_workers()
     assert handoff.request is request and handoff.prompt_token_ids is request.prompt_token_ids
     assert (handoff.request_id, handoff.sampling_params) == ("r", request.sampling_params)
     assert handoff.output_token_ids == [7] and handoff.num_tokens == 4
-    assert handoff.priority == -1 and state.handoff(TenantConfig("t", priority=2)).priority == 1
+    assert handoff.priority == (0, -1)
+    assert state.handoff(TenantConfig("t", priority=2)).priority == (2, -1)
     assert handoff.ttft_left_s is None  # it has streamed a token: its TTFT is behind it
     state.output_token_ids.extend([8])  # a snapshot: later tokens are the next handoff's
     assert handoff.output_token_ids == [7]

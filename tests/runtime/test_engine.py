@@ -95,7 +95,7 @@ def test_priority_policy_runs_lower_priority_values_first_with_the_same_tokens(t
     assert order == [1, 3, 2, 0]  # priority 0 in arrival order, then 1, then 2
     with pytest.raises(ValueError, match="4 prompts but 3 priorities"):
         llm.generate(prompts, params, use_tqdm=False, priority=[0, 1, 2])
-    with pytest.raises(ValueError, match="priority must be an integer, got 'high'"):
+    with pytest.raises(ValueError, match=r"an integer \(or a tuple of integers\), got 'high'"):
         llm.engine.add_request(prompts[0], GREEDY, priority="high")
     assert not llm.engine.has_unfinished()
 

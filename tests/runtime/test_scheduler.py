@@ -10,7 +10,7 @@ from runtime.block_manager import BlockManager
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.scheduler_output import SchedulerOutput
-from runtime.sequence import FinishReason, Sequence, SequenceStatus
+from runtime.sequence import FinishReason, Priority, Sequence, SequenceStatus
 
 EOS = 2
 
@@ -106,7 +106,7 @@ def test_preemption_takes_the_newest_and_it_resumes_with_its_tokens():
     assert new.num_output_tokens == 6
 
 
-def prio(name: str, n: int, priority: int, arrival: float, **params) -> Sequence:
+def prio(name: str, n: int, priority: Priority, arrival: float, **params) -> Sequence:
     return Sequence(
         [10 + i for i in range(n)], SamplingParams(**params), seq_id=name, arrival_time=arrival,
         priority=priority,
@@ -145,6 +145,21 @@ def test_priority_policy_preempts_the_lowest_priority_and_requeues_it_by_its_arr
     assert batch.status == SequenceStatus.WAITING and s.num_preemptions == 1
     s.add(prio("later", 2, 1, arrival=9.0, max_tokens=1))
     assert [q.seq_id for q in s.waiting] == ["batch", "later"]  # its arrival keeps its place
+
+
+def test_a_requests_own_priority_ranks_it_only_among_its_tenants_requests():
+    """The service's (tenant, request) pairs: a batch tenant's request with the most urgent
+    own priority still waits behind the chat tenant's, and is the one preempted."""
+    s = make(num_blocks=4, block_size=4, max_num_seqs=2, scheduling_policy="priority")
+    s.add(prio("batch-pushy", 4, (1, -1_000_000), arrival=1.0, max_tokens=10))
+    s.add(prio("chat", 4, (0, 5), arrival=2.0, max_tokens=10))
+    s.add(prio("batch-calm", 4, (1, 0), arrival=0.5, max_tokens=10))
+    assert [q.seq_id for q in s.waiting] == ["chat", "batch-pushy", "batch-calm"]
+    assert run(s) == [("chat", 4), ("batch-pushy", 4)]
+    for _ in range(4):
+        assert run(s) == [("chat", 1), ("batch-pushy", 1)]
+    assert run(s) == [("chat", 1)]  # both need a 3rd block: the batch tenant's goes
+    assert s.get("batch-pushy").status == SequenceStatus.WAITING and s.num_preemptions == 1
 
 
 def due(name: str, deadline: float | None, priority: int = 0) -> Sequence:
