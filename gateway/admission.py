@@ -157,12 +157,8 @@ class Admission:
 
     def _build(self, inp: GenerateInput, prompt: Prompt, tenant: TenantSpec) -> ServeRequest:
         token_ids, text = prompt
-        n, longest = len(token_ids), self.model.max_prompt_len
-        if n > longest:
-            raise InvalidArgumentError(
-                f"the prompt has {n} tokens but this service admits at most {longest} "
-                f"(the model's max_model_len is {self.max_model_len}); shorten the prompt"
-            )
+        n = len(token_ids)
+        self._check_prompt_len(n)
         params = self._sampling(inp.sampling, self.max_model_len - n)
         if n + params.max_tokens > self.max_model_len:
             raise InvalidArgumentError(
@@ -181,6 +177,14 @@ class Admission:
             slo_tpot_s=_positive("tpot_slo_s", inp.slo_tpot_s),
         )
 
+    def _check_prompt_len(self, n: int) -> None:
+        longest = self.model.max_prompt_len
+        if n > longest:
+            raise InvalidArgumentError(
+                f"the prompt has {n} tokens but this service admits at most {longest} "
+                f"(the model's max_model_len is {self.max_model_len}); shorten the prompt"
+            )
+
     def _prompt(self, inp: GenerateInput) -> Prompt:
         given = [x is not None for x in (inp.prompt, inp.prompt_token_ids, inp.messages)]
         if sum(given) != 1:
@@ -188,6 +192,8 @@ class Admission:
                 "give exactly one of a prompt text, prompt token ids or chat messages"
             )
         if inp.prompt_token_ids is not None:
+            if isinstance(inp.prompt_token_ids, (list, tuple)):  # the count before each id
+                self._check_prompt_len(len(inp.prompt_token_ids))
             return self.token_ids("prompt token ids", inp.prompt_token_ids), None
         if inp.messages is not None:
             text = self.chat_prompt(inp.messages)
@@ -230,6 +236,12 @@ class Admission:
             )
         kwargs = {k: v for k, v in sampling.items() if v is not None}
         kwargs.setdefault("max_tokens", room)
+        stop_ids, most = kwargs.get("stop_token_ids"), self.config.max_stop_token_ids
+        if isinstance(stop_ids, (list, tuple)) and len(stop_ids) > most:  # before each id
+            raise InvalidArgumentError(
+                f"stop_token_ids has {len(stop_ids)} ids; this server takes at most {most} "
+                "(gateway.max_stop_token_ids)"
+            )
         for name in ("temperature", "top_p"):
             if name in kwargs and not _is_real(kwargs[name]):
                 raise InvalidArgumentError(f"{name} must be a number, got {kwargs[name]!r}")

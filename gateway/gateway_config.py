@@ -30,7 +30,8 @@ class GatewayConfig:
     `http_request_timeout_s` bounds one HTTP request, streaming included (504 after it;
     None: no bound); gRPC callers set their own deadline. `max_stop_strings` and
     `max_stop_chars` bound a request's stop strings, whose matching costs work on every
-    token. `tokenizer_threads` tokenize and render chat templates off the event loop.
+    token, and `max_stop_token_ids` its stop token ids, checked on every token too.
+    `tokenizer_threads` tokenize and render chat templates off the event loop.
     `log_prompts` puts prompt text in the access log (off: it may be private).
     """
 
@@ -47,6 +48,7 @@ class GatewayConfig:
     http_request_timeout_s: float | None = 600.0
     max_stop_strings: int = 64
     max_stop_chars: int = 4096
+    max_stop_token_ids: int = 256
     tokenizer_threads: int = 2
     log_prompts: bool = False
 
@@ -68,6 +70,7 @@ class GatewayConfig:
             check_number("gateway.http_request_timeout_s", self.http_request_timeout_s, 0.001)
         check_int("gateway.max_stop_strings", self.max_stop_strings, 0)
         check_int("gateway.max_stop_chars", self.max_stop_chars, 0)
+        check_int("gateway.max_stop_token_ids", self.max_stop_token_ids, 0)
         check_int("gateway.tokenizer_threads", self.tokenizer_threads, 1)
         if not isinstance(self.log_prompts, bool):
             raise ValueError(f"gateway.log_prompts must be true or false, got {self.log_prompts!r}")

@@ -205,6 +205,15 @@ BAD_REQUESTS = [
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 600), sampling_params=sp()),
         "alice", "INVALID_ARGUMENT", "max_model_len",
     ),
+    (  # the count is checked before any id: out-of-range ids past the length say "length"
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[10**6] * 600), sampling_params=sp()),
+        "alice", "INVALID_ARGUMENT", "the prompt has 600 tokens but this service admits",
+    ),
+    (
+        pb.GenerateRequest(text="Hi", sampling_params=sp(stop_token_ids=[10**6] * 300)),
+        "alice", "INVALID_ARGUMENT",
+        "stop_token_ids has 300 ids; this server takes at most 256 (gateway.max_stop_token_ids)",
+    ),
     (
         pb.GenerateRequest(text="Hi", sampling_params=sp(max_tokens=600)),
         "alice", "INVALID_ARGUMENT", "lower max_tokens to at most",

@@ -57,6 +57,8 @@ BAD_INPUTS = [
      "stop strings are 80 characters in all; this server takes at most 64 "
      "(gateway.max_stop_chars)"),
     ("/v1/completions", completion(stop=[1]), 400, "stop must be a string or a list of strings"),
+    ("/v1/completions", completion(stop_token_ids=[10**6] * 300), 400,
+     "stop_token_ids has 300 ids; this server takes at most 256 (gateway.max_stop_token_ids)"),
     ("/v1/completions", completion(max_tokens="8"), 400, "max_tokens must be an integer, got '8'"),
     ("/v1/completions", completion(temperature=[1]), 400, "temperature must be a number, got [1]"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages must be a list, got 'hi'"),
