@@ -55,6 +55,12 @@ class TokenizeApi:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request, DetokenizeRequest)
+        most = self.admission.max_model_len  # no sequence here is longer
+        if isinstance(body.tokens, list) and len(body.tokens) > most:  # before each id
+            raise InvalidArgumentError(
+                f"tokens has {len(body.tokens)} ids; this server detokenizes at most {most} "
+                "(the model's max_model_len)"
+            )
         ids = self.admission.token_ids("tokens", body.tokens)
         text = await self.admission.off_loop(self.tokenizer.decode, ids, False)
         return web.json_response(DetokenizeResponse(prompt=text).model_dump())

@@ -102,6 +102,8 @@ BAD_INPUTS = [
     ("/detokenize", {"tokens": [1, 49152]}, 400,
      "tokens [49152] are not integers in [0, 49152), the vocabulary"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens must be a list, got 'abc'"),
+    ("/detokenize", {"tokens": [10**6] * 600}, 400,
+     "tokens has 600 ids; this server detokenizes at most 512 (the model's max_model_len)"),
     ("/detokenize", {}, 400, "tokens is required"),
 ]
 
