@@ -13,11 +13,10 @@ from runtime.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
 
-
-
 # Lower runs first: an int (the offline API's, as vLLM's) or a tuple of ints compared in
 # order (the service's (tenant priority, request priority)).
 Priority = int | tuple[int, ...]
+
 
 class SequenceStatus(Enum):
     WAITING = auto()

@@ -5,21 +5,12 @@ Driven by offline.py; imports only vLLM and the stdlib-only harness, never bucke
 
 from __future__ import annotations
 
-import os
-import runpy
-from pathlib import Path
 from typing import Any
 
 from benchmarks.peers.harness import Generate, serve_engine
 
 
 def load(spec: dict[str, Any]) -> tuple[Generate, str]:
-    if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":  # offline.py --isa avx2
-        # vLLM loads its AVX2 kernels where torch finds no AVX-512, in this process and
-        # in the ones it spawns (they run avx2/sitecustomize.py first).
-        site = Path(__file__).with_name("avx2")
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
-        runpy.run_path(str(site / "sitecustomize.py"))
     import vllm
     from vllm.inputs import TokensPrompt
 

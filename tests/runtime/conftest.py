@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from collections.abc import Iterator
 
@@ -17,8 +18,6 @@ def use_kernels(isa: str, monkeypatch: pytest.MonkeyPatch):
     """The kernels built for `-march=isa`, loaded in place of the native build for the rest
     of the test. A build that fails here fails the test: the torch fallback is for users'
     odd machines, not a way for CI to stay green. Skipped only when switched off."""
-    import os
-
     from runtime import kernels
 
     if os.environ.get(kernels.ENV_SWITCH) == "0":

@@ -20,13 +20,12 @@ PACKED = {"mkl": PackedSgemm, "kernels": PanelGemm}
 # panel GEMM, with a ragged last block
 @pytest.mark.parametrize("rows", [0, 1, 5, 64, 130])
 def test_packed_gemms_match_f_linear(gemm_backend, rows):
-    backend = gemm_backend
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
     x = torch.randn(rows, 40, generator=g)
     other = torch.randn(rows, 96, generator=g)
-    packed = pack_weight(w, 64, backend)
-    assert packed is not w and isinstance(packed, PACKED.get(backend, torch.Tensor))
+    packed = pack_weight(w, 64, gemm_backend)
+    assert packed is not w and isinstance(packed, PACKED.get(gemm_backend, torch.Tensor))
     ref = F.linear(x, w, b)
     torch.testing.assert_close(linear(x, packed, b), ref)
     # the residual is consumed (MKL and the panels add into it): pass a copy
@@ -39,7 +38,8 @@ def test_packed_gemms_match_f_linear(gemm_backend, rows):
     torch.testing.assert_close(wide_other, before)
     up = torch.randn(96, 40, generator=g)
     swiglu = F.silu(F.linear(x, w)) * F.linear(x, up)
-    torch.testing.assert_close(linear_silu_mul(x, packed, pack_weight(up, 64, backend)), swiglu)
+    packed_up = pack_weight(up, 64, gemm_backend)
+    torch.testing.assert_close(linear_silu_mul(x, packed, packed_up), swiglu)
     # a non-contiguous input (a column slice) reads the same rows
     wide = torch.randn(rows, 80, generator=g)
     torch.testing.assert_close(linear(wide[:, :40], packed), F.linear(wide[:, :40], w))
