@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bucket_manager import (
+from bucketserve.bucket_manager import (
     AdaptiveBuckets,
     BatchingConfig,
     BucketManager,

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kv_transfer.collective import CollectiveTransport, PairSpec
-from kv_transfer.collective_group import RECEIVER_RANK, SENDER_RANK
-from kv_transfer.kv_format import KVBlockHandle, KVFormat
+from bucketserve.kv_transfer.collective import CollectiveTransport, PairSpec
+from bucketserve.kv_transfer.collective_group import RECEIVER_RANK, SENDER_RANK
+from bucketserve.kv_transfer.kv_format import KVBlockHandle, KVFormat
 
 
 def connect(backend: str, prefill: CollectiveTransport, decode: CollectiveTransport) -> Any:

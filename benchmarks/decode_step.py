@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from runtime.device import linear
-from runtime.model_runner import ModelRunner, ModelRunnerConfig
-from runtime.sampling_params import SamplingParams
-from runtime.sequence import Sequence
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.core.sequence import Sequence
+from bucketserve.runtime.worker.device import linear
+from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 
 
 def timed(fn, iters: int) -> float:

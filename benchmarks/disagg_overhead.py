@@ -64,10 +64,10 @@ def controller_config(
 ) -> Any:
     """1 prefill + 1 decode worker (`mode` local or ray), every other setting the service's
     default."""
-    from controller.config import ControllerConfig, PlacementConfig
-    from controller.service_limits import ServiceLimits
-    from runtime.model_runner import ModelRunnerConfig
-    from runtime.scheduler import SchedulerConfig
+    from bucketserve.controller.config import ControllerConfig, PlacementConfig
+    from bucketserve.controller.service_limits import ServiceLimits
+    from bucketserve.runtime.core.scheduler import SchedulerConfig
+    from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 
     runner = ModelRunnerConfig(model, dtype=dtype, device="cpu")
     buckets = ServiceLimits.default_buckets(max_model_len, runner.block_size, max_num_seqs)
@@ -102,7 +102,7 @@ class Disagg:
     """A started Controller serving the workload, run after run."""
 
     def __init__(self, args: argparse.Namespace, mode: str, max_model_len: int) -> None:
-        from controller.controller import Controller
+        from bucketserve.controller.controller import Controller
 
         self.args = args
         config = controller_config(
@@ -113,8 +113,8 @@ class Disagg:
         self.runs = 0
 
     async def start(self, prompts: list[list[int]]) -> None:
-        from kv_worker.messages import ServeRequest
-        from runtime.sampling_params import SamplingParams
+        from bucketserve.messages import ServeRequest
+        from bucketserve.runtime.core.sampling_params import SamplingParams
 
         await self.controller.start()
         warm = SamplingParams(temperature=0, max_tokens=4)
@@ -125,8 +125,8 @@ class Disagg:
         await self.controller.drain(60)
 
     async def run(self, prompts: list[list[int]]) -> dict[str, Any]:
-        from kv_worker.messages import ServeRequest
-        from runtime.sampling_params import SamplingParams
+        from bucketserve.messages import ServeRequest
+        from bucketserve.runtime.core.sampling_params import SamplingParams
 
         controller, self.runs = self.controller, self.runs + 1
         before = controller.stats()
@@ -157,7 +157,7 @@ class Disagg:
 
 
 def run_engine(llm: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
-    from runtime.sampling_params import SamplingParams
+    from bucketserve.runtime.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
     t0_wall, t0 = time.perf_counter(), time.monotonic()
@@ -169,8 +169,8 @@ def run_engine(llm: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[
 
 
 async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from runtime.llm import LLM
-    from runtime.sampling_params import SamplingParams
+    from bucketserve.runtime.core.sampling_params import SamplingParams
+    from bucketserve.runtime.engine.llm import LLM
 
     pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
     loop = asyncio.get_running_loop()

@@ -43,8 +43,8 @@ DECODE_BATCHES = (1, 8, 32)
 
 
 def decode_step_ms(runner, batch: int, context: int, iters: int, graphs: bool) -> float:
-    from runtime.sampling_params import SamplingParams
-    from runtime.sequence import Sequence
+    from bucketserve.runtime.core.sampling_params import SamplingParams
+    from bucketserve.runtime.core.sequence import Sequence
 
     bs = runner.block_size
     blocks = -(-(context + 1) // bs)
@@ -70,7 +70,7 @@ def decode_step_ms(runner, batch: int, context: int, iters: int, graphs: bool) -
 def offline(
     llm, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False
 ) -> dict[str, Any]:
-    from runtime.sampling_params import SamplingParams
+    from bucketserve.runtime.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     start = time.perf_counter()
@@ -83,8 +83,8 @@ def offline(
 
 def warmup_set(args: argparse.Namespace, block_size: int) -> list[tuple[int, int, int]]:
     """The default buckets (prompt ones as the runner's shapes: query blocks added)."""
-    from bucket_manager.shape_buckets import ShapeBuckets
-    from controller.service_limits import ServiceLimits
+    from bucketserve.bucket_manager.shape_buckets import ShapeBuckets
+    from bucketserve.controller.service_limits import ServiceLimits
 
     config = ServiceLimits.default_buckets(args.warmup_max_model_len, block_size, args.max_num_seqs)
     shapes = ShapeBuckets(config.shape_buckets, log=False)
@@ -94,7 +94,7 @@ def warmup_set(args: argparse.Namespace, block_size: int) -> list[tuple[int, int
 
 
 def run_mode(mode: str, args: argparse.Namespace, prompts) -> dict[str, Any]:
-    from runtime.llm import LLM
+    from bucketserve.runtime.engine.llm import LLM
 
     extra = {} if args.kv_memory_fraction is None else {
         "kv_memory_fraction": args.kv_memory_fraction}
@@ -188,8 +188,8 @@ def main() -> None:
 
     from benchmarks.offline_throughput import write_json
     from benchmarks.workload import chat_prompts, encode_chats
-    from runtime.tokenizer import Tokenizer
-    from runtime.weights import resolve_model
+    from bucketserve.runtime.io.tokenizer import Tokenizer
+    from bucketserve.runtime.io.weights import resolve_model
 
     if args.random_weights:
         from pathlib import Path

@@ -75,9 +75,9 @@ def run_static_worker(args: argparse.Namespace, batch_size: int) -> dict[str, An
     from transformers.utils import logging as hf_logging
 
     from benchmarks.static_batching import run_static
-    from runtime.model_config import ModelConfig
-    from runtime.tokenizer import Tokenizer
-    from runtime.weights import resolve_model
+    from bucketserve.runtime.io.model_config import ModelConfig
+    from bucketserve.runtime.io.tokenizer import Tokenizer
+    from bucketserve.runtime.io.weights import resolve_model
 
     model_dir = resolve_model(args.model)
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -110,8 +110,8 @@ def engine_variant(name: str) -> dict[str, int]:
 
 
 def run_engine_worker(args: argparse.Namespace, variant: dict[str, int]) -> dict[str, Any]:
-    from runtime.llm import LLM
-    from runtime.sampling_params import SamplingParams
+    from bucketserve.runtime.core.sampling_params import SamplingParams
+    from bucketserve.runtime.engine.llm import LLM
 
     llm = LLM(args.model, dtype="float32", device="cpu", max_num_seqs=args.max_num_seqs)
     prompts = load_prompts(args, llm.tokenizer)
@@ -168,7 +168,7 @@ def run_engine_worker(args: argparse.Namespace, variant: dict[str, int]) -> dict
 
 def run_roofline_worker(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.roofline import decode_step_vs_roofline, gemm_rate, read_bandwidth
-    from runtime.model_runner import ModelRunner, ModelRunnerConfig
+    from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 
     bandwidth = read_bandwidth()
     gemm = gemm_rate()

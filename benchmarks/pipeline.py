@@ -40,8 +40,8 @@ def run_config(args: argparse.Namespace, name: str) -> dict[str, Any]:
     import torch
 
     from benchmarks.workload import chat_prompts, encode_chats
-    from runtime.llm import LLM
-    from runtime.sampling_params import SamplingParams
+    from bucketserve.runtime.core.sampling_params import SamplingParams
+    from bucketserve.runtime.engine.llm import LLM
 
     stages, threads = CONFIGS[name]
     torch.set_num_threads(threads)  # the caller's thread: the whole model when 1 stage
@@ -88,9 +88,9 @@ def run_config(args: argparse.Namespace, name: str) -> dict[str, Any]:
 def ray_runner(args: argparse.Namespace, stages: int, threads: int):
     import ray
 
-    from kv_worker.stage_group import RayStage
-    from runtime.model_runner import ModelRunnerConfig
-    from runtime.pipeline.pipeline_runner import PipelineRunner
+    from bucketserve.kv_worker.stage_group import RayStage
+    from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+    from bucketserve.runtime.worker.pipeline.pipeline_runner import PipelineRunner
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = ModelRunnerConfig(args.model, dtype="float32", device="cpu")

@@ -1,5 +1,5 @@
-"""Wall time of the laptop cluster path: `ray up deploy/cluster-local.yaml` to the first
-answered request (the service started with `ray exec`, deploy/serve-local.yaml, the
+"""Wall time of the laptop cluster path: `ray up bucketserve/deploy/cluster-local.yaml` to the first
+answered request (the service started with `ray exec`, bucketserve/deploy/serve-local.yaml, the
 embedded SmolLM2), and `ray down` (which also ends the service).
 
     flock /tmp/bench.lock python -m benchmarks.ray_up_local --runs 3
@@ -26,10 +26,10 @@ from typing import Any
 
 from benchmarks.offline_throughput import write_json
 from bucketserve import Client, SamplingParams
-from runtime.default_model import CACHE_ENV, cache_root
+from bucketserve.runtime.io.default_model import CACHE_ENV, cache_root
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = "deploy/cluster-local.yaml"
+RECIPE = "bucketserve/deploy/cluster-local.yaml"
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
@@ -38,7 +38,7 @@ def one_run(env: dict[str, str], timeout_s: float) -> dict[str, float]:
     _ray(env, "up", RECIPE, "-y", "--no-config-cache")
     t1 = time.perf_counter()
     grpc, http = _free_port(), _free_port()
-    serve = (f"bucketserve serve --config deploy/serve-local.yaml --ray-address auto "
+    serve = (f"bucketserve serve --config bucketserve/deploy/serve-local.yaml --ray-address auto "
              f"--grpc-port {grpc} --http-port {http}")
     service = subprocess.Popen([RAY, "exec", RECIPE, serve], env=env, cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

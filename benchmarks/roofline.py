@@ -10,8 +10,8 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.decode_step import decode_batch
-from runtime.device import linear
-from runtime.model_runner import ModelRunner
+from bucketserve.runtime.worker.device import linear
+from bucketserve.runtime.worker.model_runner import ModelRunner
 
 
 def median_seconds(fn: Callable[[], object], iters: int) -> float:

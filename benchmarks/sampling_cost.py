@@ -24,7 +24,7 @@ VARIANTS = ("off", "lp5", "n4", "x4")
 
 
 def run_variant(llm: Any, prompts: list[list[int]], name: str, max_tokens: int) -> dict:
-    from runtime.sampling_params import SamplingParams
+    from bucketserve.runtime.core.sampling_params import SamplingParams
 
     params = SamplingParams(
         temperature=0,
@@ -61,8 +61,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks.workload import chat_prompts, encode_chats
-    from runtime.llm import LLM
-    from runtime.sampling_params import SamplingParams
+    from bucketserve.runtime.core.sampling_params import SamplingParams
+    from bucketserve.runtime.engine.llm import LLM
 
     llm = LLM(args.model, dtype="float32", device="cpu", max_num_seqs=64)
     prompts = encode_chats(llm.tokenizer, chat_prompts(args.num_prompts))

@@ -20,24 +20,24 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Client": "gateway.client",
-    "AsyncClient": "gateway.async_client",
-    "SamplingParams": "runtime.sampling_params",
-    "RetryPolicy": "gateway.retry_policy",
-    "Chunk": "gateway.sdk_types",
-    "Completion": "gateway.sdk_types",
-    "ModelInfo": "gateway.sdk_types",
-    "BucketServeError": "gateway.errors",
-    "InvalidArgumentError": "gateway.errors",
-    "AuthenticationError": "gateway.errors",
-    "PermissionDeniedError": "gateway.errors",
-    "NotFoundError": "gateway.errors",
-    "ResourceExhaustedError": "gateway.errors",
-    "DeadlineExceededError": "gateway.errors",
-    "UnavailableError": "gateway.errors",
-    "RequestCancelledError": "gateway.errors",
-    "InternalError": "gateway.errors",
-    "GenerationError": "gateway.errors",
+    "Client": "bucketserve.gateway.client",
+    "AsyncClient": "bucketserve.gateway.async_client",
+    "SamplingParams": "bucketserve.runtime.core.sampling_params",
+    "RetryPolicy": "bucketserve.gateway.retry_policy",
+    "Chunk": "bucketserve.gateway.sdk_types",
+    "Completion": "bucketserve.gateway.sdk_types",
+    "ModelInfo": "bucketserve.gateway.sdk_types",
+    "BucketServeError": "bucketserve.gateway.errors",
+    "InvalidArgumentError": "bucketserve.gateway.errors",
+    "AuthenticationError": "bucketserve.gateway.errors",
+    "PermissionDeniedError": "bucketserve.gateway.errors",
+    "NotFoundError": "bucketserve.gateway.errors",
+    "ResourceExhaustedError": "bucketserve.gateway.errors",
+    "DeadlineExceededError": "bucketserve.gateway.errors",
+    "UnavailableError": "bucketserve.gateway.errors",
+    "RequestCancelledError": "bucketserve.gateway.errors",
+    "InternalError": "bucketserve.gateway.errors",
+    "GenerationError": "bucketserve.gateway.errors",
 }
 
 __all__ = [
@@ -62,9 +62,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from gateway.async_client import AsyncClient
-    from gateway.client import Client
-    from gateway.errors import (
+    from bucketserve.gateway.async_client import AsyncClient
+    from bucketserve.gateway.client import Client
+    from bucketserve.gateway.errors import (
         AuthenticationError,
         BucketServeError,
         DeadlineExceededError,
@@ -77,9 +77,9 @@ if TYPE_CHECKING:
         ResourceExhaustedError,
         UnavailableError,
     )
-    from gateway.retry_policy import RetryPolicy
-    from gateway.sdk_types import Chunk, Completion, ModelInfo
-    from runtime.sampling_params import SamplingParams
+    from bucketserve.gateway.retry_policy import RetryPolicy
+    from bucketserve.gateway.sdk_types import Chunk, Completion, ModelInfo
+    from bucketserve.runtime.core.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -13,11 +13,11 @@ import sys
 # Modules that provide `register(subparsers)`; missing ones are skipped so a
 # partial install still answers `--help`.
 _COMMAND_MODULES = (
-    "runtime.cli",
-    "bucket_manager.cli",
-    "deploy.cli",
-    "gateway.cli",
-    "benchmarks.cli",
+    "bucketserve.runtime.cli",
+    "bucketserve.bucket_manager.cli",
+    "bucketserve.deploy.cli",
+    "bucketserve.gateway.cli",
+    "bucketserve.bench.cli",
 )
 
 

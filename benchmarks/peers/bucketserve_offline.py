@@ -8,8 +8,8 @@ from benchmarks.peers.harness import Generate, serve_engine
 
 
 def load(spec: dict[str, Any]) -> tuple[Generate, str]:
-    from runtime.llm import LLM
-    from runtime.sampling_params import SamplingParams
+    from bucketserve.runtime.core.sampling_params import SamplingParams
+    from bucketserve.runtime.engine.llm import LLM
 
     llm = LLM(
         spec["model"],

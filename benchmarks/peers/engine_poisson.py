@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.loadgen.arrivals import PoissonArrivals
 from benchmarks.peers.harness import RESULTS_DIR, hardware_line, write_json
+from bucketserve.bench.arrivals import PoissonArrivals
 
 
 def lengths(rng: np.random.Generator, n: int, mean: int, ratio: float) -> list[int]:
@@ -49,7 +49,7 @@ def run(
     """Feed `work` at `arrivals` (seconds from start) while stepping; per-request timings.
     `slo` (TTFT s, TPOT s): each request carries them as a colocated worker's engine gets
     them from the controller (a TTFT deadline from its arrival, a TPOT target)."""
-    from runtime.sampling_params import SamplingParams
+    from bucketserve.runtime.core.sampling_params import SamplingParams
 
     records: dict[str, dict[str, Any]] = {}
     start = time.perf_counter()
@@ -118,7 +118,7 @@ def main() -> None:
                         help="results file (a name under benchmarks/results, or a path)")
     args = parser.parse_args()
 
-    from runtime.engine import LLMEngine
+    from bucketserve.runtime.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_kwargs(
         dtype="float32", device="cpu", max_num_seqs=args.max_num_seqs,

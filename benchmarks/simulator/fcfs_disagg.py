@@ -13,9 +13,9 @@ import math
 from collections import deque
 from collections.abc import Hashable
 
-from bucket_manager import BucketRequest, PrefillBatch
-from bucket_manager.config import check_int
-from bucket_manager.waste import padded_waste, waste_ratio
+from bucketserve.bucket_manager import BucketRequest, PrefillBatch
+from bucketserve.bucket_manager.config import check_int
+from bucketserve.bucket_manager.waste import padded_waste, waste_ratio
 
 
 class FcfsBatcher:

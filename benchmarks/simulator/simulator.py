@@ -19,13 +19,13 @@ from benchmarks.simulator.event_loop import EventLoop
 from benchmarks.simulator.metrics import RequestRecord, RunResult
 from benchmarks.simulator.prefill_worker import PrefillWorker
 from benchmarks.simulator.workload import SimRequest
-from bucket_manager import BucketRequest, PrefillBatch
-from bucket_manager.config import check_choice
-from controller.pd_scheduler import PDScheduler
-from kv_transfer.lease import Lease
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import SchedulerConfig
-from runtime.sequence import Sequence
+from bucketserve.bucket_manager import BucketRequest, PrefillBatch
+from bucketserve.bucket_manager.config import check_choice
+from bucketserve.controller.pd_scheduler import PDScheduler
+from bucketserve.kv_transfer.lease import Lease
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.core.scheduler import SchedulerConfig
+from bucketserve.runtime.core.sequence import Sequence
 
 PAD_MODES = ("shape", "longest", "none")
 

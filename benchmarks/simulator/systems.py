@@ -18,7 +18,7 @@ from benchmarks.simulator.metrics import RunResult
 from benchmarks.simulator.simulator import Simulator
 from benchmarks.simulator.static_batching import StaticBatchingSimulator
 from benchmarks.simulator.workload import SimRequest
-from bucket_manager import (
+from bucketserve.bucket_manager import (
     BatchingConfig,
     BucketManager,
     BucketManagerConfig,
@@ -28,7 +28,7 @@ from bucket_manager import (
     ShapeBucketConfig,
     TenantConfig,
 )
-from bucket_manager.config import check_choice
+from bucketserve.bucket_manager.config import check_choice
 
 SYSTEMS = ("bucketserve", "fcfs", "static")
 SHAPE_BLOCK = 128

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bucket_manager import (
+from bucketserve.bucket_manager import (
     BatchingConfig,
     BucketManager,
     BucketManagerConfig,

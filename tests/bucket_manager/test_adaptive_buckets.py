@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bucket_manager import AdaptiveBuckets, BucketRequest, Policy, RequestBucketConfig
+from bucketserve.bucket_manager import AdaptiveBuckets, BucketRequest, Policy, RequestBucketConfig
 
 _ids = itertools.count()
 

@@ -1,6 +1,6 @@
 import pytest
 
-from bucket_manager import BatchingConfig, BatchingController, BucketRequest
+from bucketserve.bucket_manager import BatchingConfig, BatchingController, BucketRequest
 
 # Llama-2-13B: L = 40 layers, H = 40 heads, D = 128, B = 2 bytes (fp16)
 # 2LHDB = 819_200 bytes per token; M_remain = 10 GiB = 10_737_418_240 bytes

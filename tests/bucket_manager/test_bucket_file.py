@@ -1,7 +1,7 @@
 import pytest
 
-from bucket_manager import BucketFileError, BucketFileParser
-from bucket_manager.bucket_file import split_prompt_decode
+from bucketserve.bucket_manager import BucketFileError, BucketFileParser
+from bucketserve.bucket_manager.bucket_file import split_prompt_decode
 
 
 def parse(text: str) -> list[tuple[int, int, int]]:

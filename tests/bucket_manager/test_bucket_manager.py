@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from bucket_manager import (
+from bucketserve.bucket_manager import (
     BatchingConfig,
     BucketManager,
     BucketManagerConfig,
@@ -13,7 +13,7 @@ from bucket_manager import (
     ShapeBucketConfig,
     TenantConfig,
 )
-from bucket_manager.waste import expected_waste
+from bucketserve.bucket_manager.waste import expected_waste
 from tests.bucket_manager.helpers import ids, make_manager, req
 
 

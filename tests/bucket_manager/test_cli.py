@@ -63,7 +63,7 @@ def test_module_entry_point():
 def test_the_gaudi_config_yields_its_decode_buckets(capsys):
     """serve-gaudi.yaml's decode blocks count the batch's total KV blocks (vllm-gaudi's
     meaning): 32 (one 4096-token sequence of 128-token blocks) up to 128 x 32 = 4096."""
-    assert main(["buckets", "--config", "deploy/serve-gaudi.yaml"]) == 0
+    assert main(["buckets", "--config", "bucketserve/deploy/serve-gaudi.yaml"]) == 0
     out = capsys.readouterr()
     lines = out.out.splitlines()
     assert lines[1] == "Decode bucket config (min, step, max_warmup, limit) bs:[1, 2, 128, 8], " \

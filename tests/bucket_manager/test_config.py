@@ -1,6 +1,6 @@
 import pytest
 
-from bucket_manager import (
+from bucketserve.bucket_manager import (
     BatchingConfig,
     BucketManagerConfig,
     BucketRange,

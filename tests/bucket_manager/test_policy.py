@@ -1,4 +1,4 @@
-from bucket_manager import TenantConfig
+from bucketserve.bucket_manager import TenantConfig
 from tests.bucket_manager.helpers import ids, make_manager, req
 
 BIG = 10_000  # free blocks: memory never limits these tests

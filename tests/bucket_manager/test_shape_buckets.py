@@ -2,7 +2,7 @@ import logging
 
 import pytest
 
-from bucket_manager import (
+from bucketserve.bucket_manager import (
     BUCKET_FILE_ENV,
     BucketRange,
     DecodeShapeConfig,
@@ -10,7 +10,7 @@ from bucket_manager import (
     ShapeBucketConfig,
     ShapeBuckets,
 )
-from bucket_manager.bucket_range import exponential_range, linear_range
+from bucketserve.bucket_manager.bucket_range import exponential_range, linear_range
 
 # The bucketing doc's start-up log, verbatim after the "INFO ... [file:line] " prefix.
 DOC_PROMPT_CONFIG = (
@@ -53,7 +53,7 @@ def test_doc_default_generates_the_36_prompt_and_42_decode_buckets():
 
 
 def test_startup_log_matches_the_doc_format(caplog):
-    with caplog.at_level(logging.INFO, logger="bucket_manager.shape_buckets"):
+    with caplog.at_level(logging.INFO, logger="bucketserve.bucket_manager.shape_buckets"):
         ShapeBuckets(doc_config())
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == DOC_PROMPT_CONFIG
@@ -118,7 +118,7 @@ def test_padding_follows_the_doc_example():
 
 def test_beyond_the_largest_bucket_runs_unpadded_and_counts_a_graph_miss(caplog):
     shapes = ShapeBuckets(doc_config(), log=False)
-    with caplog.at_level(logging.WARNING, logger="bucket_manager.shape_buckets"):
+    with caplog.at_level(logging.WARNING, logger="bucketserve.bucket_manager.shape_buckets"):
         assert shapes.pad_prompt(2, 100) == ((2, 100, 0), True)  # bs 2 was never warmed
         assert shapes.pad_prompt(1, 900, 1) == ((1, 900, 1), True)  # 1024 + 128 > model length
         assert shapes.pad_decode(8, 100) == ((8, 1, 100), True)

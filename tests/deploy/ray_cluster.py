@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 
 from bucketserve import Client, SamplingParams
-from runtime.llm import LLM
+from bucketserve.runtime.engine.llm import LLM
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 PROMPTS = ["Hello, my name is", "The capital of France is a city where"]

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "bucketserve" / "deploy"
 AWS, ONPREM = DEPLOY / "cluster.yaml", DEPLOY / "cluster-onprem.yaml"
 LOCAL = DEPLOY / "cluster-local.yaml"
 CLUSTERS = sorted(DEPLOY.glob("cluster*.yaml"))
@@ -119,7 +119,7 @@ def test_the_local_cluster_keeps_off_ray_default_ports_and_joins_its_own_head() 
     assert "--dashboard-agent-listen-port=0" in head
     gcs_port = re.search(r"--port=(\d+)", head).group(1)
     assert config["provider"]["gcs_address"] == f"127.0.0.1:{gcs_port}"
-    assert config["provider"]["module"] == "deploy.local_cluster.LocalClusterProvider"
+    assert config["provider"]["module"] == "bucketserve.deploy.local_cluster.LocalClusterProvider"
     workers = config["available_node_types"]["gaudi"]
     assert workers["resources"]["HPU"] == 2 and workers["max_workers"] > workers["min_workers"]
     assert "HPU" not in config["available_node_types"]["head"]["resources"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.serve_config import ServeConfig
-from deploy.serve_config_error import ServeConfigError
+from bucketserve.deploy.serve_config import ServeConfig
+from bucketserve.deploy.serve_config_error import ServeConfigError
 
 
 def test_execution_per_role_over_the_models():
@@ -19,7 +19,7 @@ def test_execution_per_role_over_the_models():
 
 
 def test_the_gaudi_config_runs_graphs():
-    config = ServeConfig.load("deploy/serve-gaudi.yaml")
+    config = ServeConfig.load("bucketserve/deploy/serve-gaudi.yaml")
     assert config.controller.runner.execution == "graphs"
 
 

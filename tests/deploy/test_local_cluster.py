@@ -1,4 +1,5 @@
-"""deploy/cluster-local.yaml's provider: a head that `ray up`, the autoscaler and `ray down`
+"""bucketserve/deploy/cluster-local.yaml's provider: a head that `ray up`, the autoscaler and `ray
+down`
 agree on, commands run on this machine in the cluster's home, and a stop that ends the
 cluster's processes and nothing else."""
 
@@ -19,7 +20,12 @@ from ray.autoscaler.tags import (
     TAG_RAY_NODE_STATUS,
 )
 
-from deploy.local_cluster import MARK, LocalClusterProvider, LocalCommandRunner, stop_cluster
+from bucketserve.deploy.local_cluster import (
+    MARK,
+    LocalClusterProvider,
+    LocalCommandRunner,
+    stop_cluster,
+)
 
 HEAD = {TAG_RAY_NODE_KIND: NODE_KIND_HEAD}
 

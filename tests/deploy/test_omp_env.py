@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from controller.config import ControllerConfig, PlacementConfig
-from kv_worker.worker_env import omp_env
+from bucketserve.controller.config import ControllerConfig, PlacementConfig
+from bucketserve.kv_worker.worker_env import omp_env
 
 
 @pytest.fixture(autouse=True)

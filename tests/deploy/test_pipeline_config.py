@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.config import ControllerConfig, PlacementConfig
-from controller.stage_group import StageGroupPlacement
-from deploy.serve_config import ServeConfig, ServeConfigError
+from bucketserve.controller.config import ControllerConfig, PlacementConfig
+from bucketserve.controller.stage_group import StageGroupPlacement
+from bucketserve.deploy.serve_config import ServeConfig, ServeConfigError
 
 
 def test_the_yaml_sets_stages_per_role(tiny_model_dir: Path) -> None:

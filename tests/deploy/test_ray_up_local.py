@@ -1,4 +1,5 @@
-"""`ray up deploy/cluster-local.yaml`, the service on it via `ray exec`, `ray down` (slow).
+"""`ray up bucketserve/deploy/cluster-local.yaml`, the service on it via `ray exec`, `ray down`
+(slow).
 
 The shipped recipe runs in a temp dir of its own on free ports (the only edits to it);
 the `ray` CLI runs with its own HOME, whose token file the recipe mounts onto the head.
@@ -20,10 +21,10 @@ import psutil
 import pytest
 import yaml
 
-from deploy.local_cluster import cluster_processes, stop_cluster
+from bucketserve.deploy.local_cluster import cluster_processes, stop_cluster
 from tests.deploy import ray_cluster as rc
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "bucketserve" / "deploy"
 SHIPPED_DIR = "/tmp/bucketserve-local"
 SHIPPED_PORTS = ("6380", "6381", "8275")  # GCS, Ray client server, dashboard
 HEAD_ID = "f" * 51 + "00000"  # Ray's fake head node id
@@ -45,8 +46,8 @@ class LocalCluster:
 
 @pytest.fixture(scope="module")
 def local_cluster() -> Iterator[LocalCluster]:
-    """deploy/cluster-local.yaml brought up; `ray down` and its check are the test's. Ends
-    whatever the cluster left running, whatever happened."""
+    """bucketserve/deploy/cluster-local.yaml brought up; `ray down` and its check are the
+    test's. Ends whatever the cluster left running, whatever happened."""
     work = Path(tempfile.mkdtemp(prefix="bsup", dir="/tmp"))  # short: unix socket paths
     cluster_dir, home = work / "c", work / "home"
     text = (DEPLOY / "cluster-local.yaml").read_text().replace(SHIPPED_DIR, str(cluster_dir))

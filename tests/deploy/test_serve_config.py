@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 import yaml
 
-from bucket_manager.policy import Policy, TenantClass
-from deploy.cli import run_check
-from deploy.serve_config import ServeConfig, ServeConfigError
-from deploy.serve_config_schema import FIELDS, TARGETS
-from deploy.service_runner import flag_overrides
+from bucketserve.bucket_manager.policy import Policy, TenantClass
+from bucketserve.deploy.cli import run_check
+from bucketserve.deploy.serve_config import ServeConfig, ServeConfigError
+from bucketserve.deploy.serve_config_schema import FIELDS, TARGETS
+from bucketserve.deploy.service_runner import flag_overrides
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "bucketserve" / "deploy"
 EXAMPLES = sorted(p for p in DEPLOY.glob("serve*.yaml"))
 
 
@@ -211,7 +211,7 @@ def test_cores_partitioned_between_the_roles_pin_each_actor_and_size_its_pool(
 
 def test_pin_cpus_keeps_the_process_on_those_cores() -> None:
     code = (
-        "import os; from kv_worker.worker_env import pin_cpus; pin_cpus([0]); "
+        "import os; from bucketserve.kv_worker.worker_env import pin_cpus; pin_cpus([0]); "
         "print(sorted(os.sched_getaffinity(0)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.local_cluster import MARK, stop_cluster
+from bucketserve.deploy.local_cluster import MARK, stop_cluster
 from tests.deploy.ray_cluster import (
     RAY,
     assert_greedy_matches_in_process,

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from bucket_manager.config import BucketManagerConfig
-from controller.config import ControllerConfig
-from controller.worker_handle import WorkerHandle
-from controller.worker_pool import WorkerPool
+from bucketserve.bucket_manager.config import BucketManagerConfig
+from bucketserve.controller.config import ControllerConfig
+from bucketserve.controller.worker_handle import WorkerHandle
+from bucketserve.controller.worker_pool import WorkerPool
 
 
 class PendingOrPlaced(WorkerHandle):
@@ -53,7 +53,7 @@ def test_all_placed_are_all_kept() -> None:
 def test_the_service_starts_with_the_workers_placed_and_names_the_rest(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="controller.worker_pool"):
+    with caplog.at_level(logging.WARNING, logger="bucketserve.controller.worker_pool"):
         names, handles = place(("prefill-0", True), ("decode-0", True), ("decode-1", False))
     assert names == ["prefill-0", "decode-0"]
     assert [h.name for h in handles if h.stopped] == ["decode-1"]  # its pending actor goes

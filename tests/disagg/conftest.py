@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.sampling_params import SamplingParams
+from bucketserve.runtime.core.sampling_params import SamplingParams
 from tests.disagg.helpers import mixed_workload, reference_outputs
 
 Work = list[tuple[list[int], SamplingParams]]

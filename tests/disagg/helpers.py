@@ -9,8 +9,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from kv_worker.messages import ServeRequest, StreamDelta
-from runtime.sampling_params import SamplingParams
+from bucketserve.messages import ServeRequest, StreamDelta
+from bucketserve.runtime.core.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 NUM_KV_BLOCKS = 256
@@ -29,8 +29,8 @@ def mixed_workload(n: int = NUM_REQUESTS, seed: int = 0) -> list[tuple[list[int]
 
 
 def reference_outputs(model_dir: Path, work: list[tuple[list[int], SamplingParams]]) -> list:
-    """Token ids from the in-process engine (runtime.llm.LLM), the reference."""
-    from runtime.llm import LLM
+    """Token ids from the in-process engine (bucketserve.runtime.engine.llm.LLM), the reference."""
+    from bucketserve.runtime.engine.llm import LLM
 
     llm = LLM(str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS)
     outs = llm.generate([p for p, _ in work], [s for _, s in work], use_tqdm=False)
@@ -38,8 +38,8 @@ def reference_outputs(model_dir: Path, work: list[tuple[list[int], SamplingParam
 
 
 def controller_config(model_dir: Path, **options: Any) -> Any:
-    from controller.config import ControllerConfig
-    from runtime.model_runner import ModelRunnerConfig
+    from bucketserve.controller.config import ControllerConfig
+    from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 
     runner = ModelRunnerConfig(
         model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS
@@ -94,7 +94,7 @@ async def serve_and_drain(controller: Any, work: list, tag: str) -> tuple[list[l
 def small_batches(max_num_seqs: int = 4) -> Any:
     """Default buckets for the tiny model with prefill batches of at most `max_num_seqs`, so
     the 16 requests spread over several batches (and workers)."""
-    from controller.service_limits import ServiceLimits
+    from bucketserve.controller.service_limits import ServiceLimits
 
     buckets = ServiceLimits.default_buckets(512, BLOCK_SIZE, 64)
     return dataclasses.replace(

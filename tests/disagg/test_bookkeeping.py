@@ -9,25 +9,25 @@ import time
 
 import pytest
 
-from controller.pd_scheduler import PDScheduler
-from controller.worker_handle import LocalWorkerHandle
-from kv_transfer.lease import LeaseError, LeaseState, LeaseTable
-from kv_worker.messages import WorkerStats
-from runtime.block_manager import BlockManager
+from bucketserve.controller.pd_scheduler import PDScheduler
+from bucketserve.controller.worker_handle import LocalWorkerHandle
+from bucketserve.kv_transfer.lease import LeaseError, LeaseState, LeaseTable
+from bucketserve.messages import WorkerStats
+from bucketserve.runtime.core.block_manager import BlockManager
 
 TORCH_FREE = (
-    "kv_transfer.lease",
-    "kv_transfer.kv_format",
-    "kv_transfer.transport",
-    "kv_worker.messages",
-    "controller.request_state",
-    "controller.pd_scheduler",
+    "bucketserve.kv_transfer.lease",
+    "bucketserve.kv_transfer.kv_format",
+    "bucketserve.kv_transfer.transport",
+    "bucketserve.messages",
+    "bucketserve.controller.request_state",
+    "bucketserve.controller.pd_scheduler",
 )
 
 
 def test_worker_messages_carry_token_ids_and_no_text() -> None:
     """Text and stop strings are the controller's output processor's alone."""
-    from kv_worker import messages
+    from bucketserve import messages
 
     sent_by_workers = (
         messages.TokenDelta, messages.StepOutput, messages.PrefillResult, messages.Reservation,
@@ -46,11 +46,11 @@ def test_worker_messages_carry_token_ids_and_no_text() -> None:
 def test_the_admitted_request_is_one_object_from_the_controller_to_the_workers() -> None:
     """Nothing after admission copies a ServeRequest's fields: the controller's state holds
     it, the bucket manager's entry carries that state, a HandoffRequest carries it."""
-    from bucket_manager.config import TenantConfig
-    from controller.request_state import RequestState
-    from controller.request_stream import RequestStream
-    from kv_worker.messages import ServeRequest
-    from runtime.sampling_params import SamplingParams
+    from bucketserve.bucket_manager.config import TenantConfig
+    from bucketserve.controller.request_state import RequestState
+    from bucketserve.controller.request_stream import RequestStream
+    from bucketserve.messages import ServeRequest
+    from bucketserve.runtime.core.sampling_params import SamplingParams
 
     async def abort(request_id: str) -> bool:
         return False
@@ -208,7 +208,7 @@ def test_the_reservation_counts_shared_prompt_blocks_once() -> None:
     """n > 1 samples ship the prompt's KV once; each takes a tail block of its own after."""
     from types import SimpleNamespace
 
-    from bucket_manager.request import BucketRequest
+    from bucketserve.bucket_manager.request import BucketRequest
 
     batch = SimpleNamespace(requests=(
         BucketRequest("one", prompt_len=10, max_tokens=8),
@@ -224,7 +224,7 @@ def test_only_requests_that_go_on_to_decode_reserve_decode_blocks() -> None:
     prefill's token ends it, so the decode side holds nothing for it."""
     from types import SimpleNamespace
 
-    from bucket_manager.request import BucketRequest
+    from bucketserve.bucket_manager.request import BucketRequest
 
     batch = SimpleNamespace(requests=(
         BucketRequest("last", prompt_len=10, max_tokens=1),

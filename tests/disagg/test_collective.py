@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kv_transfer import collective, collective_group
-from kv_transfer.collective import CollectiveTransport, PairSpec
-from kv_transfer.collective_group import RECEIVER_RANK, SENDER_RANK
-from kv_transfer.kv_format import KVBlockHandle, KVFormat
-from kv_transfer.transport import TransferError
+from bucketserve.kv_transfer import collective, collective_group
+from bucketserve.kv_transfer.collective import CollectiveTransport, PairSpec
+from bucketserve.kv_transfer.collective_group import RECEIVER_RANK, SENDER_RANK
+from bucketserve.kv_transfer.kv_format import KVBlockHandle, KVFormat
+from bucketserve.kv_transfer.transport import TransferError
 
 FMT = KVFormat(dtype="float32", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
 

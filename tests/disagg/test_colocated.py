@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from controller.controller import Controller
-from runtime.scheduler import SchedulerConfig
+from bucketserve.controller.controller import Controller
+from bucketserve.runtime.core.scheduler import SchedulerConfig
 from tests.disagg.helpers import (
     assert_drained,
     controller_config,
@@ -115,10 +115,10 @@ def test_a_higher_priority_tenant_overtakes_the_engine_queue(
     """A batch tenant's requests fill the colocated engine's queue (one runs at a time);
     chat requests (a tenant of higher priority) that arrive then run next under the
     priority policy, and after every batch request under FCFS."""
-    from bucket_manager.config import TenantConfig
-    from deploy.serve_config import with_tenants
-    from kv_worker.messages import ServeRequest
-    from runtime.sampling_params import SamplingParams
+    from bucketserve.bucket_manager.config import TenantConfig
+    from bucketserve.deploy.serve_config import with_tenants
+    from bucketserve.messages import ServeRequest
+    from bucketserve.runtime.core.sampling_params import SamplingParams
 
     async def main() -> list[str]:
         one_at_a_time = SchedulerConfig(max_num_seqs=1, scheduling_policy=policy)
@@ -159,7 +159,7 @@ def test_a_higher_priority_tenant_overtakes_the_engine_queue(
 
 
 def _request(request_id: str, prompt: list[int], params: Any) -> Any:
-    from kv_worker.messages import ServeRequest
+    from bucketserve.messages import ServeRequest
 
     return ServeRequest(request_id, list(prompt), params)
 
@@ -170,8 +170,8 @@ def test_n_samples_end_with_an_error_when_their_decode_worker_dies(
 ) -> None:
     """A request of n > 1 samples that streamed tokens is not re-prefilled: every sample
     ends, with an error, and the pools drain."""
-    from kv_worker.messages import ServeRequest
-    from runtime.sampling_params import SamplingParams
+    from bucketserve.messages import ServeRequest
+    from bucketserve.runtime.core.sampling_params import SamplingParams
 
     async def main() -> None:
         config = controller_config(tiny_model_dir, mode="local", shape=shape)

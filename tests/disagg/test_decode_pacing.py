@@ -1,5 +1,5 @@
 """Decode pacing: steps wait under the running requests' TPOT targets while a prefill batch
-for the worker is in flight, and only then (decode_worker.pacer)."""
+for the worker is in flight, and only then (bucketserve.decode_worker.pacer)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from controller.config import ControllerConfig
-from decode_worker.config import DecodeWorkerConfig
-from decode_worker.decode_worker import DecodeWorker
-from decode_worker.pacer import DecodePacer
-from kv_worker.messages import HandoffRequest, ServeRequest
-from runtime.engine_config import EngineConfig
-from runtime.model_runner import ModelRunnerConfig
-from runtime.sampling_params import SamplingParams
-from runtime.sequence import Sequence
+from bucketserve.controller.config import ControllerConfig
+from bucketserve.decode_worker.config import DecodeWorkerConfig
+from bucketserve.decode_worker.decode_worker import DecodeWorker
+from bucketserve.decode_worker.pacer import DecodePacer
+from bucketserve.messages import HandoffRequest, ServeRequest
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.core.sequence import Sequence
+from bucketserve.runtime.engine.engine_config import EngineConfig
+from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 from tests.disagg.helpers import BLOCK_SIZE
 
 

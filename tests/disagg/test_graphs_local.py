@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from torch._dynamo.utils import counters
 
-from bucket_manager.config import BucketRange, DecodeShapeConfig, PromptShapeConfig
-from controller.controller import Controller
-from gateway.metrics import _service_metrics
+from bucketserve.bucket_manager.config import BucketRange, DecodeShapeConfig, PromptShapeConfig
+from bucketserve.controller.controller import Controller
+from bucketserve.gateway.metrics import _service_metrics
 from tests.disagg.helpers import controller_config, serve_and_drain, small_batches
 
 # the decode batch's blocks in all: 128 (one full 512-token sequence) and 384 (16 rows of
@@ -41,7 +41,7 @@ def few_buckets():
 def test_graphs_mode_1p1d_matches_the_engine(
     tiny_model_dir: Path, work: list, reference: list, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="kv_worker.kv_worker")
+    caplog.set_level(logging.INFO, logger="bucketserve.kv_worker.kv_worker")
     config = controller_config(tiny_model_dir, mode="local", buckets=few_buckets())
     config.runner = dataclasses.replace(config.runner, execution="graphs")
 
@@ -73,7 +73,7 @@ def test_colocated_graphs_mode_compiles_prompt_and_decode_buckets_at_warmup(
     """The colocated worker prefills too, so its warm-up compiles the prompt buckets beside
     the decode ones; its engine then serves the burst (all 16 prompts in one step: up to 8
     rows of one query level) without compiling anything."""
-    caplog.set_level(logging.INFO, logger="kv_worker.kv_worker")
+    caplog.set_level(logging.INFO, logger="bucketserve.kv_worker.kv_worker")
     buckets = few_buckets()
     prompt = dataclasses.replace(buckets.shape_buckets.prompt, bs=BucketRange(1, 1, 16, 5))
     buckets = dataclasses.replace(

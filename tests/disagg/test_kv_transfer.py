@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode_worker.config import DecodeWorkerConfig
-from decode_worker.decode_worker import DecodeWorker
-from kv_transfer.inprocess import InProcessTransport
-from kv_transfer.kv_format import KVBlockHandle, KVFormat
-from kv_transfer.ray_store import from_wire, to_wire
-from kv_transfer.transport import KVSender, LayerSink
-from kv_worker.messages import HandoffRequest, PrefillTask, ReservationError, ServeRequest
-from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.prefill_worker import PrefillWorker
-from runtime.engine_config import EngineConfig
-from runtime.model_runner import ModelRunnerConfig
+from bucketserve.decode_worker.config import DecodeWorkerConfig
+from bucketserve.decode_worker.decode_worker import DecodeWorker
+from bucketserve.kv_transfer.inprocess import InProcessTransport
+from bucketserve.kv_transfer.kv_format import KVBlockHandle, KVFormat
+from bucketserve.kv_transfer.ray_store import from_wire, to_wire
+from bucketserve.kv_transfer.transport import KVSender, LayerSink
+from bucketserve.messages import HandoffRequest, PrefillTask, ReservationError, ServeRequest
+from bucketserve.prefill_worker.config import PrefillWorkerConfig
+from bucketserve.prefill_worker.prefill_worker import PrefillWorker
+from bucketserve.runtime.engine.engine_config import EngineConfig
+from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 from tests.disagg.helpers import BLOCK_SIZE
 
 FORMAT = KVFormat("float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=16)

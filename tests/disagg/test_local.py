@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from controller.controller import Controller
-from runtime.sampling_params import SamplingParams
+from bucketserve.controller.controller import Controller
+from bucketserve.runtime.core.sampling_params import SamplingParams
 from tests.disagg.helpers import (
     BLOCK_SIZE,
     assert_drained,
@@ -85,7 +85,7 @@ def test_padded_to_warmed_shape_buckets_matches_the_engine(
 ) -> None:
     """Prefill batches padded to prompt shapes, decode batches to decode shapes, every shape
     warmed (and logged) at start: same tokens, no graph miss."""
-    caplog.set_level(logging.INFO, logger="kv_worker.kv_worker")
+    caplog.set_level(logging.INFO, logger="bucketserve.kv_worker.kv_worker")
 
     async def main() -> None:
         controller = await started(tiny_model_dir, pad_to_shape_buckets=True, warmup="auto")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.config import PlacementConfig
-from controller.controller import Controller
+from bucketserve.controller.config import PlacementConfig
+from bucketserve.controller.controller import Controller
 from tests.disagg.helpers import controller_config, serve_and_drain
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from benchmarks.simulator.cluster_config import ClusterConfig
 from benchmarks.simulator.systems import build
-from controller.controller import Controller
+from bucketserve.controller.controller import Controller
 from tests.disagg.helpers import controller_config
 
 NUM_DECODE = 3

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from controller.config import PlacementConfig
-from controller.controller import Controller
+from bucketserve.controller.config import PlacementConfig
+from bucketserve.controller.controller import Controller
 from tests.disagg.helpers import (
     controller_config,
     mixed_workload,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.config import PlacementConfig
-from controller.controller import Controller
+from bucketserve.controller.config import PlacementConfig
+from bucketserve.controller.controller import Controller
 from tests.disagg.helpers import (
     assert_drained,
     controller_config,
@@ -50,7 +50,7 @@ def test_2_stage_prefill_and_decode_groups_take_two_cards_each_match_one_stage_a
 ) -> None:
     import ray
 
-    from runtime.sampling_params import SamplingParams
+    from bucketserve.runtime.core.sampling_params import SamplingParams
 
     work = mixed_workload(8)
     reference = reference_outputs(three_layers, work)  # one stage, in process

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from controller.config import PlacementConfig
-from controller.controller import Controller
+from bucketserve.controller.config import PlacementConfig
+from bucketserve.controller.controller import Controller
 from tests.disagg.helpers import (
     assert_drained,
     controller_config,

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from bucket_manager.config import TenantConfig
-from gateway.gateway_config import GatewayConfig
-from gateway.server import GatewayServer
-from gateway.tenant_registry import TenantRegistry
+from bucketserve.bucket_manager.config import TenantConfig
+from bucketserve.gateway.gateway_config import GatewayConfig
+from bucketserve.gateway.server import GatewayServer
+from bucketserve.gateway.tenant_registry import TenantRegistry
 from tests.gateway.loop_thread import LoopThread
 
 BLOCK_SIZE = 4
@@ -43,9 +43,9 @@ def tenant_registry() -> TenantRegistry:
 
 def local_controller_config(model_dir: Path, tenants: list[TenantConfig], **options: Any) -> Any:
     """All workers in this process: the fast path every gateway test but the Ray one uses."""
-    from controller.config import ControllerConfig
-    from deploy.serve_config import with_tenants
-    from runtime.model_runner import ModelRunnerConfig
+    from bucketserve.controller.config import ControllerConfig
+    from bucketserve.deploy.serve_config import with_tenants
+    from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 
     runner = ModelRunnerConfig(
         model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS
@@ -58,7 +58,7 @@ def local_controller_config(model_dir: Path, tenants: list[TenantConfig], **opti
 def backend(loop_thread: LoopThread, tiny_model_dir: Path, tenant_registry: TenantRegistry) -> Any:
     """The real Controller in local mode, serving the tiny model, knowing every test tenant
     (and `default`, the open server's)."""
-    from controller.controller import Controller
+    from bucketserve.controller.controller import Controller
 
     tenants = [*tenant_registry.bucket_configs(), TenantConfig("default")]
     controller = loop_thread.call(

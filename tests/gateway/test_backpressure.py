@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from bucket_manager.config import TenantConfig
 from bucketserve import (
     Client,
     ResourceExhaustedError,
@@ -16,14 +15,15 @@ from bucketserve import (
     SamplingParams,
     UnavailableError,
 )
-from gateway.generate_input import GenerateInput
+from bucketserve.bucket_manager.config import TenantConfig
+from bucketserve.gateway.generate_input import GenerateInput
 from tests.gateway.conftest import http_post, local_controller_config, start_server
 
 
 @pytest.fixture(scope="module")
 def small_service(loop_thread: Any, tiny_model_dir: Path) -> Any:
     """A controller whose queue holds one request."""
-    from controller.controller import Controller
+    from bucketserve.controller.controller import Controller
 
     config = local_controller_config(
         tiny_model_dir, [TenantConfig("default")], max_queued_requests=1
@@ -66,7 +66,7 @@ def test_full_queue_is_resource_exhausted(loop_thread: Any, small_service: Any) 
 
 
 def test_no_workers_is_unavailable(loop_thread: Any, tiny_model_dir: Path) -> None:
-    from controller.controller import Controller
+    from bucketserve.controller.controller import Controller
 
     config = local_controller_config(tiny_model_dir, [TenantConfig("default")])
     controller = loop_thread.call(lambda: Controller(config))

@@ -21,9 +21,9 @@ from bucketserve import (
     ResourceExhaustedError,
     SamplingParams,
 )
-from gateway.proto.bucketserve.v1 import serving_pb2 as pb
-from gateway.proto.bucketserve.v1 import serving_pb2_grpc as pb_grpc
-from runtime.llm import LLM
+from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2 as pb
+from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2_grpc as pb_grpc
+from bucketserve.runtime.engine.llm import LLM
 from tests.gateway.conftest import BLOCK_SIZE, fresh_stats, wait_until_idle
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -303,7 +303,7 @@ def test_unknown_fields_in_binary_requests_are_ignored(
     tenant_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A client built from a newer .proto still gets served (proto3's norm)."""
-    caplog.set_level(logging.DEBUG, logger="gateway.grpc_servicer")
+    caplog.set_level(logging.DEBUG, logger="bucketserve.gateway.grpc_servicer")
     request = pb.GenerateRequest(text="Hi", sampling_params=sp())
     with grpc.insecure_channel(tenant_server.grpc_target) as channel:
         generate = channel.unary_stream(

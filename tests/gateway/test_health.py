@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bucket_manager.config import TenantConfig
 from bucketserve import Client, SamplingParams
+from bucketserve.bucket_manager.config import TenantConfig
 from tests.gateway.conftest import local_controller_config, start_server, wait_for
 
 SERVING, NOT_SERVING = (
@@ -37,7 +37,7 @@ def grpc_health(target: str) -> int:
 def test_a_dead_decode_worker_flips_health_until_it_is_back(
     loop_thread: Any, tiny_model_dir: Path
 ) -> None:
-    from controller.controller import Controller
+    from bucketserve.controller.controller import Controller
 
     config = local_controller_config(tiny_model_dir, [TenantConfig("default")])
     controller = loop_thread.call(lambda: Controller(config))

@@ -9,8 +9,8 @@ from typing import Any
 import openai
 import pytest
 
-from runtime.llm import LLM
-from runtime.sampling_params import SamplingParams
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.engine.llm import LLM
 from tests.gateway.conftest import BLOCK_SIZE, http_post, wait_for, wait_until_idle
 
 MESSAGES = [{"role": "user", "content": "What is a KV cache?"}]

@@ -21,7 +21,7 @@ from bucketserve import (
     SamplingParams,
     UnavailableError,
 )
-from gateway.gateway_config import BindError
+from bucketserve.gateway.gateway_config import BindError
 from tests.gateway.conftest import start_server, wait_for, wait_until_idle
 
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)

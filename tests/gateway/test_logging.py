@@ -12,12 +12,12 @@ import pytest
 
 from bucketserve import Client, SamplingParams
 from bucketserve.cli import main
-from gateway.gateway_config import GatewayConfig
-from gateway.log_setup import JsonLines, configure_logging
-from gateway.proto.bucketserve.v1 import serving_pb2 as pb
-from gateway.proto.bucketserve.v1 import serving_pb2_grpc as pb_grpc
-from gateway.server import exposure_warnings
-from gateway.tenant_registry import TenantRegistry
+from bucketserve.gateway.gateway_config import GatewayConfig
+from bucketserve.gateway.log_setup import JsonLines, configure_logging
+from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2 as pb
+from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2_grpc as pb_grpc
+from bucketserve.gateway.server import exposure_warnings
+from bucketserve.gateway.tenant_registry import TenantRegistry
 from tests.gateway.conftest import http_post, start_server, wait_for
 
 

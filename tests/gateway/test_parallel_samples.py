@@ -14,11 +14,11 @@ import openai
 import pytest
 import torch
 
-from bucket_manager.config import TenantConfig
 from bucketserve import Client
-from gateway.cli import run_generate
-from runtime.llm import LLM
-from runtime.sampling_params import SamplingParams
+from bucketserve.bucket_manager.config import TenantConfig
+from bucketserve.gateway.cli import run_generate
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.engine.llm import LLM
 from tests.gateway.conftest import (
     BLOCK_SIZE,
     local_controller_config,
@@ -36,7 +36,7 @@ def engine_llm(tiny_model_dir: Path) -> LLM:
 
 @pytest.fixture(scope="module")
 def colocated(loop_thread: Any, tiny_model_dir: Path) -> Iterator[tuple[Any, Any]]:
-    from controller.controller import Controller
+    from bucketserve.controller.controller import Controller
 
     config = local_controller_config(
         tiny_model_dir, [TenantConfig("default")], shape="colocated"
@@ -243,7 +243,7 @@ def test_grpc_sdk_n_and_prompt_logprobs(
 def _cli_args(target: str) -> Any:
     import argparse
 
-    from gateway.cli import register
+    from bucketserve.gateway.cli import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from gateway.generate_input import GenerateInput
-from gateway.proto import regenerate
-from gateway.proto.bucketserve.v1 import serving_pb2 as pb
-from gateway.proto_codec import (
+from bucketserve.gateway.generate_input import GenerateInput
+from bucketserve.gateway.proto import regenerate
+from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2 as pb
+from bucketserve.gateway.proto_codec import (
     delta_to_response,
     input_to_request,
     request_to_input,
     response_to_chunk,
     unknown_fields,
 )
-from kv_worker.messages import RequestTimings, StreamDelta
+from bucketserve.messages import RequestTimings, StreamDelta
 
 
 def test_committed_stubs_match_the_proto() -> None:

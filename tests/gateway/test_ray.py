@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from bucket_manager.config import TenantConfig
 from bucketserve import Client, SamplingParams
-from runtime.llm import LLM
+from bucketserve.bucket_manager.config import TenantConfig
+from bucketserve.runtime.engine.llm import LLM
 from tests.gateway.conftest import BLOCK_SIZE, local_controller_config, start_server, wait_for
 from tests.gateway.test_health import NOT_SERVING, SERVING, grpc_health, http_health
 
@@ -21,7 +21,7 @@ LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 def test_sdk_through_ray_actors_matches_the_engine_and_cancel_frees_blocks(
     loop_thread: Any, tiny_model_dir: Path
 ) -> None:
-    from controller.controller import Controller
+    from bucketserve.controller.controller import Controller
 
     config = local_controller_config(
         tiny_model_dir, [TenantConfig("default")], mode="ray",

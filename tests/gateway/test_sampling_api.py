@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from bucketserve import Client
-from runtime.llm import LLM
-from runtime.sampling_params import SamplingParams
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.engine.llm import LLM
 from tests.gateway.conftest import BLOCK_SIZE, wait_until_idle
 
 PROMPT = "Once upon a time"

@@ -10,8 +10,8 @@ import pytest
 
 import bucketserve
 from bucketserve import Chunk, Client, Completion, RetryPolicy, SamplingParams
-from gateway.client_base import build_input
-from gateway.errors import (
+from bucketserve.gateway.client_base import build_input
+from bucketserve.gateway.errors import (
     AuthenticationError,
     BucketServeError,
     DeadlineExceededError,
@@ -22,7 +22,7 @@ from gateway.errors import (
     UnavailableError,
     error_for_status,
 )
-from gateway.rich_status import retry_delay, status_trailers
+from bucketserve.gateway.rich_status import retry_delay, status_trailers
 
 
 def test_public_exports() -> None:

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from bucket_manager.config import TenantConfig
 from bucketserve import Client, SamplingParams
+from bucketserve.bucket_manager.config import TenantConfig
 from tests.gateway.conftest import start_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -17,11 +17,11 @@ QUESTIONS = ["What is the capital of France?", "Name three colours."]
 
 @pytest.mark.smollm
 def test_sdk_text_equals_the_engine_on_smollm2(loop_thread: Any, smollm_dir: Path) -> None:
-    from controller.config import ControllerConfig
-    from controller.controller import Controller
-    from deploy.serve_config import with_tenants
-    from runtime.llm import LLM
-    from runtime.model_runner import ModelRunnerConfig
+    from bucketserve.controller.config import ControllerConfig
+    from bucketserve.controller.controller import Controller
+    from bucketserve.deploy.serve_config import with_tenants
+    from bucketserve.runtime.engine.llm import LLM
+    from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 
     runner = ModelRunnerConfig(model=str(smollm_dir), num_kv_blocks=64)
     config = with_tenants(ControllerConfig(runner=runner, mode="local"), [TenantConfig("default")])

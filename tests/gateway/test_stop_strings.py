@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from bucketserve import Client, SamplingParams
-from runtime.llm import LLM
+from bucketserve.runtime.engine.llm import LLM
 from tests.gateway.conftest import BLOCK_SIZE, wait_until_idle
 
 PROMPT = "Once upon a time"

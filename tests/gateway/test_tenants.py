@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from bucket_manager.config import BucketManagerConfig, TenantConfig
-from bucket_manager.policy import Policy, TenantClass
-from gateway.errors import AuthenticationError, InvalidArgumentError, ResourceExhaustedError
-from gateway.tenant_quota import TenantQuota
-from gateway.tenant_registry import TenantRegistry, parse_bearer
-from gateway.tenant_spec import TenantSpec, hash_api_key
-from gateway.token_bucket import TokenBucket
+from bucketserve.bucket_manager.config import BucketManagerConfig, TenantConfig
+from bucketserve.bucket_manager.policy import Policy, TenantClass
+from bucketserve.gateway.errors import (
+    AuthenticationError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
+from bucketserve.gateway.tenant_quota import TenantQuota
+from bucketserve.gateway.tenant_registry import TenantRegistry, parse_bearer
+from bucketserve.gateway.tenant_spec import TenantSpec, hash_api_key
+from bucketserve.gateway.token_bucket import TokenBucket
 
 TENANTS = [
     {

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.tenant_registry import TenantRegistry
+from bucketserve.gateway.tenant_registry import TenantRegistry
 from tests.gateway.loop_thread import LoopThread
 
 TENANTS = [
@@ -29,12 +29,12 @@ def loop_thread() -> Iterator[LoopThread]:
 @pytest.fixture(scope="module")
 def service(loop_thread: LoopThread, tiny_model_dir: Path) -> Iterator[tuple[Any, Any]]:
     """(controller, gateway server)."""
-    from controller.config import ControllerConfig
-    from controller.controller import Controller
-    from deploy.serve_config import with_tenants
-    from gateway.gateway_config import GatewayConfig
-    from gateway.server import GatewayServer
-    from runtime.model_runner import ModelRunnerConfig
+    from bucketserve.controller.config import ControllerConfig
+    from bucketserve.controller.controller import Controller
+    from bucketserve.deploy.serve_config import with_tenants
+    from bucketserve.gateway.gateway_config import GatewayConfig
+    from bucketserve.gateway.server import GatewayServer
+    from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 
     tenants = TenantRegistry.from_dict(TENANTS)
     runner = ModelRunnerConfig(model=str(tiny_model_dir), block_size=4, num_kv_blocks=512)

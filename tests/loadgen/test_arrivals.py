@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.loadgen.arrivals import PoissonArrivals
-from benchmarks.loadgen.bench_config import BenchConfig, check_loopback, host_of
+from bucketserve.bench.arrivals import PoissonArrivals
+from bucketserve.bench.bench_config import BenchConfig, check_loopback, host_of
 
 
 def test_poisson_gaps_have_the_rate_mean_and_exponential_spread() -> None:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.loadgen.bench_metrics import (
+from bucketserve.bench.bench_metrics import (
     attainment,
     percentile,
     rate_at_attainment,
     summarize,
 )
-from benchmarks.loadgen.request_record import RequestRecord
-from benchmarks.loadgen.slo import SLO
+from bucketserve.bench.request_record import RequestRecord
+from bucketserve.bench.slo import SLO
 
 
 def record(i: int, send: float, first: float | None, end: float | None, tokens: int,

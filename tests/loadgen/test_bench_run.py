@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.cli import build_config, run
-from benchmarks.loadgen.bench import Bench
+from bucketserve.bench.bench import Bench
+from bucketserve.bench.cli import build_config, run
 from bucketserve.cli import build_parser
 from tests.loadgen.conftest import LoopThread
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.cli import build_config, run
+from bucketserve.bench.cli import build_config, run
 from bucketserve.cli import build_parser
 
 

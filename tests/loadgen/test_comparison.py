@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.loadgen.bench_config import BenchConfig
-from benchmarks.loadgen.comparison import Comparison, ServiceSpec, system_setup
-from benchmarks.loadgen.length_distribution import LengthDistribution
-from benchmarks.loadgen.slo import SLO
-from benchmarks.loadgen.workload import WorkloadConfig
+from bucketserve.bench.bench_config import BenchConfig
+from bucketserve.bench.comparison import Comparison, ServiceSpec, system_setup
+from bucketserve.bench.length_distribution import LengthDistribution
+from bucketserve.bench.slo import SLO
+from bucketserve.bench.workload import WorkloadConfig
 
 
 def test_the_three_systems_differ_only_in_buckets_policies_and_padding(

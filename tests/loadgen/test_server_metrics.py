@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from benchmarks.loadgen.server_metrics import ServerMetrics, diff, parse
+from bucketserve.bench.server_metrics import ServerMetrics, diff, parse
 
 BEFORE = """\
 # TYPE bucketserve:graph_misses counter

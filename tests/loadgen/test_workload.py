@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.loadgen.length_distribution import LengthDistribution
-from benchmarks.loadgen.sharegpt_reader import ShareGPTReader
-from benchmarks.loadgen.tenant_mix import TenantMix, TenantShare
-from benchmarks.loadgen.text_corpus import TextCorpus
-from benchmarks.loadgen.workload import WorkloadConfig, WorkloadGenerator
-from runtime.tokenizer import Tokenizer
+from bucketserve.bench.length_distribution import LengthDistribution
+from bucketserve.bench.sharegpt_reader import ShareGPTReader
+from bucketserve.bench.tenant_mix import TenantMix, TenantShare
+from bucketserve.bench.text_corpus import TextCorpus
+from bucketserve.bench.workload import WorkloadConfig, WorkloadGenerator
+from bucketserve.runtime.io.tokenizer import Tokenizer
 
 OUTPUT = LengthDistribution(mean=32.0, sigma=0.5, low=4, high=64)
 

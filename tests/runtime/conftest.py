@@ -18,7 +18,7 @@ def use_kernels(isa: str, monkeypatch: pytest.MonkeyPatch):
     """The kernels built for `-march=isa`, loaded in place of the native build for the rest
     of the test. A build that fails here fails the test: the torch fallback is for users'
     odd machines, not a way for CI to stay green. Skipped only when switched off."""
-    from runtime import kernels
+    from bucketserve.runtime.cpu import kernels
 
     if os.environ.get(kernels.ENV_SWITCH) == "0":
         pytest.skip(f"{kernels.ENV_SWITCH}=0: the torch code runs")
@@ -33,7 +33,7 @@ def use_kernels(isa: str, monkeypatch: pytest.MonkeyPatch):
 @pytest.fixture(params=KERNEL_ISAS)
 def kernel(request, monkeypatch) -> Iterator:
     """The C kernels of each ISA build (`KERNEL_ISAS`), asserted loaded."""
-    from runtime import kernels
+    from bucketserve.runtime.cpu import kernels
 
     yield use_kernels(request.param, monkeypatch)
     kernels.load.cache_clear()
@@ -45,7 +45,8 @@ def gemm_backend(request, monkeypatch) -> Iterator[str]:
     whichever a machine measures fastest (`cpu_gemm_backend`): all must give the same
     tokens. The kernels' GEMM runs once per ISA build, and so does everything else the
     kernels compute in that test (attention, norms, rotary)."""
-    from runtime import device, kernels, mkl_sgemm
+    from bucketserve.runtime.cpu import kernels, mkl_sgemm
+    from bucketserve.runtime.worker import device
 
     backend, _, isa = request.param.partition("-")
     if backend == "mkl" and not mkl_sgemm.available():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.block_manager import BlockManager
-from runtime.sequence import Sequence
+from bucketserve.runtime.core.block_manager import BlockManager
+from bucketserve.runtime.core.sequence import Sequence
 
 
 def seq(n: int) -> Sequence:

@@ -16,8 +16,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from runtime.block_manager import BlockManager
-from runtime.sequence import Sequence
+from bucketserve.runtime.core.block_manager import BlockManager
+from bucketserve.runtime.core.sequence import Sequence
 
 NUM_BLOCKS = 12
 BLOCK_SIZE = 4

@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import device, kernels, mkl_sgemm
-from runtime.device import linear, linear_add, linear_silu_mul, pack_weight
-from runtime.host_gemm import RowSplitGemm
-from runtime.mkl_sgemm import PackedSgemm
-from runtime.panel_gemm import PanelGemm
+from bucketserve.runtime.cpu import kernels, mkl_sgemm
+from bucketserve.runtime.cpu.host_gemm import RowSplitGemm
+from bucketserve.runtime.cpu.mkl_sgemm import PackedSgemm
+from bucketserve.runtime.cpu.panel_gemm import PanelGemm
+from bucketserve.runtime.worker import device
+from bucketserve.runtime.worker.device import linear, linear_add, linear_silu_mul, pack_weight
 
 PACKED = {"mkl": PackedSgemm, "kernels": PanelGemm}
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import kernels, mkl_sgemm
-from runtime.attention import attend_flat, attend_rect, rect_mask
-from runtime.device import pack_graph_weight
-from runtime.graph_ops import gemm, gemm_panels, paged_decode_flat
-from runtime.panel_gemm import PanelGemm
-from runtime.sequence import Sequence
-from runtime.step_inputs import InputBuilder
+from bucketserve.runtime.core.sequence import Sequence
+from bucketserve.runtime.cpu import kernels, mkl_sgemm
+from bucketserve.runtime.cpu.graph_ops import gemm, gemm_panels, paged_decode_flat
+from bucketserve.runtime.cpu.panel_gemm import PanelGemm
+from bucketserve.runtime.worker.attention import attend_flat, attend_rect, rect_mask
+from bucketserve.runtime.worker.device import pack_graph_weight
+from bucketserve.runtime.worker.step_inputs import InputBuilder
 
 # Every test runs on each ISA build of the kernels (tests/runtime/conftest.py: KERNEL_ISAS),
 # asserted loaded, including those that reach them through the model code.
@@ -165,8 +165,8 @@ def test_kernel_is_off_with_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_in_place_matches_the_torch_ops(kernel, dtype: torch.dtype) -> None:
-    from runtime.model_config import ModelConfig
-    from runtime.models.llama import RotaryEmbedding, rope_reference
+    from bucketserve.runtime.io.model_config import ModelConfig
+    from bucketserve.runtime.models.llama import RotaryEmbedding, rope_reference
 
     config = ModelConfig.from_dict(
         {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 2,

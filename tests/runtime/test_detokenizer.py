@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.detokenizer import Detokenizer
-from runtime.tokenizer import Tokenizer
+from bucketserve.runtime.io.detokenizer import Detokenizer
+from bucketserve.runtime.io.tokenizer import Tokenizer
 
 MULTIBYTE = "Café 日本語 🙂👍🏽 naïve — done"
 

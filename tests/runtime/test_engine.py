@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
-from runtime.engine import LLMEngine
-from runtime.llm import LLM
-from runtime.model_runner import ModelRunner, ModelRunnerConfig
-from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams
-from runtime.sequence import FinishReason, Sequence
+from bucketserve.runtime.core.outputs import RequestOutput
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.core.sequence import FinishReason, Sequence
+from bucketserve.runtime.engine.llm import LLM
+from bucketserve.runtime.engine.llm_engine import LLMEngine
+from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=12)

@@ -7,9 +7,9 @@ import warnings
 import pytest
 import torch
 
-from runtime.engine import LLMEngine
-from runtime.model_runner import ModelRunner, ModelRunnerConfig
-from runtime.sampling_params import SamplingParams
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.engine.llm_engine import LLMEngine
+from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 from tests.runtime.test_engine import drain_all
 
 pytestmark = pytest.mark.smollm

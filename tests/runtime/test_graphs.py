@@ -8,12 +8,13 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
-from runtime import device, kernels, mkl_sgemm
-from runtime.device import Device, graph_backend_for, hpu_lazy_mode
-from runtime.graph_ops import is_panels
-from runtime.llm import LLM
-from runtime.model_runner import ModelRunner, ModelRunnerConfig
-from runtime.sampling_params import SamplingParams
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.cpu import kernels, mkl_sgemm
+from bucketserve.runtime.cpu.graph_ops import is_panels
+from bucketserve.runtime.engine.llm import LLM
+from bucketserve.runtime.worker import device
+from bucketserve.runtime.worker.device import Device, graph_backend_for, hpu_lazy_mode
+from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 from tests.runtime.test_model_runner import BLOCK, NUM_BLOCKS, Blocks, generate, new_seqs, prompts
 
 # prompt buckets (batch, query, table width) and decode buckets (batch, 1, the batch's blocks)

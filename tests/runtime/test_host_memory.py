@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from runtime.device import MALLOC_ENV
+from bucketserve.runtime.worker.device import MALLOC_ENV
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
 
 PROBE = """
-import runtime.device as d
+import bucketserve.runtime.worker.device as d
 before = d.keep_freed_host_memory.cache_info().currsize
 d.Device("cpu")
 print(before, d.keep_freed_host_memory.cache_info().currsize, d.keep_freed_host_memory())

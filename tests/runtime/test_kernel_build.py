@@ -13,18 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from runtime.default_model import CACHE_ENV
-from runtime.kernels import ENV_SWITCH, ISA_ENV, KernelBuild
+from bucketserve.runtime.cpu.kernels import ENV_SWITCH, ISA_ENV, KernelBuild
+from bucketserve.runtime.io.default_model import CACHE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300  # a loaded 2-core machine: importing torch and a native build take a while
-LOAD = "import logging; logging.basicConfig(); from runtime import kernels; print(kernels.load())"
+LOAD = (
+    "import logging; logging.basicConfig(); from bucketserve.runtime.cpu import kernels; "
+    "print(kernels.load())"
+)
 # Two processes load at once: each announces itself in a folder, then waits for the other.
 LOAD_TOGETHER = """
 import logging, sys, time
 from pathlib import Path
 logging.basicConfig()
-from runtime import kernels
+from bucketserve.runtime.cpu import kernels
 ready = Path(sys.argv[1])
 (ready / sys.argv[2]).touch()
 deadline = time.monotonic() + 120
@@ -79,7 +82,7 @@ exit 1
         [warning] = [line for line in loaded.stderr.splitlines() if line.strip()]
         assert len(loaded.stderr.strip().splitlines()) == 1, loaded.stderr
         [log] = (tmp_path / "cache" / "kernels").glob("cpu_kernels-*.log")
-        assert warning.startswith("WARNING:runtime.kernels:")
+        assert warning.startswith("WARNING:bucketserve.runtime.cpu.kernels:")
         assert "the torch code runs" in warning and "-march=x86-64-v3" in warning
         assert f"log: {log};" in warning and "error: fake compiler refuses" in warning
         assert "detail only the log holds" not in loaded.stderr

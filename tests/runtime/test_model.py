@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from runtime.model_config import ModelConfig, RopeScaling
-from runtime.model_runner import ModelRunner, ModelRunnerConfig
-from runtime.models.llama import rope_inv_freq
-from runtime.sampling_params import SamplingParams
-from runtime.sequence import Sequence
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.core.sequence import Sequence
+from bucketserve.runtime.io.model_config import ModelConfig, RopeScaling
+from bucketserve.runtime.models.llama import rope_inv_freq
+from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 
 BLOCK = 4
 VOCAB = 49152

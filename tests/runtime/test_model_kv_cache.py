@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.kv_cache import KVCache
+from bucketserve.runtime.worker.kv_cache import KVCache
 
 
 def make(dtype: torch.dtype = torch.float32, blocks: int = 6) -> KVCache:

@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from runtime.kv_cache import KVCache
-from runtime.model_runner import ModelRunner, ModelRunnerConfig
-from runtime.sampling_params import SamplingParams
-from runtime.sequence import Sequence
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.core.sequence import Sequence
+from bucketserve.runtime.worker.kv_cache import KVCache
+from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 
 BLOCK = 4
 NUM_BLOCKS = 48
@@ -276,7 +276,7 @@ def test_smollm_batched_greedy_chat_matches_transformers(smollm_dir, gemm_backen
 
 
 def test_device_choice_on_a_cpu_machine():
-    from runtime.device import Device, linear
+    from bucketserve.runtime.worker.device import Device, linear
 
     auto = Device("auto")
     assert auto.torch_device == torch.device("cpu") or torch.cuda.is_available()
@@ -302,10 +302,10 @@ def test_packed_weights_replace_the_plain_ones(tiny_model_dir, gemm_backend):
     Linear weights are dropped rather than held twice (the packed model's tokens:
     test_greedy_generation_matches_...). With the panels, the layers' weights also have
     MKL's packing for prefill-sized GEMMs (a tiny model fits); the LM head does not."""
-    from runtime import mkl_sgemm
-    from runtime.host_gemm import RowSplitGemm
-    from runtime.mkl_sgemm import PackedSgemm
-    from runtime.panel_gemm import PanelGemm
+    from bucketserve.runtime.cpu import mkl_sgemm
+    from bucketserve.runtime.cpu.host_gemm import RowSplitGemm
+    from bucketserve.runtime.cpu.mkl_sgemm import PackedSgemm
+    from bucketserve.runtime.cpu.panel_gemm import PanelGemm
 
     runner = ModelRunner(ModelRunnerConfig(model=str(tiny_model_dir), block_size=BLOCK,
                                            num_kv_blocks=NUM_BLOCKS, device="cpu"))

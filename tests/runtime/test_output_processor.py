@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.output_processor import OutputProcessor
-from runtime.sampling_params import SamplingParams
-from runtime.tokenizer import Tokenizer
+from bucketserve.runtime.core.output_processor import OutputProcessor
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.io.tokenizer import Tokenizer
 
 TEXT = "The weather today is sunny, and the drums occur at noon."
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.engine import LLMEngine
-from runtime.model_runner import ModelRunner, ModelRunnerConfig
-from runtime.pipeline.pipeline_executor import PipelineExecutor
-from runtime.pipeline.pipeline_stats import PipelineStats, handoff_seconds
-from runtime.pipeline.stage_clock import StageSpan
-from runtime.pipeline.stage_spec import split_layers
-from runtime.sampling_params import SamplingParams
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.engine.llm_engine import LLMEngine
+from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from bucketserve.runtime.worker.pipeline.pipeline_executor import PipelineExecutor
+from bucketserve.runtime.worker.pipeline.pipeline_stats import PipelineStats, handoff_seconds
+from bucketserve.runtime.worker.pipeline.stage_clock import StageSpan
+from bucketserve.runtime.worker.pipeline.stage_spec import split_layers
 from tests.runtime.test_engine import drain, drain_all, token_prompts
 
 BLOCK = 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.engine import LLMEngine
+from bucketserve.runtime.engine.llm_engine import LLMEngine
 from tests.runtime.test_engine import drain_all
 from tests.runtime.test_engine_smollm import (  # noqa: F401 - fixtures
     GREEDY,

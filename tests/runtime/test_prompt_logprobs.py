@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from runtime.engine import LLMEngine
-from runtime.model_runner import ModelRunner, ModelRunnerConfig
-from runtime.sampling_params import SamplingParams
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.engine.llm_engine import LLMEngine
+from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 
 PROMPT = [17, 230, 4051, 99, 1200, 7, 8, 612, 33, 901, 45, 3, 2999]
 

@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 import torch
 
-from runtime.sampler import Sampler, token_seed
-from runtime.sampling_params import SamplingParams
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.worker.sampler import Sampler, token_seed
 
 VOCAB = 50
 

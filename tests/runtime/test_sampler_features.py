@@ -7,10 +7,10 @@ import pickle
 import pytest
 import torch
 
-from runtime.logprobs import SampledToken, TokenLogprob, logprob_of
-from runtime.sampler import Sampler
-from runtime.sampling_params import SamplingParams
-from runtime.sequence import Sequence
+from bucketserve.runtime.core.logprobs import SampledToken, TokenLogprob, logprob_of
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.core.sequence import Sequence
+from bucketserve.runtime.worker.sampler import Sampler
 
 VOCAB = 8
 EOS = 7

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.engine import LLMEngine
-from runtime.llm import LLM
-from runtime.sampling_params import SamplingParams
-from runtime.sequence import FinishReason
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.core.sequence import FinishReason
+from bucketserve.runtime.engine.llm import LLM
+from bucketserve.runtime.engine.llm_engine import LLMEngine
 from tests.runtime import test_engine
 from tests.runtime.test_engine import drain_all, token_prompts
 

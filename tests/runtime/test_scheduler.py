@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from runtime.block_manager import BlockManager
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.scheduler_output import SchedulerOutput
-from runtime.sequence import FinishReason, Priority, Sequence, SequenceStatus
+from bucketserve.runtime.core.block_manager import BlockManager
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.core.scheduler import Scheduler, SchedulerConfig
+from bucketserve.runtime.core.scheduler_output import SchedulerOutput
+from bucketserve.runtime.core.sequence import FinishReason, Priority, Sequence, SequenceStatus
 
 EOS = 2
 

@@ -9,11 +9,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from runtime.block_manager import BlockManager
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.scheduler_output import SchedulerOutput
-from runtime.sequence import Sequence, SequenceStatus
+from bucketserve.runtime.core.block_manager import BlockManager
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.core.scheduler import Scheduler, SchedulerConfig
+from bucketserve.runtime.core.scheduler_output import SchedulerOutput
+from bucketserve.runtime.core.sequence import Sequence, SequenceStatus
 
 EOS = 2
 NUM_BLOCKS = 8

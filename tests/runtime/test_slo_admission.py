@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from runtime.block_manager import BlockManager
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.scheduler_output import SchedulerOutput
-from runtime.sequence import Sequence, SequenceStatus
-from runtime.slo_admission import SloAdmission, StepTimes
+from bucketserve.runtime.core.block_manager import BlockManager
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.core.scheduler import Scheduler, SchedulerConfig
+from bucketserve.runtime.core.scheduler_output import SchedulerOutput
+from bucketserve.runtime.core.sequence import Sequence, SequenceStatus
+from bucketserve.runtime.core.slo_admission import SloAdmission, StepTimes
 
 
 def seq(name: str, n: int, max_tokens: int = 96, tpot: float | None = None) -> Sequence:

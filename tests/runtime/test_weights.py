@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from runtime.default_model import default_gguf_path
-from runtime.gguf_converter import GGUFConverter
-from runtime.model_runner import ModelRunner, ModelRunnerConfig
-from runtime.sampling_params import SamplingParams
-from runtime.sequence import Sequence
-from runtime.weights import convert_gguf, iter_safetensors, resolve_model
+from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.core.sequence import Sequence
+from bucketserve.runtime.io.default_model import default_gguf_path
+from bucketserve.runtime.io.gguf_converter import GGUFConverter
+from bucketserve.runtime.io.weights import convert_gguf, iter_safetensors, resolve_model
+from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 
 LINEAR_ROPE = {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}
 PROMPT = [19556, 216, 33, 34, 905, 28, 253, 1000, 2000, 3000, 4000]

@@ -3,7 +3,7 @@ import pytest
 from benchmarks.simulator.cost_model import ACTIVATION_RESERVE_BYTES, CostModel
 from benchmarks.simulator.hardware import HARDWARE, LINKS, HardwareSpec
 from benchmarks.simulator.model_spec import MODELS, ModelSpec
-from runtime.model_config import ModelConfig
+from bucketserve.runtime.io.model_config import ModelConfig
 
 
 def norms(layers: int, hidden: int) -> int:

@@ -5,7 +5,7 @@ import pytest
 
 from benchmarks.simulator.fcfs_disagg import FcfsBatcher
 from benchmarks.simulator.workload import WorkloadConfig, make_workload
-from bucket_manager import BucketRequest
+from bucketserve.bucket_manager import BucketRequest
 
 
 def test_workloads_are_seeded_and_fit_the_model():

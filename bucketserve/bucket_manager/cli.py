@@ -1,0 +1,119 @@
+"""`bucketserve buckets`: print the shape buckets that warm-up would compile, before starting."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from bucketserve.bucket_manager.bucket_file import BucketFileError
+from bucketserve.bucket_manager.config import (
+    BUCKET_FILE_ENV,
+    STRATEGIES,
+    BucketRange,
+    ShapeBucketConfig,
+)
+from bucketserve.bucket_manager.shape_buckets import ShapeBuckets
+
+_RANGE_FLAGS = {
+    "prompt_bs": ("--prompt-bs", "prompt", "bs"),
+    "prompt_seq": ("--prompt-seq", "prompt", "query"),
+    "prompt_ctx": ("--prompt-ctx", "prompt", "ctx"),
+    "decode_bs": ("--decode-bs", "decode", "bs"),
+    "decode_block": ("--decode-block", "decode", "blocks"),
+}
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "buckets",
+        help="print the prompt and decode shape buckets a configuration generates",
+        description=(
+            "Print the shape-bucket configuration and the generated prompt and decode buckets "
+            "in the warm-up log format. Flags override the config file. The 'file' strategy "
+            f"reads --file, the config's `file`, or ${BUCKET_FILE_ENV}."
+        ),
+    )
+    parser.add_argument("--config", type=Path, help="service YAML (its `shape_buckets` section)")
+    parser.add_argument("--strategy", choices=STRATEGIES)
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--file", help="bucket file for the 'file' strategy")
+    for dest, (flag, phase, dim) in _RANGE_FLAGS.items():
+        parser.add_argument(
+            flag,
+            dest=dest,
+            type=int,
+            nargs="+",
+            metavar="N",
+            help=f"{phase} {dim}: MIN STEP MAX [LIMIT]",
+        )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = build_config(args)
+        shapes = ShapeBuckets(config, log=False)
+    except (ValueError, BucketFileError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(shapes.describe()))
+    per_seq = -(-config.max_model_len // config.block_size)
+    reachable = [b for b in shapes.decode if b[2] <= b[0] * per_seq]
+    print(
+        f"Decode blocks count the batch's KV blocks in all; {len(reachable)} of "
+        f"{len(shapes.decode)} decode buckets are reachable (blocks <= batch x {per_seq}, "
+        "a full-length sequence per row) and warmed",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_config(args: argparse.Namespace) -> ShapeBucketConfig:
+    """The config file's section with the flags laid over it, validated once."""
+    data = dict(load_section(args.config)) if args.config else {}
+    top = {
+        "strategy": args.strategy,
+        "block_size": args.block_size,
+        "max_model_len": args.max_model_len,
+        "file": args.file,
+    }
+    data.update({k: v for k, v in top.items() if v is not None})
+    for dest, (flag, phase, dim) in _RANGE_FLAGS.items():
+        values = getattr(args, dest)
+        if values is not None:
+            section = data.get(phase) or {}
+            if not isinstance(section, dict):
+                raise ValueError(f"shape_buckets.{phase} must be a mapping")
+            data[phase] = {**section, dim: BucketRange.from_value(values, flag)}
+    return ShapeBucketConfig.from_dict(data)
+
+
+def load_section(path: Path) -> dict[str, Any]:
+    """The `shape_buckets` mapping of a service YAML (also under `buckets:`), or the whole file."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ValueError(f"cannot read config {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"config {path} must be a mapping")
+    if "buckets" not in data:
+        return data.get("shape_buckets", data)
+    # a service YAML: its shape keys, with the model's length and the pool's block size
+    section = data["buckets"] or {}
+    if "shape_buckets" in section:
+        return section["shape_buckets"]
+    shapes = {k: section[k] for k in ("strategy", "file", "prompt", "decode") if k in section}
+    block_size = (data.get("kv_cache") or {}).get("block_size")
+    max_model_len = (data.get("model") or {}).get("max_model_len")
+    if block_size is not None:
+        shapes["block_size"] = block_size
+    if max_model_len is not None:
+        shapes["max_model_len"] = max_model_len
+    return shapes

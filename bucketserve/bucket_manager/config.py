@@ -1,0 +1,323 @@
+"""Config dataclasses of the bucket manager, one per component.
+
+Every class validates in `__post_init__` and raises ValueError naming the field
+and the allowed values. `from_dict` builds them from the service YAML's mappings.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from bucketserve.bucket_manager.checks import check_choice, check_int, check_number
+from bucketserve.bucket_manager.policy import Policy, TenantClass
+
+BUCKET_FILE_ENV = "BUCKETSERVE_BUCKET_FILE"
+STRATEGIES = ("exponential", "linear", "file")
+LOOKUPS = ("bisect", "linear")
+
+
+def _build(cls: type, data: Any, where: str, nested: dict[str, Any] | None = None) -> Any:
+    """`cls(**data)` after checking the keys; `nested` maps a key to its own builder."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed keys are {sorted(known)}")
+    kwargs = dict(data)
+    for key, build in (nested or {}).items():
+        if key in kwargs and kwargs[key] is not None:
+            kwargs[key] = build(kwargs[key], f"{where}.{key}")
+    return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class BucketRange:
+    """(min, step, max, limit) of one shape dimension; the linear strategy ignores limit."""
+
+    min: int
+    step: int
+    max: int
+    limit: int | None = None
+    name: str = field(default="range", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_int(f"{self.name}.min", self.min, 0)
+        check_int(f"{self.name}.step", self.step, 1)
+        check_int(f"{self.name}.max", self.max, self.min)
+        if self.limit is not None:
+            check_int(f"{self.name}.limit", self.limit, 1)
+
+    def as_list(self, with_limit: bool = True) -> list[int | None]:
+        head: list[int | None] = [self.min, self.step, self.max]
+        return [*head, self.limit] if with_limit else head
+
+    @classmethod
+    def from_value(cls, data: Any, where: str) -> BucketRange:
+        """From `[min, step, max, limit]`, `[min, step, max]` or a mapping."""
+        if isinstance(data, (list, tuple)):
+            if len(data) not in (3, 4):
+                raise ValueError(f"{where} must be [min, step, max] or [min, step, max, limit]")
+            return cls(*data, name=where)
+        return _build(cls, {**data, "name": where} if isinstance(data, dict) else data, where)
+
+
+def _named(rng: BucketRange | None, name: str) -> BucketRange | None:
+    if rng is None or rng.name == name:
+        return rng
+    return BucketRange(rng.min, rng.step, rng.max, rng.limit, name=name)
+
+
+@dataclass(frozen=True)
+class PromptShapeConfig:
+    """Prompt shape dimensions; `ctx=None` warms every block count that fits beside the query."""
+
+    bs: BucketRange = BucketRange(1, 1, 1, 1)
+    query: BucketRange = BucketRange(128, 128, 1024, 11)
+    ctx: BucketRange | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bs", _named(self.bs, "prompt.bs"))
+        object.__setattr__(self, "query", _named(self.query, "prompt.query"))
+        object.__setattr__(self, "ctx", _named(self.ctx, "prompt.ctx"))
+        check_int("prompt.bs.min", self.bs.min, 1)
+        check_int("prompt.query.min", self.query.min, 1)
+
+
+@dataclass(frozen=True)
+class DecodeShapeConfig:
+    bs: BucketRange = BucketRange(1, 2, 4, 3)
+    blocks: BucketRange = BucketRange(128, 128, 5888, 14)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bs", _named(self.bs, "decode.bs"))
+        object.__setattr__(self, "blocks", _named(self.blocks, "decode.blocks"))
+        check_int("decode.bs.min", self.bs.min, 1)
+
+
+@dataclass(frozen=True)
+class ShapeBucketConfig:
+    """Shape buckets `(batch, query, context blocks)` for prompt and decode.
+
+    The defaults are the bucketing doc's start-up example (36 prompt, 42 decode
+    buckets). `file` may instead come from the environment variable
+    BUCKETSERVE_BUCKET_FILE; it is read only when `strategy == "file"`.
+    """
+
+    strategy: str = "exponential"
+    block_size: int = 128
+    max_model_len: int = 1024
+    prompt: PromptShapeConfig = field(default_factory=PromptShapeConfig)
+    decode: DecodeShapeConfig = field(default_factory=DecodeShapeConfig)
+    file: str | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("ShapeBucketConfig.strategy", self.strategy, STRATEGIES)
+        check_int("ShapeBucketConfig.block_size", self.block_size, 1)
+        check_int("ShapeBucketConfig.max_model_len", self.max_model_len, 1)
+        if self.strategy == "exponential":
+            ranges = (self.prompt.bs, self.prompt.query, self.decode.bs, self.decode.blocks)
+            for rng in (*ranges, self.prompt.ctx):
+                if rng is not None and rng.limit is None:
+                    raise ValueError(f"{rng.name}.limit is required by the exponential strategy")
+        if self.strategy == "file" and self.bucket_file() is None:
+            raise ValueError(
+                "ShapeBucketConfig.file is required by the 'file' strategy "
+                f"(or set the environment variable {BUCKET_FILE_ENV})"
+            )
+
+    def bucket_file(self) -> str | None:
+        return self.file or os.environ.get(BUCKET_FILE_ENV) or None
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "shape_buckets") -> ShapeBucketConfig:
+        rng = BucketRange.from_value
+        prompt_nested = {"bs": rng, "query": rng, "ctx": rng}
+        decode_nested = {"bs": rng, "blocks": rng}
+        return _build(
+            cls,
+            data,
+            where,
+            {
+                "prompt": lambda d, w: _build(PromptShapeConfig, d, w, prompt_nested),
+                "decode": lambda d, w: _build(DecodeShapeConfig, d, w, decode_nested),
+            },
+        )
+
+
+@dataclass(frozen=True)
+class RequestBucketConfig:
+    """Algorithm 1: request buckets over prompt lengths `[0, max_len)`.
+
+    `shape_edge_snap`: a split point moves to the nearest warmed prompt query
+    length when that edge lies within this fraction of the bucket's width of the
+    midpoint (0 disables). `lookup="linear"` is the paper's O(k) scan, kept as
+    the benchmark's reference.
+    """
+
+    max_len: int = 1024
+    theta: float = 0.5
+    max_buckets: int = 64
+    shape_edge_snap: float = 0.125
+    lookup: str = "bisect"
+
+    def __post_init__(self) -> None:
+        check_int("RequestBucketConfig.max_len", self.max_len, 2)
+        check_number("RequestBucketConfig.theta", self.theta, 0.0, 1.0)
+        check_int("RequestBucketConfig.max_buckets", self.max_buckets, 1)
+        check_number("RequestBucketConfig.shape_edge_snap", self.shape_edge_snap, 0.0, 0.5)
+        check_choice("RequestBucketConfig.lookup", self.lookup, LOOKUPS)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "request_buckets") -> RequestBucketConfig:
+        return _build(cls, data, where)
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """One tenant. Lower `priority` is served first (vLLM's convention).
+
+    Online tenants are served by earliest arrival (policy fcfs); offline tenants
+    may use sjf or ljf. `max_wait_s` is the aging bound: a request that waited
+    that long is served next whatever its length, its tenant's priority or fair
+    share, so a low-priority tenant waits, but never starves (None: no aging).
+    """
+
+    name: str
+    tenant_class: TenantClass = TenantClass.ONLINE
+    policy: Policy = Policy.FCFS
+    priority: int = 0
+    weight: float = 1.0
+    max_wait_s: float | None = 30.0
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TenantConfig.name must be a non-empty string, got {self.name!r}")
+        where = f"tenant {self.name!r}"
+        classes = tuple(c.value for c in TenantClass)
+        check_choice(f"{where}: tenant_class", self.tenant_class, classes)
+        check_choice(f"{where}: policy", self.policy, tuple(p.value for p in Policy))
+        object.__setattr__(self, "tenant_class", TenantClass(self.tenant_class))
+        object.__setattr__(self, "policy", Policy(self.policy))
+        if self.tenant_class is TenantClass.ONLINE and self.policy is not Policy.FCFS:
+            raise ValueError(
+                f"{where}: online tenants are served by earliest arrival, so policy must be "
+                f"'fcfs'; got {self.policy.value!r} (use tenant_class 'offline' for sjf/ljf)"
+            )
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"{where}: priority must be an integer, got {self.priority!r}")
+        check_number(f"{where}: weight", self.weight, 1e-9)
+        for name in ("max_wait_s", "ttft_slo_s", "tpot_slo_s"):
+            value = getattr(self, name)
+            if value is not None:
+                check_number(f"{where}: {name}", value, 1e-9)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "tenant") -> TenantConfig:
+        if isinstance(data, dict) and "class" in data:
+            data = {k: v for k, v in data.items() if k != "class"} | {"tenant_class": data["class"]}
+        return _build(cls, data, where)
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """Eq. 5-6 in KV blocks: a batch fits `safety_fraction` x the decode pool's free blocks.
+
+    `count_output_tokens`: a request needs ceil((prompt_len + max_tokens) /
+    block_size) blocks, the most its sequence can hold, so an admitted batch
+    never outgrows its reservation; False counts the prompt only (for pools
+    that preempt instead).
+
+    `max_batched_tokens` bounds one prefill forward as vLLM's
+    `max_num_batched_tokens` does (and with its default): a batch's prompt
+    tokens, summed, stay within it, except that a longer prompt still goes
+    alone (None: no bound beyond the KV blocks and the shapes). It is how long
+    a prefill worker is busy with one batch, so how long a request arriving
+    behind it waits: offline work raises it, latency targets keep it low.
+
+    `fit_batch_buckets`: a batch padded to shape buckets takes as many requests
+    as fill a warmed batch size exactly (5 that fit become 4, not 8 rows with
+    3 empty); the rest form the next batch, which the next free prefill slot
+    runs. An empty row costs a whole prompt's compute, so on compute-bound
+    prefill both batches together cost less than the padded one. Unpadded
+    batches are never trimmed.
+    """
+
+    safety_fraction: float = 0.9
+    max_num_seqs: int = 256
+    count_output_tokens: bool = True
+    max_batched_tokens: int | None = 2048
+    fit_batch_buckets: bool = True
+
+    def __post_init__(self) -> None:
+        check_number("BatchingConfig.safety_fraction", self.safety_fraction, 1e-9, 1.0)
+        check_int("BatchingConfig.max_num_seqs", self.max_num_seqs, 1)
+        if self.max_batched_tokens is not None:
+            check_int("BatchingConfig.max_batched_tokens", self.max_batched_tokens, 1)
+        for name in ("count_output_tokens", "fit_batch_buckets"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"BatchingConfig.{name} must be true or false, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "batching") -> BatchingConfig:
+        return _build(cls, data, where)
+
+
+DEFAULT_TENANT = "default"
+
+
+def default_tenant() -> TenantConfig:
+    """The one tenant of a service that names none: online, FCFS, and the latency targets
+    the project's benchmarks judge by (TTFT 4 s, TPOT 0.25 s: about a reader's pace), so
+    the decode engines know when a request's first token is due. A tenant named `default`
+    without API keys replaces it and keeps the service open."""
+    return TenantConfig(DEFAULT_TENANT, ttft_slo_s=4.0, tpot_slo_s=0.25)
+
+
+def _default_tenants() -> tuple[TenantConfig, ...]:
+    return (default_tenant(),)
+
+
+@dataclass(frozen=True)
+class BucketManagerConfig:
+    """Everything BucketManager needs; with no tenants named, one online FCFS `default`."""
+
+    request_buckets: RequestBucketConfig = field(default_factory=RequestBucketConfig)
+    shape_buckets: ShapeBucketConfig = field(default_factory=ShapeBucketConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    tenants: tuple[TenantConfig, ...] = field(default_factory=_default_tenants)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tenants", tuple(self.tenants))
+        if not self.tenants:
+            raise ValueError("BucketManagerConfig.tenants must name at least one tenant")
+        names = [t.name for t in self.tenants]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"BucketManagerConfig.tenants: duplicate tenant names {duplicates}")
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "buckets") -> BucketManagerConfig:
+        def tenants(items: Any, w: str) -> tuple[TenantConfig, ...]:
+            if not isinstance(items, (list, tuple)):
+                raise ValueError(f"{w} must be a list of tenant mappings")
+            return tuple(TenantConfig.from_dict(t, f"{w}[{i}]") for i, t in enumerate(items))
+
+        return _build(
+            cls,
+            data,
+            where,
+            {
+                "request_buckets": RequestBucketConfig.from_dict,
+                "shape_buckets": ShapeBucketConfig.from_dict,
+                "batching": BatchingConfig.from_dict,
+                "tenants": tenants,
+            },
+        )

@@ -1,0 +1,52 @@
+"""What the bucket manager knows about a request: lengths, tenant, arrival, priority."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bucketserve.bucket_manager.checks import check_int
+
+
+@dataclass(frozen=True)
+class BucketRequest:
+    """A request waiting for prefill. `payload` rides along untouched (e.g. the runtime Sequence).
+
+    Lower `priority` is served first within its tenant. `samples` (n > 1) generate from
+    one prompt, sharing its KV blocks.
+    """
+
+    request_id: Hashable
+    prompt_len: int
+    max_tokens: int | None = None
+    tenant: str = "default"
+    arrival_time: float = 0.0
+    priority: int = 0
+    payload: Any = field(default=None, compare=False, repr=False)
+    samples: int = 1
+
+    def __post_init__(self) -> None:
+        where = f"request {self.request_id!r}"
+        check_int(f"{where}: prompt_len", self.prompt_len, 1)
+        if self.max_tokens is not None:
+            check_int(f"{where}: max_tokens", self.max_tokens, 1)
+        if not isinstance(self.tenant, str) or not self.tenant:
+            raise ValueError(f"{where}: tenant must be a non-empty string, got {self.tenant!r}")
+        arrival = self.arrival_time
+        if isinstance(arrival, bool) or not isinstance(arrival, (int, float)):
+            raise ValueError(f"{where}: arrival_time must be a number, got {arrival!r}")
+        if not math.isfinite(arrival):
+            raise ValueError(f"{where}: arrival_time must be finite, got {arrival!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"{where}: priority must be an integer, got {self.priority!r}")
+        check_int(f"{where}: samples", self.samples, 1)
+
+    @property
+    def expected_len(self) -> int:
+        """Prompt plus the most tokens it may generate (the prompt alone without max_tokens)."""
+        return self.prompt_len + (self.max_tokens or 0)
+
+    def kv_tokens(self, count_output_tokens: bool) -> int:
+        return self.expected_len if count_output_tokens else self.prompt_len

@@ -1,0 +1,276 @@
+"""The Controller's configuration: model, worker counts and placement, transport, buckets."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from bucketserve.bucket_manager.config import (
+    BucketManagerConfig,
+)
+from bucketserve.decode_worker.config import check_pace
+from bucketserve.kv_worker.worker_env import check_cpus, check_worker_options
+from bucketserve.runtime.core.scheduler import SchedulerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+
+MODES = ("ray", "local")
+SHAPES = ("disaggregated", "colocated")
+TRANSPORT_CHOICES = ("auto", "inprocess", "ray", "collective")
+ACCELERATORS = ("auto", "hpu", "gpu", "none")
+STAGE_PACKING = ("PACK", "STRICT_PACK")
+
+
+@dataclass
+class PlacementConfig:
+    """Where one role's Ray actors go.
+
+    `accelerator`: one card per actor — "hpu" (`resources={"HPU": 1}`), "gpu"
+    (`num_gpus=1`), "none" (CPU), or "auto": HPU when the cluster has it,
+    else GPU when it has it, else none. `resources` adds custom resources per
+    actor (e.g. a node label pinning the role to some nodes). `torch_threads`
+    sizes the actor's intra-op pool (None: all the node's cores, for either
+    role: a co-located pair takes turns more than it overlaps, since a burst's
+    prefill batch runs while the decode pool waits for it, and the worker pool
+    makes idle OpenMP threads sleep rather than spin). `cpus` pins each actor
+    to those core ids (and sizes its pool to them unless `torch_threads` says
+    otherwise): disjoint lists partition one machine between the roles.
+    `pipeline_parallel_size` > 1 makes each worker of the role a group of that many stage
+    actors, one card each, packed by a Ray placement group with `stage_packing` ("PACK":
+    on one node where possible; "STRICT_PACK": only on one node) next to the worker's own
+    actor, which holds the scheduler and no card.
+    `execution` ("eager" | "graphs" | "auto") overrides the model runner's for this role.
+    """
+
+    accelerator: str = "auto"
+    num_cpus: float = 1.0
+    resources: dict[str, float] = field(default_factory=dict)
+    torch_threads: int | None = None
+    cpus: list[int] | None = None
+    pipeline_parallel_size: int = 1
+    stage_packing: str = "PACK"
+    execution: str | None = None
+
+    def __post_init__(self) -> None:
+        pp = self.pipeline_parallel_size
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise ValueError(f"placement.pipeline_parallel_size must be >= 1, got {pp!r}")
+        if self.stage_packing not in STAGE_PACKING:
+            raise ValueError(
+                f"placement.stage_packing must be one of {STAGE_PACKING}; "
+                f"got {self.stage_packing!r}"
+            )
+        if self.accelerator not in ACCELERATORS:
+            raise ValueError(
+                f"placement.accelerator must be one of {ACCELERATORS}; got {self.accelerator!r}"
+            )
+        if not isinstance(self.num_cpus, (int, float)) or self.num_cpus < 0:
+            raise ValueError(f"placement.num_cpus must be >= 0, got {self.num_cpus!r}")
+        if not isinstance(self.resources, dict) or any(
+            not isinstance(k, str) or not isinstance(v, (int, float)) or v <= 0
+            for k, v in self.resources.items()
+        ):
+            raise ValueError(
+                f"placement.resources must map names to positive amounts, got {self.resources!r}"
+            )
+        check_worker_options("placement", "auto", "auto", self.torch_threads)
+        check_cpus("placement.cpus", self.cpus)
+        if self.execution not in (None, "auto", "eager", "graphs"):
+            raise ValueError(
+                "placement.execution must be null, 'auto', 'eager' or 'graphs'; "
+                f"got {self.execution!r}"
+            )
+
+
+@dataclass
+class ControllerConfig:
+    """Everything the Controller starts and serves with.
+
+    `runner` configures every worker's model runner (its `num_kv_blocks` sizes
+    the decode pools; `prefill_kv_blocks` the prefill pools, which only hold
+    batches until their handoff is acknowledged). `mode="local"` runs all
+    workers in this process on threads with the in-process transport; `ray`
+    makes them actors (local Ray, or `ray_address`, "auto" to join).
+    `transport="auto"`: in-process locally; on Ray the device collective
+    when every worker sits on CUDA or HPU, else the Ray object store.
+    `buckets=None` derives request and shape buckets from the model.
+    `shape="disaggregated"` hands each prefill batch's KV from a prefill worker to a
+    decode worker; `"colocated"` runs no prefill workers: each decode worker's engine
+    prefills its batches itself, chunked into its decode steps under the scheduler's
+    token budget, so no KV moves and decode never waits behind a whole long prompt.
+    The decode engines schedule by priority (`scheduler.scheduling_policy`): a request
+    ranks by its tenant's priority, then its own, so in the colocated shape, where a
+    batch joins the engine as soon as the pool has room, tenant priorities still order
+    the prompts waiting for the token budget; a prompt past its TTFT deadline yields to
+    those on time it would make late, for at most `scheduler.late_yield_s` (8 s, from a
+    screen of the served sweep: benchmarks/results/xeon_model207/README.md).
+    `decode_pace` (disaggregated only): while a prefill batch for a decode worker is in
+    flight, its steps wait until a running request would otherwise get its next token
+    later than this fraction of its TPOT target, so a prefill worker on the same cores gets
+    them (`bucketserve.decode_worker.pacer`); requests without a TPOT target are never held. None
+    (the default) never holds a step.
+    """
+
+    runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
+    scheduler: SchedulerConfig = field(
+        default_factory=lambda: SchedulerConfig(scheduling_policy="priority", late_yield_s=8.0)
+    )
+    pipeline_depth: int = 1
+    prefill_kv_blocks: int | None = None
+    num_prefill: int = 1
+    num_decode: int = 1
+    shape: str = "colocated"  # measured better on one machine: docs/architecture.md
+    mode: str = "ray"
+    transport: str = "auto"
+    ray_address: str | None = None
+    ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
+    prefill_placement: PlacementConfig = field(default_factory=PlacementConfig)
+    decode_placement: PlacementConfig = field(default_factory=PlacementConfig)
+    max_restarts: int = -1
+    buckets: BucketManagerConfig | None = None
+    pad_to_shape_buckets: str | bool = "auto"
+    warmup: str = "auto"
+    lease_ttl_s: float = 60.0
+    worker_timeout_s: float = 120.0  # a worker call or decode step this long: it hangs
+    max_queued_requests: int = 4096
+    max_batches_per_prefill: int = 2  # in flight at one prefill worker, so it never idles
+    max_requeues: int = 3  # re-prefills of one request before it ends with an error
+    stats_interval_s: float = 1.0
+    placement_timeout_s: float = 300.0  # for Ray to place a worker (an autoscaler adds nodes)
+    admit_delay_s: float = 0.0  # fault drill: decode admissions wait this long
+    admit_delay_count: int = 0  # ... the first this many on each decode worker; 0: all
+    decode_pace: float | None = None
+
+    def __post_init__(self) -> None:
+        _choice("mode", self.mode, MODES)
+        _choice("shape", self.shape, SHAPES)
+        _choice("transport", self.transport, TRANSPORT_CHOICES)
+        if self.mode == "local" and self.transport not in ("auto", "inprocess"):
+            raise ValueError(
+                f"mode 'local' keeps every worker in this process, so transport must be 'auto' "
+                f"or 'inprocess'; got {self.transport!r} (use mode 'ray' for it)"
+            )
+        if self.mode == "ray" and self.transport == "inprocess":
+            raise ValueError("transport 'inprocess' needs mode 'local': Ray actors are processes")
+        for name in ("num_prefill", "num_decode", "pipeline_depth", "max_queued_requests",
+                     "max_batches_per_prefill"):
+            _positive_int(name, getattr(self, name), 1)
+        _positive_int("max_requeues", self.max_requeues, 0)
+        _positive_int("max_restarts", self.max_restarts, -1)
+        if self.prefill_kv_blocks is not None:
+            _positive_int("prefill_kv_blocks", self.prefill_kv_blocks, 1)
+        for name in ("lease_ttl_s", "stats_interval_s", "worker_timeout_s", "placement_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"ControllerConfig.{name} must be > 0 seconds, got {value!r}")
+        if not isinstance(self.admit_delay_s, (int, float)) or self.admit_delay_s < 0:
+            raise ValueError(
+                f"ControllerConfig.admit_delay_s must be >= 0, got {self.admit_delay_s!r}"
+            )
+        _positive_int("admit_delay_count", self.admit_delay_count, 0)
+        check_pace("ControllerConfig.decode_pace", self.decode_pace)
+        if self.colocated and self.decode_pace is not None:
+            raise ValueError(
+                "ControllerConfig.decode_pace holds decode steps for a prefill worker's "
+                "batches; the colocated shape has none (its engine prefills within its "
+                "steps): leave decode_pace out or use shape 'disaggregated'"
+            )
+        check_worker_options("ControllerConfig", self.pad_to_shape_buckets, self.warmup, None)
+        prefill = self.prefill_placement.pipeline_parallel_size
+        decode = self.decode_placement.pipeline_parallel_size
+        if not self.colocated and prefill != decode:
+            raise ValueError(
+                f"controller.prefill.pipeline_parallel_size ({prefill}) and "
+                f"controller.decode.pipeline_parallel_size ({decode}) must be equal: prefill "
+                "stage i hands the KV of its layers to decode stage i, which must hold the "
+                "same layers"
+            )
+        if self.transport == "collective" and max(prefill, decode) > 1:
+            raise ValueError(
+                "transport 'collective' pairs whole workers on their devices; stage groups "
+                "(pipeline_parallel_size > 1) hand KV over through their heads: use 'ray'"
+            )
+
+    @property
+    def colocated(self) -> bool:
+        return self.shape == "colocated"
+
+    @property
+    def num_prefill_workers(self) -> int:
+        """Prefill workers to start: none when colocated."""
+        return 0 if self.colocated else self.num_prefill
+
+    @property
+    def resolved_transport(self) -> str:
+        """The transport before devices are known: collective is chosen only when asked for,
+        or later by the worker pool when every worker reports an accelerator."""
+        if self.transport != "auto":
+            return self.transport
+        return "inprocess" if self.mode == "local" else "ray"
+
+    def prefill_runner(self) -> ModelRunnerConfig:
+        runner = self.role_runner("prefill")
+        if self.prefill_kv_blocks is None:
+            return runner
+        return dataclasses.replace(runner, num_kv_blocks=self.prefill_kv_blocks)
+
+    def role_runner(self, role: str) -> ModelRunnerConfig:
+        """The runner config of one role: its placement's `execution` over the model's."""
+        placement = self.prefill_placement if role == "prefill" else self.decode_placement
+        if placement.execution is None:
+            return self.runner
+        return dataclasses.replace(self.runner, execution=placement.execution)
+
+    def torch_threads(self, role: str) -> int | None:
+        """Per-actor intra-op threads; None in local mode (one process shares one pool)."""
+        if self.mode == "local":
+            return None
+        placement = self.placement(role)
+        if placement.torch_threads is not None:
+            return placement.torch_threads
+        return len(placement.cpus) if placement.cpus else os.cpu_count() or 1
+
+    def omp_spins(self, role: str) -> bool:
+        """Whether `role`'s actors spin between parallel ops
+        (`bucketserve.kv_worker.worker_env.omp_env`):
+        alone on their cores, yes; sharing them, only a single decode process. Its steps
+        are hundreds of short ops, each of which would wait for a sleeping pool to wake (a
+        1P+1D decode step at batch 7: 66-78 ms passive, 46 ms spinning), while a prefill
+        batch's ops are long enough that waking costs it little, and its pool spinning
+        between batches would take the decode's cores."""
+        if not self.shares_cores:
+            return True
+        decode_processes = self.num_decode * self.decode_placement.pipeline_parallel_size
+        return role == "decode" and decode_processes == 1
+
+    @property
+    def shares_cores(self) -> bool:
+        """More than one worker process may run on the same cores: several workers (or
+        stage actors), not pinned to cores (`cpus`)."""
+        workers = (
+            self.num_prefill_workers * self.prefill_placement.pipeline_parallel_size
+            + self.num_decode * self.decode_placement.pipeline_parallel_size
+        )
+        pinned = all(
+            self.placement(role).cpus for role in ("prefill", "decode")
+            if role == "decode" or self.num_prefill_workers
+        )
+        return workers > 1 and not pinned
+
+    def cpus(self, role: str) -> list[int] | None:
+        """The cores `role`'s actors are pinned to; None in local mode (one process)."""
+        return None if self.mode == "local" else self.placement(role).cpus
+
+    def placement(self, role: str) -> PlacementConfig:
+        return self.prefill_placement if role == "prefill" else self.decode_placement
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"ControllerConfig.{name} must be one of {choices}; got {value!r}")
+
+
+def _positive_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"ControllerConfig.{name} must be an integer >= {minimum}, got {value!r}")

@@ -1,0 +1,200 @@
+"""The controller's record of one admitted request (torch-free)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from bucketserve.bucket_manager.config import TenantConfig
+from bucketserve.bucket_manager.request import BucketRequest
+from bucketserve.controller.request_stream import RequestStream
+from bucketserve.messages import (
+    HandoffRequest,
+    RequestTimings,
+    ServeRequest,
+    StreamDelta,
+    TokenDelta,
+)
+from bucketserve.runtime.core.logprobs import TokenLogprob
+from bucketserve.runtime.core.output_processor import OutputProcessor
+
+logger = logging.getLogger(__name__)
+
+
+class RequestState:
+    """Tokens streamed so far, where the request is, and its timings (the text is the
+    controller's OutputProcessor's).
+
+    `phase`: queued (in the bucket manager), prefill (dispatched, KV on its
+    way), decode (admitted by `decode_worker`), done. Deltas carry their
+    offsets, so tokens a re-prefilled request streamed before are not sent
+    twice. A request with n > 1 samples keeps each sample's tokens; it is done
+    once every sample has ended.
+    """
+
+    def __init__(self, request: ServeRequest, stream: RequestStream) -> None:
+        self.request = request
+        self.stream = stream
+        self.phase = "queued"
+        n = request.sampling_params.n
+        self.samples: list[list[int]] = [[] for _ in range(n)]  # each sample's output tokens
+        self.ended = [False] * n
+        self._prompt_logprobs_sent = False
+        self.decode_worker: str | None = None
+        self.requeues = 0
+        self.dispatched_at: float | None = None
+        self.first_token_at: float | None = None
+        self.prefill_s = 0.0
+        self.transfer_s = 0.0
+        self.request_bucket: tuple[int, int] | None = None
+        self.shape_bucket: tuple[int, int, int] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def done(self) -> bool:
+        return self.phase == "done"
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Sample 0's tokens: the ones a prefill continues."""
+        return self.samples[0]
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+    def key(self, index: int) -> str | tuple[str, int]:
+        """Sample `index`'s key in the OutputProcessor."""
+        return self.request_id if index == 0 else (self.request_id, index)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+    def handoff(self, tenant: TenantConfig | None = None) -> HandoffRequest:
+        """The request as the workers get it: itself, a snapshot of the tokens so far, its
+        engine priority (its tenant's, then its own: a request's priority ranks it only
+        among its tenant's requests, as the bucket manager ranks them) and the time left
+        to its TTFT target (its own, else its tenant's), and its TPOT target."""
+        r = self.request
+        target = r.slo_ttft_s or (tenant.ttft_slo_s if tenant else None)
+        left = None
+        if target is not None and not self.output_token_ids:
+            left = target - (time.monotonic() - r.arrival_time)
+        priority = (tenant.priority if tenant else 0, r.priority)
+        tpot = r.slo_tpot_s or (tenant.tpot_slo_s if tenant else None)
+        return HandoffRequest(r, list(self.output_token_ids), priority, left, tpot)
+
+    def bucket_request(self, max_tokens: int) -> BucketRequest:
+        """What the bucket manager queues: this state (as the payload) under the request's
+        id, its tokens so far as the prompt to prefill."""
+        r = self.request
+        return BucketRequest(
+            r.request_id, self.num_tokens, max_tokens, r.tenant, r.arrival_time, r.priority,
+            payload=self, samples=self.n,
+        )
+
+    def accept(self, delta: TokenDelta, outputs: OutputProcessor) -> StreamDelta | None:
+        """Apply a worker's delta through the output processor; the StreamDelta with what is
+        new to the client (the one ending its sample when `delta`, or a stop string in it,
+        ends it; the final one when that was the last sample), or None when nothing is."""
+        index = delta.index
+        if not 0 <= index < self.n or self.ended[index]:
+            return None
+        tokens_so_far = self.samples[index]
+        have = len(tokens_so_far)
+        if delta.token_offset > have:
+            logger.error("request %s: %s skips ahead of %d tokens", self.request_id, delta, have)
+            return None
+        skip = have - delta.token_offset
+        tokens = delta.token_ids[skip:]
+        reason = (delta.finish_reason or "stop") if delta.finished else None
+        out = outputs.process(self.key(index), tokens, reason)
+        tokens_so_far.extend(out.token_ids)
+        logprobs = self._logprobs(delta, skip, len(out.token_ids))
+        prompt_logprobs = self._prompt_logprobs(delta)
+        if out.token_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        if out.finished:
+            return self.end(
+                index, out.finish_reason or "stop", delta.error, out.token_ids, out.text,
+                logprobs, prompt_logprobs,
+            )
+        if not out.token_ids and prompt_logprobs is None:
+            return None
+        return StreamDelta(
+            self.request_id,
+            token_ids=out.token_ids,
+            text=out.text,
+            logprobs=logprobs,
+            index=index,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _prompt_logprobs(self, delta: TokenDelta) -> list[TokenLogprob | None] | None:
+        if delta.prompt_logprobs is None or self._prompt_logprobs_sent:
+            return None
+        self._prompt_logprobs_sent = True
+        return delta.prompt_logprobs
+
+    def _logprobs(
+        self, delta: TokenDelta, skip: int, kept: int
+    ) -> list[TokenLogprob | None] | None:
+        """The logprobs of the `kept` tokens of `delta` after the `skip` it repeats."""
+        if self.request.sampling_params.logprobs is None:
+            return None
+        have = delta.logprobs or []
+        return [have[i] if i < len(have) else None for i in range(skip, skip + kept)]
+
+    def end(
+        self,
+        index: int,
+        reason: str,
+        error: str | None = None,
+        tokens: list[int] | None = None,
+        text: str = "",
+        logprobs: list[TokenLogprob | None] | None = None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
+    ) -> StreamDelta:
+        """Sample `index`'s last delta; the request's final one if no other is left."""
+        self.ended[index] = True
+        if logprobs is None and self.request.sampling_params.logprobs is not None:
+            logprobs = [None] * len(tokens or [])
+        last = all(self.ended)
+        if last:
+            self.phase = "done"
+        return StreamDelta(
+            self.request_id,
+            token_ids=tokens or [],
+            text=text,
+            logprobs=logprobs,
+            finished=last,
+            finish_reason=reason,
+            error=error,
+            num_prompt_tokens=len(self.request.prompt_token_ids),
+            num_output_tokens=sum(map(len, self.samples)) if last else len(self.samples[index]),
+            timings=self.timings() if last else None,
+            request_bucket=self.request_bucket if last else None,
+            shape_bucket=self.shape_bucket if last else None,
+            index=index,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def finals(self, reason: str, error: str | None = None) -> list[StreamDelta]:
+        """End every sample still going with `reason`: their last deltas, the request's final
+        one last."""
+        return [self.end(i, reason, error) for i in range(self.n) if not self.ended[i]]
+
+    def timings(self) -> RequestTimings:
+        now, arrival = time.monotonic(), self.request.arrival_time
+        first = self.first_token_at
+        return RequestTimings(
+            queue_s=(self.dispatched_at or now) - arrival,
+            prefill_s=self.prefill_s,
+            transfer_s=self.transfer_s,
+            first_token_s=0.0 if first is None else first - arrival,
+            decode_s=0.0 if first is None else now - first,
+        )

@@ -1,0 +1,76 @@
+"""Ray placement of one worker's stage group: a placement group of the worker's own bundle
+(its scheduler, no card) and one bundle per stage (one card each)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from bucketserve.controller.config import PlacementConfig
+
+_CARDS = ("HPU",)
+
+
+@dataclasses.dataclass
+class StageGroupPlacement:
+    """Splits one worker's Ray options (`WorkerPool.actor_options`) into the head's and each
+    stage's: the card goes to the stages, the head keeps its CPUs and custom resources."""
+
+    options: dict[str, Any]
+    placement: PlacementConfig
+
+    @property
+    def num_stages(self) -> int:
+        return self.placement.pipeline_parallel_size
+
+    def head_resources(self) -> dict[str, Any]:
+        opts = self.options
+        return {
+            "num_cpus": opts.get("num_cpus", 1),
+            "resources": {k: v for k, v in opts.get("resources", {}).items() if k not in _CARDS},
+        }
+
+    def stage_resources(self) -> dict[str, Any]:
+        opts = self.options
+        out: dict[str, Any] = {"num_cpus": opts.get("num_cpus", 1)}
+        if opts.get("num_gpus"):
+            out["num_gpus"] = opts["num_gpus"]
+        if opts.get("resources"):
+            out["resources"] = dict(opts["resources"])
+        return out
+
+    def feasibility_options(self) -> list[dict[str, Any]]:
+        """What `_check_feasible` sums: the head plus every stage."""
+        return [self.head_resources()] + [self.stage_resources()] * self.num_stages
+
+    def bundles(self) -> list[dict[str, float]]:
+        return [_bundle(self.head_resources())] + [
+            _bundle(self.stage_resources()) for _ in range(self.num_stages)
+        ]
+
+    def create(self) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """(placement group, the head actor's options, each stage actor's options)."""
+        from ray.util import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        pg = placement_group(self.bundles(), strategy=self.placement.stage_packing)
+        head = {k: v for k, v in self.options.items() if k not in ("num_gpus", "resources")}
+        head.update(self.head_resources())
+        if not head["resources"]:
+            del head["resources"]
+        head["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0
+        )
+        stage = self.stage_resources()
+        if "runtime_env" in self.options:
+            stage["runtime_env"] = self.options["runtime_env"]
+        stage["placement_group"] = pg
+        return pg, head, stage
+
+
+def _bundle(resources: dict[str, Any]) -> dict[str, float]:
+    bundle = {"CPU": float(resources.get("num_cpus", 0)) or 0.01}  # a bundle is never empty
+    if resources.get("num_gpus"):
+        bundle["GPU"] = float(resources["num_gpus"])
+    bundle.update({k: float(v) for k, v in resources.get("resources", {}).items()})
+    return bundle

@@ -1,0 +1,309 @@
+"""The one validation and admission path both front ends (gRPC, HTTP) go through."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from numbers import Integral, Real
+from typing import Any, TypeVar
+
+from bucketserve.gateway.backend import Backend
+from bucketserve.gateway.errors import (
+    BucketServeError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    UnavailableError,
+    from_backend,
+)
+from bucketserve.gateway.gateway_config import GatewayConfig
+from bucketserve.gateway.generate_input import GenerateInput
+from bucketserve.gateway.generation import Generation
+from bucketserve.gateway.metrics import GatewayMetrics
+from bucketserve.gateway.tenant_registry import TenantRegistry
+from bucketserve.gateway.tenant_spec import TenantSpec
+from bucketserve.messages import ServeRequest
+from bucketserve.runtime.core.sampling_params import SamplingParams
+
+T = TypeVar("T")
+Prompt = tuple[list[int], str | None]  # token ids, and the text they came from
+MAX_REQUEST_ID_LEN = 128
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+class Admission:
+    """Authenticates, validates, tokenizes, checks limits and the tenant's quota, then
+    submits to the backend. Every refusal raises a BucketServeError and leaves no state:
+    no quota taken, nothing queued. `running` maps request ids to their Generation.
+    Tokenization and chat templates run in a thread pool, so a huge prompt never stalls
+    the event loop every stream shares."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        registry: TenantRegistry,
+        metrics: GatewayMetrics,
+        config: GatewayConfig | None = None,
+    ) -> None:
+        self.backend = backend
+        self.registry = registry
+        self.metrics = metrics
+        self.config = config or GatewayConfig()
+        self.pool = ThreadPoolExecutor(self.config.tokenizer_threads, "bucketserve-tokenize")
+        self.running: dict[str, Generation] = {}
+        self.draining = False
+        self._drain_deadline = 0.0
+        self.model = backend.model_info
+        self.tokenizer = self.model.tokenizer
+        self.max_model_len: int = self.model.max_model_len
+        self.vocab_size: int = self.model.vocab_size
+
+    async def admit(self, inp: GenerateInput, api_key: str | None) -> Generation:
+        """Tokenizes text and chat in the pool, then checks and submits synchronously, so no
+        other request interleaves between the checks and the submit. A token-id prompt
+        needs no tokenizer: it is admitted without leaving the event loop."""
+        try:
+            self._open(api_key)
+            if inp.prompt_token_ids is not None and inp.prompt is None and inp.messages is None:
+                prompt = self._prompt(inp)
+            else:
+                prompt = await self.off_loop(self._prompt, inp)
+            return self._admit(inp, prompt, api_key)
+        except BucketServeError as exc:
+            self.metrics.record_rejection(exc.code.name)
+            raise
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the tokenizer pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def tenant(self, api_key: str | None) -> TenantSpec:
+        try:
+            return self.registry.authenticate(api_key)
+        except BucketServeError as exc:
+            self.metrics.record_rejection(exc.code.name)
+            raise
+
+    async def abort(self, request_id: str, tenant: TenantSpec) -> bool:
+        """Cancel a running request of `tenant`; False if none runs under that id."""
+        gen = self.running.get(request_id)
+        if gen is None:
+            return False
+        if gen.tenant.name != tenant.name:
+            raise PermissionDeniedError(
+                f"request {request_id!r} belongs to another tenant; abort only your own"
+            )
+        return await self.backend.abort(request_id)
+
+    async def drain(self, grace_s: float, reason: str = "the server is shutting down") -> int:
+        """Refuse new requests, give running ones `grace_s` to finish (cut short by
+        hurry()), then abort the rest: their final message says `reason`. Returns how many
+        were aborted."""
+        self.draining = True
+        self._drain_deadline = time.monotonic() + grace_s
+        while self.running and time.monotonic() < self._drain_deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.running.values())
+        for gen in left:
+            gen.cancel_reason = reason
+            await self.backend.abort(gen.request_id)
+        give_up = time.monotonic() + 10.0  # their final messages are on their way
+        while self.running and time.monotonic() < give_up:
+            await asyncio.sleep(0.02)
+        return len(left)
+
+    def hurry(self) -> None:
+        """End drain()'s grace period now."""
+        self._drain_deadline = 0.0
+
+    # -- admission -------------------------------------------------------------------------
+
+    def _open(self, api_key: str | None) -> TenantSpec:
+        tenant = self.registry.authenticate(api_key)
+        if self.draining:
+            raise UnavailableError("the server is shutting down; retry on another replica")
+        return tenant
+
+    def _admit(self, inp: GenerateInput, prompt: Prompt, api_key: str | None) -> Generation:
+        tenant = self._open(api_key)
+        request = self._build(inp, prompt, tenant)
+        params = request.sampling_params
+        cost = len(request.prompt_token_ids) + params.n * params.max_tokens
+        quota = self.registry.quotas[tenant.name]
+        quota.acquire(cost)
+        try:
+            stream = self.backend.submit(request)
+        except Exception as exc:
+            quota.release(cost)
+            raise from_backend(exc) from exc
+        gen = Generation(request, tenant, stream, self.backend.abort, self._on_done)
+        self.running[request.request_id] = gen
+        return gen
+
+    def _on_done(self, gen: Generation) -> None:
+        del self.running[gen.request_id]
+        params = gen.request.sampling_params
+        unused = params.n * params.max_tokens - gen.num_output_tokens
+        self.registry.quotas[gen.tenant.name].release(unused)
+        self.metrics.record(gen, time.monotonic())
+
+    def _build(self, inp: GenerateInput, prompt: Prompt, tenant: TenantSpec) -> ServeRequest:
+        token_ids, text = prompt
+        n = len(token_ids)
+        self._check_prompt_len(n)
+        params = self._sampling(inp.sampling, self.max_model_len - n)
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}, more than "
+                f"the model's max_model_len of {self.max_model_len}; lower max_tokens to at "
+                f"most {self.max_model_len - n}"
+            )
+        return ServeRequest(
+            request_id=self._request_id(inp.request_id),
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            tenant=tenant.name,
+            priority=_integer("priority", inp.priority),
+            prompt_text=text,
+            slo_ttft_s=_positive("ttft_slo_s", inp.slo_ttft_s),
+            slo_tpot_s=_positive("tpot_slo_s", inp.slo_tpot_s),
+        )
+
+    def _check_prompt_len(self, n: int) -> None:
+        longest = self.model.max_prompt_len
+        if n > longest:
+            raise InvalidArgumentError(
+                f"the prompt has {n} tokens but this service admits at most {longest} "
+                f"(the model's max_model_len is {self.max_model_len}); shorten the prompt"
+            )
+
+    def _prompt(self, inp: GenerateInput) -> Prompt:
+        given = [x is not None for x in (inp.prompt, inp.prompt_token_ids, inp.messages)]
+        if sum(given) != 1:
+            raise InvalidArgumentError(
+                "give exactly one of a prompt text, prompt token ids or chat messages"
+            )
+        if inp.prompt_token_ids is not None:
+            if isinstance(inp.prompt_token_ids, (list, tuple)):  # the count before each id
+                self._check_prompt_len(len(inp.prompt_token_ids))
+            return self.token_ids("prompt token ids", inp.prompt_token_ids), None
+        if inp.messages is not None:
+            text = self.chat_prompt(inp.messages)
+            return self.tokenizer.encode(text, add_special_tokens=False), text
+        if not isinstance(inp.prompt, str) or not inp.prompt:
+            raise InvalidArgumentError("the prompt is empty; send some text")
+        token_ids = self.tokenizer.encode(inp.prompt)
+        if not token_ids:
+            raise InvalidArgumentError("the prompt encodes to no tokens; send some text")
+        return token_ids, inp.prompt
+
+    def chat_prompt(self, messages: Any) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise InvalidArgumentError("messages is empty; send at least one message")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+                raise InvalidArgumentError(f"messages[{i}].role must be one of {CHAT_ROLES}")
+            if not isinstance(m.get("content"), str):
+                raise InvalidArgumentError(f"messages[{i}].content must be a string")
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"messages: {exc}") from exc
+
+    def token_ids(self, what: str, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise InvalidArgumentError(f"{what} are empty; send at least one token id")
+        bad = [t for t in ids if not _is_int(t) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgumentError(
+                f"{what} {bad[:5]} are not integers in [0, {self.vocab_size}), the vocabulary"
+            )
+        return [int(t) for t in ids]
+
+    def _sampling(self, sampling: dict[str, Any], room: int) -> SamplingParams:
+        unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
+        if unknown:
+            raise InvalidArgumentError(
+                f"unknown sampling parameters {unknown}; known: {list(SAMPLING_FIELDS)}"
+            )
+        kwargs = {k: v for k, v in sampling.items() if v is not None}
+        kwargs.setdefault("max_tokens", room)
+        stop_ids, most = kwargs.get("stop_token_ids"), self.config.max_stop_token_ids
+        if isinstance(stop_ids, (list, tuple)) and len(stop_ids) > most:  # before each id
+            raise InvalidArgumentError(
+                f"stop_token_ids has {len(stop_ids)} ids; this server takes at most {most} "
+                "(gateway.max_stop_token_ids)"
+            )
+        for name in ("temperature", "top_p"):
+            if name in kwargs and not _is_real(kwargs[name]):
+                raise InvalidArgumentError(f"{name} must be a number, got {kwargs[name]!r}")
+        try:
+            params = SamplingParams(**kwargs)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from exc
+        if params.stop_token_ids:
+            self.token_ids("stop_token_ids", params.stop_token_ids)
+        self._check_stop(params.stop)
+        return params
+
+    def _check_stop(self, stop: list[str]) -> None:
+        """Matching costs work per output token in proportion to the stop strings."""
+        most, chars = self.config.max_stop_strings, sum(len(s) for s in stop)
+        if len(stop) > most:
+            raise InvalidArgumentError(
+                f"stop has {len(stop)} strings; this server takes at most {most} "
+                "(gateway.max_stop_strings)"
+            )
+        if chars > self.config.max_stop_chars:
+            raise InvalidArgumentError(
+                f"stop strings are {chars} characters in all; this server takes at most "
+                f"{self.config.max_stop_chars} (gateway.max_stop_chars)"
+            )
+
+    def _request_id(self, request_id: str | None) -> str:
+        if not request_id:
+            return f"req-{uuid.uuid4().hex}"
+        if (
+            not isinstance(request_id, str)
+            or len(request_id) > MAX_REQUEST_ID_LEN
+            or not request_id.isprintable()
+        ):
+            raise InvalidArgumentError(
+                f"request_id must be printable text of at most {MAX_REQUEST_ID_LEN} characters"
+            )
+        if request_id in self.running:
+            raise InvalidArgumentError(
+                f"request_id {request_id!r} is already running; use a unique id or leave it "
+                "empty for one to be generated"
+            )
+        return request_id
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(name: str, value: Any) -> int:
+    if not _is_int(value):
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _positive(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if not _is_real(value) or value <= 0:
+        raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)

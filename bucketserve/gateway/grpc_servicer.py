@@ -1,0 +1,145 @@
+"""The `bucketserve.v1.Generation` service over the shared admission path."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from bucketserve.gateway.access_log import AccessLog
+from bucketserve.gateway.admission import Admission
+from bucketserve.gateway.errors import (
+    BucketServeError,
+    DeadlineExceededError,
+    InternalError,
+    InvalidArgumentError,
+)
+from bucketserve.gateway.generation import Generation
+from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2 as pb
+from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2_grpc as pb_grpc
+from bucketserve.gateway.proto_codec import delta_to_response, request_to_input, unknown_fields
+from bucketserve.gateway.rich_status import status_trailers
+from bucketserve.gateway.tenant_registry import parse_bearer
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, admission: Admission, model_name: str, access_log: AccessLog) -> None:
+        self.admission = admission
+        self.model_name = model_name
+        self.access_log = access_log
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> None:
+        started, gen = time.monotonic(), None
+        try:
+            gen = await _guard(context, lambda: self._admit(request, context))
+            try:
+                await _guard(context, lambda: self._run(gen, request.stream, context))
+            finally:
+                await gen.close()
+        finally:
+            code = grpc.StatusCode.CANCELLED if context.cancelled() else context.code()
+            status = (code or grpc.StatusCode.OK).name
+            tenant = gen.tenant.name if gen is not None else None
+            self.access_log.record("grpc Generate", status, started, tenant, gen)
+
+    async def _run(self, gen: Generation, stream: bool, context: Any) -> None:
+        try:
+            await asyncio.wait_for(self._stream(gen, stream, context), context.time_remaining())
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"the deadline passed after {gen.num_output_tokens} tokens and the request "
+                "was aborted; raise the client's timeout or lower max_tokens"
+            ) from None
+
+    async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
+        async def abort() -> pb.AbortResponse:
+            _check_known(request)
+            if not request.request_id:
+                raise InvalidArgumentError("request_id is empty; name the request to abort")
+            tenant = self.admission.tenant(_api_key(context))
+            return pb.AbortResponse(aborted=await self.admission.abort(request.request_id, tenant))
+
+        return await _guard(context, abort)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> pb.ModelInfo:
+        async def info() -> pb.ModelInfo:
+            _check_known(request)
+            tenant = self.admission.tenant(_api_key(context))
+            return pb.ModelInfo(
+                model=self.model_name,
+                max_model_len=self.admission.max_model_len,
+                block_size=self.admission.model.block_size,
+                vocab_size=self.admission.vocab_size,
+                tenant=tenant.name,
+            )
+
+        return await _guard(context, info)
+
+    async def _admit(self, request: pb.GenerateRequest, context: Any) -> Generation:
+        _check_known(request)
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            raise DeadlineExceededError("the deadline passed before the request was admitted")
+        return await self.admission.admit(request_to_input(request), _api_key(context))
+
+    async def _stream(self, gen: Generation, stream: bool, context: Any) -> None:
+        """Each delta as it comes, or (stream=false) one message per sample with its whole
+        output, the request's final fields on the last."""
+        wholes = [
+            pb.GenerateResponse(request_id=gen.request_id, index=i)
+            for i in range(len(gen.choices))
+        ]
+        async for delta in gen:
+            response = delta_to_response(delta, gen.cancel_reason)
+            if stream:
+                await context.write(response)
+                continue
+            whole = wholes[delta.index]
+            whole.token_ids.extend(response.token_ids)
+            whole.text += response.text
+            whole.logprobs.extend(response.logprobs)
+            whole.prompt_logprobs.extend(response.prompt_logprobs)
+            if response.finish_reason:
+                whole.finish_reason = response.finish_reason
+            if response.HasField("final"):
+                last = wholes.pop(delta.index)
+                for other in wholes:
+                    await context.write(other)
+                last.final.CopyFrom(response.final)
+                await context.write(last)
+
+
+def _api_key(context: Any) -> str | None:
+    metadata = dict(context.invocation_metadata() or ())
+    return parse_bearer(metadata.get("authorization"))
+
+
+def _check_known(request: Any) -> None:
+    """Fields from a newer .proto are ignored, as proto3 does (logged for the operator)."""
+    if logger.isEnabledFor(logging.DEBUG):
+        unknown = unknown_fields(request)
+        if unknown:
+            logger.debug("ignoring unknown fields %s of a newer client", unknown)
+
+
+async def _guard(context: Any, call: Callable[[], Awaitable[T]]) -> T:
+    """`await call()`, ending the RPC with the matching status if it raises."""
+    try:
+        return await call()
+    except BucketServeError as exc:
+        error = exc
+    except Exception:
+        logger.exception("bug while handling an RPC")
+        error = InternalError("the server hit a bug; see its log")
+    await _fail(context, error)
+
+
+async def _fail(context: Any, error: BucketServeError) -> NoReturn:
+    await context.abort(error.code, error.message, trailing_metadata=status_trailers(error))

@@ -1,0 +1,89 @@
+"""Who may call: tenants by API key, or everyone as `default` when none are configured."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bucketserve.bucket_manager.config import DEFAULT_TENANT, TenantConfig, default_tenant
+from bucketserve.gateway.errors import AuthenticationError
+from bucketserve.gateway.tenant_quota import TenantQuota
+from bucketserve.gateway.tenant_spec import TenantSpec, hash_api_key
+
+
+class TenantRegistry:
+    """With no tenants every request belongs to the online FCFS tenant `default` and needs
+    no key (vLLM without --api-key); a lone tenant named `default` without keys sets that
+    tenant's targets and limits and keeps the service open. Otherwise each request must
+    carry a tenant's key."""
+
+    def __init__(self, specs: list[TenantSpec] | tuple[TenantSpec, ...] = ()) -> None:
+        specs = list(specs) or [TenantSpec(default_tenant())]
+        open_default = (
+            len(specs) == 1 and specs[0].name == DEFAULT_TENANT and not specs[0].api_key_hashes
+        )
+        self.auth_required = not open_default
+        self.specs = {s.name: s for s in specs}
+        if len(self.specs) != len(specs):
+            names = [s.name for s in specs]
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"tenants: duplicate names {duplicates}")
+        self._by_hash: dict[str, str] = {}
+        for spec in specs:
+            for key_hash in spec.api_key_hashes:
+                other = self._by_hash.setdefault(key_hash, spec.name)
+                if other != spec.name:
+                    raise ValueError(f"tenants {other!r} and {spec.name!r} share an API key")
+            if self.auth_required and not spec.api_key_hashes:
+                raise ValueError(f"tenant {spec.name!r} has no api_keys; give it at least one")
+        self.quotas = {name: TenantQuota(spec) for name, spec in self.specs.items()}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "tenants") -> TenantRegistry:
+        """From a list of tenant mappings, or a mapping of name to settings; None or empty
+        for the open `default` tenant. Errors name the offending entry and key."""
+        if data is None:
+            return cls()
+        if isinstance(data, dict):
+            items = [
+                (f"{where}.{name}", {"name": name, **_mapping(v, f"{where}.{name}")})
+                for name, v in data.items()
+            ]
+        elif isinstance(data, (list, tuple)):
+            items = [(f"{where}[{i}]", v) for i, v in enumerate(data)]
+        else:
+            raise ValueError(f"{where} must be a list of tenant mappings or a mapping by name")
+        return cls([TenantSpec.from_dict(v, w) for w, v in items])
+
+    def authenticate(self, api_key: str | None) -> TenantSpec:
+        """The caller's tenant; AuthenticationError for a missing or unknown key."""
+        if not self.auth_required:
+            return self.specs[DEFAULT_TENANT]
+        if not api_key:
+            raise AuthenticationError(
+                "this server needs an API key: send 'authorization: Bearer <key>'"
+            )
+        name = self._by_hash.get(hash_api_key(api_key))
+        if name is None:
+            raise AuthenticationError("the API key is not valid for any tenant; check the key")
+        return self.specs[name]
+
+    def bucket_configs(self) -> tuple[TenantConfig, ...]:
+        """The tenants as the bucket manager's policies see them."""
+        return tuple(spec.config for spec in self.specs.values())
+
+
+def parse_bearer(authorization: str | None) -> str | None:
+    """The key in an `authorization: Bearer <key>` header (the raw value if not in that form,
+    so a malformed header fails as an unknown key)."""
+    if not authorization:
+        return None
+    scheme, _, key = authorization.strip().partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else authorization.strip()
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a mapping, got {type(value).__name__}")
+    return value

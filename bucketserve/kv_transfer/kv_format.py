@@ -1,0 +1,103 @@
+"""The KV wire format and the handle naming where one prefill batch's blocks land (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# One chunk is one layer of a batch's blocks: [K/V, block, slot in block, kv head, head dim].
+CHUNK_LAYOUT = "kv,block,slot,kv_head,head_dim"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """What a chunk of KV blocks is, so two pools on different devices can trade them.
+
+    Shapes must agree (block size, layers, KV heads, head dim); dtype and
+    device may differ and are converted on import, so a CPU or Gaudi prefill
+    can feed a CUDA decode.
+    """
+
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layout: str = CHUNK_LAYOUT
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"KV dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.layout != CHUNK_LAYOUT:
+            raise ValueError(f"unknown KV chunk layout {self.layout!r}; expected {CHUNK_LAYOUT!r}")
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"KVFormat.{name} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def of(cls, kv_cache: Any) -> KVFormat:
+        """The format of a `bucketserve.runtime.worker.kv_cache.KVCache` pool."""
+        return cls(
+            dtype=str(kv_cache.dtype).removeprefix("torch."),
+            block_size=kv_cache.block_size,
+            num_layers=kv_cache.num_layers,
+            num_kv_heads=kv_cache.num_kv_heads,
+            head_dim=kv_cache.head_dim,
+        )
+
+    def chunk_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def chunk_bytes(self, num_blocks: int) -> int:
+        return 2 * num_blocks * self.block_size * self.num_kv_heads * self.head_dim * (
+            DTYPE_BYTES[self.dtype]
+        )
+
+    def check_compatible(self, receiver: KVFormat) -> None:
+        """Raise ValueError naming every shape field where this sender and `receiver` differ."""
+        fields = ("block_size", "num_layers", "num_kv_heads", "head_dim", "layout")
+        diff = [
+            f"{f} {getattr(self, f)} vs {getattr(receiver, f)}"
+            for f in fields
+            if getattr(self, f) != getattr(receiver, f)
+        ]
+        if diff:
+            raise ValueError(
+                f"prefill and decode KV formats differ ({', '.join(diff)}); both workers must "
+                "serve the same model with the same block_size"
+            )
+
+
+@dataclass(frozen=True)
+class KVBlockHandle:
+    """Where one prefill batch's KV lands: a decode worker's lease on reserved blocks.
+
+    `block_ids[i]` are the blocks reserved for `request_ids[i]`; a chunk carries
+    the batch's blocks in that order, so it is imported with `flat_block_ids`.
+    """
+
+    decode_worker: str
+    lease_id: str
+    request_ids: tuple[str, ...]
+    block_ids: tuple[tuple[int, ...], ...]
+    format: KVFormat
+
+    def __post_init__(self) -> None:
+        if len(self.request_ids) != len(self.block_ids) or not self.request_ids:
+            raise ValueError(
+                f"a KV handle needs one block list per request, got {len(self.request_ids)} "
+                f"requests and {len(self.block_ids)} block lists"
+            )
+
+    @property
+    def flat_block_ids(self) -> list[int]:
+        return [b for blocks in self.block_ids for b in blocks]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self.block_ids)
+
+    def blocks_of(self, request_id: str) -> tuple[int, ...]:
+        return self.block_ids[self.request_ids.index(request_id)]

@@ -1,0 +1,75 @@
+"""The KV transport interface: a prefill worker sends a batch's KV layer by layer, the decode
+worker it was reserved on receives it into the leased blocks (torch-free)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from bucketserve.kv_transfer.kv_format import KVBlockHandle, KVFormat
+
+if TYPE_CHECKING:
+    import torch
+
+TRANSPORTS = ("inprocess", "ray", "collective")
+LayerSink = Callable[[int, "torch.Tensor"], None]
+
+
+class TransferError(RuntimeError):
+    """A batch's KV did not arrive whole; its requests are re-queued."""
+
+
+class KVReceiver(Protocol):
+    """The decode worker's end: imports one layer of a lease's blocks."""
+
+    def receive_kv(self, lease_id: str, layer: int, chunk: torch.Tensor) -> None: ...
+
+
+class KVSender(ABC):
+    """Ships one prefill batch's KV to `handle`'s decode worker.
+
+    `send_layer` is called once per layer, in order, while the prefill's
+    later layers still compute; `abort` instead of `finish` when the prefill
+    fails; `finish` returns the picklable payload the
+    decode worker's `KVTransport.receive` needs; `close` runs when the decode
+    side acknowledged (or the lease ended) and drops what was kept for it.
+    """
+
+    def __init__(self, handle: KVBlockHandle, src_format: KVFormat) -> None:
+        src_format.check_compatible(handle.format)
+        self.handle = handle
+        self.format = src_format
+        self.bytes_sent = 0
+
+    def send_layer(self, layer: int, chunk: torch.Tensor) -> None:
+        self._send(layer, chunk)
+        self.bytes_sent += self.format.chunk_bytes(self.handle.num_blocks)
+
+    @abstractmethod
+    def _send(self, layer: int, chunk: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def finish(self) -> Any: ...
+
+    def abort(self) -> None:  # noqa: B027 - only an ordered stream must be completed
+        """The prefill failed before `finish`; the batch will never be claimed."""
+
+    def close(self) -> None:  # noqa: B027 - most transports keep nothing
+        pass
+
+
+class KVTransport(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def sender(self, handle: KVBlockHandle, src_format: KVFormat) -> KVSender: ...
+
+    @abstractmethod
+    def receive(self, handle: KVBlockHandle, payload: Any, sink: LayerSink) -> None:
+        """Decode side: feed each layer's chunk of `payload` to `sink(layer, chunk)`, in order."""
+
+
+def check_transport(name: str) -> None:
+    if name not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {name!r}")

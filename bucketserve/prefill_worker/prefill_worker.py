@@ -1,0 +1,330 @@
+"""The prefill worker: runs whole prefill batches FCFS and ships their KV to a decode lease."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from bucketserve.kv_transfer.collective import CollectiveTransport
+from bucketserve.kv_transfer.lease import Lease, LeaseError, LeaseTable
+from bucketserve.kv_transfer.transport import KVSender, KVTransport
+from bucketserve.kv_worker.kv_worker import KVWorker
+from bucketserve.messages import HandoffRequest, PrefillResult, PrefillTask, TokenDelta, WorkerStats
+from bucketserve.prefill_worker.config import PrefillWorkerConfig
+from bucketserve.runtime.core.block_manager import BlockManager
+from bucketserve.runtime.core.logprobs import logprob_of
+from bucketserve.runtime.core.sequence import Sequence, finish_reason
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class PrefillCapacityError(RuntimeError):
+    """The prefill pool cannot hold the batch now (handoffs not acknowledged yet); retry later."""
+
+
+class PrefillWorker(KVWorker):
+    """Owns a ModelRunner and its own BlockManager; one batch at a time, in arrival order.
+
+    A batch's blocks are allocated, the padded forward runs, and as each layer's
+    K/V is written the layer chunk of all its sequences goes out through the
+    transport to the decode worker's leased blocks. The first tokens are
+    sampled; the blocks stay held under a lease until `release` (the decode
+    side acknowledged) or until the lease expires, then are freed.
+
+    One thread of its own builds the model, warms up and runs every batch (`_on_torch`),
+    whichever of the actor's call threads asks: OpenMP keeps a thread pool per thread
+    that starts parallel work, and with more pool threads in the process than cores
+    libgomp stops spinning between parallel regions (a prefill step took 1.5x as long).
+    A pipelined worker runs batches on the calling thread, so the next batch can enter
+    the first stage while one flows down: its stages compute in processes of their own.
+    """
+
+    role = "prefill"
+
+    def __init__(
+        self, config: PrefillWorkerConfig | None = None, transport: KVTransport | None = None
+    ) -> None:
+        self.config = config = config or PrefillWorkerConfig()
+        self._torch = ThreadPoolExecutor(1, thread_name_prefix=f"{config.name}-torch")
+        self._on_torch(lambda: super(PrefillWorker, self).__init__(
+            config.name,
+            config.runner,
+            config.shape_buckets,
+            config.pad_to_shape_buckets,
+            config.transport,
+            transport,
+            config.torch_threads,
+            config.cpus,
+            config.pipeline_parallel_size,
+            config.stage_options,
+        ))
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size)
+        self.eos_token_ids = self.runner.eos_token_ids
+        self.leases = LeaseTable(f"{self.name}.{self.boot_id}", self._free_lease)
+        self._held: dict[str, tuple[list[Sequence], KVSender]] = {}
+        self._lock = threading.Lock()  # block manager + leases
+        self._run_lock = threading.Lock()  # one batch at a time (into the stages, if any)
+        self._batches = 0
+        self._graph_misses = 0
+        self._kv_bytes = 0
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name=f"{self.name}-leases", daemon=True)
+        self._reaper.start()
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def warmup(self) -> dict:
+        """Every prompt shape once (when padding; see PrefillWorkerConfig.warmup)."""
+        shapes = self.shapes.prompt
+        return self._on_torch(
+            lambda: self._warmup("prompt", self.config.warmup, shapes, self.prompt_shape)
+        )
+
+    # -- serving -----------------------------------------------------------------------------
+
+    def run_batch(self, task: PrefillTask) -> PrefillResult:
+        """Prefill `task`'s sequences; their first tokens go back, and the KV of those that
+        `task.target` names goes to it (the others end at their first token: their blocks
+        are freed at once). Raises ValueError for a malformed task and PrefillCapacityError
+        when the pool is full, in both cases changing nothing."""
+        seqs = self._sequences(task)
+        held = [True]
+
+        def submitted() -> None:
+            """The batch is in the first stage: the next one may follow it down the
+            pipeline (not on the collective transport, one ordered stream per pair)."""
+            if not isinstance(self.transport, CollectiveTransport):
+                held[0] = False
+                self._run_lock.release()
+
+        self._run_lock.acquire()
+        try:
+            with self._lock:
+                self._allocate(seqs)
+            try:
+                if self.pipelined:
+                    result = self._run(task, seqs, submitted)
+                else:
+                    result = self._on_torch(lambda: self._run(task, seqs, submitted))
+            except BaseException:
+                with self._lock:
+                    for seq in seqs:
+                        self.block_manager.free(seq)
+                raise
+        finally:
+            if held[0]:
+                self._run_lock.release()
+        return result
+
+    def release(self, lease_id: str) -> bool:
+        """The decode side has the batch: free its blocks. False if the lease already ended."""
+        with self._lock:
+            try:
+                lease = self.leases.close(lease_id)
+            except LeaseError as exc:
+                logger.info("%s: release of %s: %s", self.name, lease_id, exc)
+                return False
+            self._free_lease(lease)
+        return True
+
+    def stats(self) -> WorkerStats:
+        with self._lock:
+            bm = self.block_manager
+            held = sum(len(seqs) for seqs, _ in self._held.values())
+            return WorkerStats(
+                name=self.name,
+                role=self.role,
+                node_id=self.node_id,
+                num_free_blocks=bm.num_free_blocks,
+                num_total_blocks=bm.num_total_blocks,
+                running=held,
+                graph_misses=self.graph_misses(self._graph_misses),
+                boot_id=self.boot_id,
+                transport=self.transport_name,
+                leases_open=len(self.leases),
+                leases_expired=self.leases.counts.expired,
+                batches=self._batches,
+                kv_bytes_sent=self._kv_bytes,
+                **self.pipeline_stats(),
+                **self.graph_fields(),
+            )
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._torch.shutdown(wait=False)
+        with self._lock:
+            self.leases.release_all()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _on_torch(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the worker's torch thread; its result or its exception."""
+        return self._torch.submit(fn).result()
+
+    def _sequences(self, task: PrefillTask) -> list[Sequence]:
+        if not isinstance(task, PrefillTask) or not task.requests:
+            raise ValueError("run_batch takes a PrefillTask with at least one request")
+        target = _target_blocks(task)
+        seqs = []
+        for request in task.requests:
+            seq = _sequence(request)
+            seqs.append(seq)
+            blocks = target.get(request.request_id)
+            need = self.block_manager.blocks_needed(len(seq))
+            if blocks is not None and len(blocks) != need:
+                raise ValueError(
+                    f"request {request.request_id}: {len(seq)} tokens need {need} decode blocks, "
+                    f"the lease holds {len(blocks)}"
+                )
+        return seqs
+
+    def _allocate(self, seqs: list[Sequence]) -> None:
+        bm = self.block_manager
+        need = sum(bm.blocks_needed(len(s)) for s in seqs)
+        if need > bm.num_free_blocks:
+            raise PrefillCapacityError(
+                f"{self.name}: batch needs {need} KV blocks, {bm.num_free_blocks} of "
+                f"{bm.num_total_blocks} are free ({len(self.leases)} handoffs unacknowledged)"
+            )
+        for seq in seqs:
+            bm.allocate(seq)
+
+    def _run(
+        self, task: PrefillTask, seqs: list[Sequence], submitted: Callable[[], None]
+    ) -> PrefillResult:
+        if self.transport is None:
+            raise RuntimeError(f"{self.name}: no KV transport set ({self.config.transport!r})")
+        shipped = set(task.target.request_ids) if task.target else set()  # checked: _sequences
+        kept, ended = [], []
+        for seq, request in zip(seqs, task.requests, strict=True):
+            (kept if request.request_id in shipped else ended).append(seq)
+        ships = bool(kept)
+        sender = self.transport.sender(task.target, self.kv_format) if ships else None
+        src_blocks = [b for seq in kept for b in seq.block_table]
+        send_s = [0.0]
+
+        def ship(layer: int) -> None:
+            start = time.perf_counter()
+            sender.send_layer(layer, self.runner.kv_cache.export_blocks(layer, src_blocks))
+            send_s[0] += time.perf_counter() - start
+
+        pad_to = self._pad_to(task, seqs)
+        start = time.perf_counter()
+        try:
+            pipelined = {"on_submit": submitted} if self.pipelined else {}
+            tokens = self.runner.execute(
+                seqs, [len(s) for s in seqs], pad_to=pad_to,
+                on_layer=ship if ships else None, **pipelined,
+            )  # fmt: skip
+        except BaseException:
+            if ships:
+                sender.abort()
+            raise
+        compute_s = time.perf_counter() - start - send_s[0]
+        payload = sender.finish() if ships else None
+        with self._lock:
+            lease_id = None
+            if ships:
+                lease = self.leases.open(
+                    [s.seq_id for s in kept], [s.block_table for s in kept], self.config.lease_ttl_s
+                )
+                lease_id = lease.lease_id
+                self._held[lease_id] = (kept, sender)
+                self._kv_bytes += sender.bytes_sent
+            for seq in ended:
+                self.block_manager.free(seq)
+            self._batches += 1
+            self._graph_misses += task.graph_miss
+        first = [
+            self._first_delta(seq, token, task.max_seq_len)
+            for seq, token in zip(seqs, tokens, strict=True)
+        ]
+        return PrefillResult(
+            batch_id=task.batch_id,
+            worker=self.name,
+            lease_id=lease_id,
+            first=first,
+            payload=payload,
+            pad_to=pad_to,
+            compute_s=compute_s,
+            send_s=send_s[0],
+            kv_bytes=sender.bytes_sent if ships else 0,
+            stats=self.stats(),
+        )
+
+    def _pad_to(self, task: PrefillTask, seqs: list[Sequence]) -> tuple[int, int, int] | None:
+        if not self.padding or task.graph_miss:
+            return None
+        shape = self.prompt_shape(task.shape)
+        if shape[0] < len(seqs) or shape[1] < max(len(s) for s in seqs):
+            raise ValueError(f"batch {task.batch_id} does not fit its shape bucket {task.shape}")
+        return shape
+
+    def _first_delta(self, seq: Sequence, token: int | None, max_seq_len: int) -> TokenDelta:
+        """The sampled token and whether it already ends the request (judged as the decode
+        side would: eos, a stop token id, length)."""
+        logprob = logprob_of(token)
+        token = int(token)  # type: ignore[arg-type]  # the chunk always ends its sequence
+        offset = seq.num_output_tokens
+        prompt_logprobs = None
+        if seq.sampling_params.prompt_logprobs is not None and offset == 0:
+            prompt_logprobs = [None] + [
+                seq.prompt_logprobs.get(i) for i in range(1, seq.num_prompt_tokens)
+            ]
+        seq.append_token(token)
+        reason = finish_reason(seq, token, self.eos_token_ids, max_seq_len)
+        return TokenDelta(
+            seq.seq_id,
+            offset,
+            [token],
+            finished=reason is not None,
+            finish_reason=None if reason is None else reason.value,
+            logprobs=None if seq.sampling_params.logprobs is None else [logprob],
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _free_lease(self, lease: Lease) -> None:
+        seqs, sender = self._held.pop(lease.lease_id)
+        for seq in seqs:
+            self.block_manager.free(seq)
+        sender.close()
+
+    def _reap(self) -> None:
+        interval = min(0.25, self.config.lease_ttl_s / 4)
+        while not self._stop.wait(interval):
+            with self._lock:
+                expired = self.leases.expire()
+            for lease in expired:
+                logger.warning(
+                    "%s: handoff lease %s of %s expired unacknowledged; freed %d blocks",
+                    self.name,
+                    lease.lease_id,
+                    list(lease.request_ids),
+                    lease.num_blocks,
+                )
+
+
+def _sequence(request: HandoffRequest) -> Sequence:
+    return Sequence(
+        request.prompt_token_ids,
+        request.sampling_params,
+        seq_id=request.request_id,
+        output_token_ids=request.output_token_ids,
+    )
+
+
+def _target_blocks(task: PrefillTask) -> dict[str, tuple[int, ...]]:
+    """The decode blocks of each request whose KV `task.target` takes (none without one).
+    It names a subsequence of the task's requests: the others end at their first token."""
+    if task.target is None:
+        return {}
+    ids = iter(r.request_id for r in task.requests)
+    if not all(any(i == named for i in ids) for named in task.target.request_ids):
+        raise ValueError(f"batch {task.batch_id}: the KV handle names other requests")
+    return dict(zip(task.target.request_ids, task.target.block_ids, strict=True))

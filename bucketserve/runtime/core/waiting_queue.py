@@ -1,0 +1,112 @@
+"""The scheduler's waiting queue, in FCFS or priority order (torch-free)."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator
+
+from bucketserve.runtime.core.sequence import Sequence
+
+POLICIES = ("fcfs", "priority")
+
+
+class WaitingQueue:
+    """Sequences waiting to start or to resume, front first.
+
+    `fcfs`: arrival order; a sequence put back (preempted, or a sample whose parent has
+    computed the prompt) goes to the front. `priority` (vLLM's `scheduling_policy`):
+    lowest `Sequence.priority` first, then earliest arrival; a sequence put back keeps its
+    place by that key, so it still goes before later arrivals of its priority.
+
+    Under either policy `peek` (the order of the scheduler's SLO admission; `front` is the
+    plain one) lets a sequence whose TTFT deadline has passed (`Sequence.is_late`) yield to
+    those of its priority that can still meet their own, when serving it first would make
+    one of them late too: so a burst past capacity costs the SLO of the requests it
+    overflows, not of every request behind it, while below capacity a late request does
+    not wait behind others that can spare the time. Without deadlines (the offline engine)
+    the order is the policy's alone.
+    """
+
+    def __init__(self, policy: str = "fcfs") -> None:
+        self.policy = policy
+        self._seqs: list[Sequence] = []
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self._seqs)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._seqs)
+
+    def __reversed__(self) -> Iterator[Sequence]:
+        return reversed(self._seqs)
+
+    @property
+    def front(self) -> Sequence:
+        """The first sequence in queue order."""
+        return self._seqs[0]
+
+    def peek(
+        self,
+        now: float,
+        lead_s: Callable[[Sequence, int], float] | None = None,
+        yield_s: float | None = None,
+    ) -> Sequence:
+        """The sequence to start next at time `now` (monotonic), among those of the front's
+        priority: the first in queue order, unless it is late and starting it first would
+        make one behind it that is still on time late too; then the first on time.
+
+        `lead_s(seq, ahead)`: the seconds `seq` needs from its start to its first token
+        when `ahead` more prompt tokens are computed before it (none given: no time, so
+        queue order); one that cannot make its deadline even if started now counts as late
+        already. A late sequence yields only to those it would cost their deadline, so
+        below capacity it loses no more time than queue order gives it. `yield_s`: a
+        sequence late by more than this has yielded enough and keeps its place, so an
+        overload's late requests wait a bounded time, not until the overload ends."""
+        front = self.front
+        lead_s = lead_s or _no_lead
+        late: Sequence | None = None  # the first in queue order that may yield
+        first_on_time: Sequence | None = None
+        ahead = 0  # prompt tokens of the sequences on time between `late` and the one looked at
+        for seq in self._seqs:
+            if seq.priority != front.priority and self.policy == "priority":
+                break
+            overdue = yield_s is not None and seq.is_late(now - yield_s)
+            if not overdue and seq.is_late(now + lead_s(seq, 0)):
+                late = late or seq
+                continue
+            if late is None:
+                return seq
+            first_on_time = first_on_time or seq
+            with_late = seq.is_late(now + lead_s(seq, ahead + late.num_uncomputed_tokens))
+            if with_late and not seq.is_late(now + lead_s(seq, ahead)):
+                return first_on_time
+            ahead += seq.num_uncomputed_tokens
+        return late or front
+
+    def push(self, seq: Sequence) -> None:
+        """A new arrival."""
+        if self.policy == "priority":
+            bisect.insort(self._seqs, seq, key=_rank)  # after its equals: ties stay FCFS
+        else:
+            self._seqs.append(seq)
+
+    def push_front(self, seq: Sequence) -> None:
+        """A sequence put back."""
+        if self.policy == "priority":
+            bisect.insort(self._seqs, seq, key=_rank)
+        else:
+            self._seqs.insert(0, seq)
+
+    def remove(self, seq: Sequence) -> None:
+        self._seqs.remove(seq)
+
+
+def _rank(seq: Sequence) -> tuple[int, float]:
+    return seq.priority, seq.arrival_time
+
+
+def _no_lead(seq: Sequence, ahead: int) -> float:
+    return 0.0

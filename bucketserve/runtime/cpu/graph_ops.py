@@ -1,0 +1,130 @@
+"""The CPU kernels a compiled graph calls as custom ops (vLLM's CPU backend does the same):
+inductor fuses the elementwise work around them but never traces into them, so a graphs-mode
+step runs the eager step's GEMMs (the panel GEMM, MKL's for prompt rectangles) and attention
+kernels instead of inductor's own GEMM call over a plain weight and its attention over the
+gathered blocks."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from bucketserve.runtime.cpu import kernels, mkl_sgemm
+
+
+class PanelWeight(NamedTuple):
+    """A weight packed for a compiled graph's GEMMs (`device.pack_graph_weight`): float32
+    column panels `[out / 32, in, 32]` for the panel GEMM and, with `large_rows`, MKL's
+    packing of the same weight (`mkl_sgemm.PackedSgemm.buffer`), which runs the GEMMs of at
+    least that many rows (prefill rectangles), as the eager steps' `RowSplitGemm` does."""
+
+    panels: torch.Tensor
+    large: torch.Tensor | None = None
+    large_rows: int = 0
+
+
+def is_panels(weight: object) -> bool:
+    return isinstance(weight, PanelWeight)
+
+
+def gemm(
+    x: torch.Tensor, weight: PanelWeight, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x @ W^T` (`+ residual`) for `x [..., in]`: MKL's GEMM where `weight` carries its
+    packing and `x` has enough rows, the panel GEMM otherwise. A graph's shapes are static,
+    so the choice is made once, when the graph is traced."""
+    panels = weight.panels
+    if weight.large is not None and x.numel() >= weight.large_rows * panels.shape[1]:
+        return gemm_mkl(x, weight.large, panels.shape[0] * panels.shape[2], residual)
+    return gemm_panels(x, panels, residual)
+
+
+def _gemm_out(
+    x: torch.Tensor, out_features: int, residual: torch.Tensor | None
+) -> torch.Tensor:
+    if residual is None:
+        return x.new_empty((*x.shape[:-1], out_features))
+    return residual.clone(memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("bucketserve::gemm_panels", mutates_args=())
+def gemm_panels(
+    x: torch.Tensor, panels: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x @ W^T` (`+ residual`) for `x [..., in]`, W packed as `panels`."""
+    rows = x.reshape(-1, panels.shape[1]).contiguous()
+    out = _gemm_out(x, panels.shape[0] * panels.shape[2], residual)
+    if rows.shape[0]:
+        kernels.load().gemm_panels(rows, panels, out.view(rows.shape[0], -1), residual is not None)
+    return out
+
+
+@gemm_panels.register_fake
+def _(x, panels, residual=None):
+    return x.new_empty((*x.shape[:-1], panels.shape[0] * panels.shape[2]))
+
+
+@torch.library.custom_op("bucketserve::gemm_mkl", mutates_args=())
+def gemm_mkl(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x @ W^T` (`+ residual`) for float32 `x [..., in]`, W packed by MKL into `packed`."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = _gemm_out(x, out_features, residual)
+    if rows.shape[0]:
+        mkl_sgemm.compute(rows, packed, out.view(rows.shape[0], -1), residual is not None)
+    return out
+
+
+@gemm_mkl.register_fake
+def _(x, packed, out_features, residual=None):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.custom_op("bucketserve::paged_decode_flat", mutates_args=())
+def paged_decode_flat(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_list: torch.Tensor,
+    block_starts: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`CpuKernels.paged_decode` over a decode step's flat block list."""
+    kernel = kernels.load()
+    return kernel.paged_decode(q, k_cache, v_cache, block_list, context_lens, scale, block_starts)
+
+
+@paged_decode_flat.register_fake
+def _(q, k_cache, v_cache, block_list, block_starts, context_lens, scale):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("bucketserve::paged_prefill_rect", mutates_args=())
+def paged_prefill_rect(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_order: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`CpuKernels.paged_prefill` over a padded rectangle `q [B * Q, heads, dim]`: its real
+    tokens (the first `query_start_loc[-1]` of `token_order`) run as one varlen step,
+    padding tokens get zeros."""
+    real = int(query_start_loc[-1])
+    order = token_order[:real]
+    out = kernels.load().paged_prefill(
+        q.index_select(0, order), k_cache, v_cache, block_tables, query_start_loc,
+        context_lens, scale,
+    )  # fmt: skip
+    return q.new_zeros(q.shape).index_copy_(0, order, out)
+
+
+@paged_prefill_rect.register_fake
+def _(q, k_cache, v_cache, block_tables, token_order, query_start_loc, context_lens, scale):
+    return q.new_empty(q.shape)

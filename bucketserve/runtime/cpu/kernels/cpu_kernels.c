@@ -1,0 +1,1073 @@
+// CPU kernels torch lacks, for float32 and bfloat16 (computed in float32): decode
+// attention read through the block table, rotary embedding in place, RMSNorm, the K/V
+// write into pool slots, SwiGLU's product, and a float32 GEMM over weights packed in
+// column panels. Built and loaded by bucketserve/runtime/cpu/kernels/__init__.py; the torch code
+// each replaces computes the same thing and is what tests/runtime/test_cpu_kernels.py
+// compares it with.
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) && defined(__AVX__)
+#include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
+
+// The vector width follows the ISA the library is built for: 16 floats on AVX-512, 8 on
+// AVX2 (x86-64-v3), 4 on NEON and anything else. So do the register blocks of the
+// microkernels: FMA_COLS vectors of a 4-row block (4 x 4 where 32 vector registers hold
+// them, 4 x 2 with AVX2's 16), and GEMM_MR rows of a panel's PANEL / VL vectors.
+#if defined(__AVX512F__)
+#define VL 16
+enum { FMA_COLS = 4, GEMM_MR = 12 };
+#elif defined(__AVX__)
+#define VL 8
+enum { FMA_COLS = 2, GEMM_MR = 3 };
+#elif defined(__aarch64__)
+#define VL 4
+enum { FMA_COLS = 4, GEMM_MR = 6 };
+#else
+#define VL 4
+enum { FMA_COLS = 2, GEMM_MR = 2 };
+#endif
+
+// The vector lanes this build computes with (the loader reports it; tests assert it).
+int cpu_kernels_lanes(void) { return VL; }
+
+// Head sizes a multiple of DIM_UNIT, on every ISA (each one's VL divides it).
+enum { MAX_DIM = 256, MAX_GROUP = 16, MAX_BLOCK = 256, DIM_UNIT = 16 };
+
+static inline __attribute__((always_inline)) float load(const void *p, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline __attribute__((always_inline)) void store(void *p, int64_t i, float f, int bf16) {
+    if (!bf16) {
+        ((float *)p)[i] = f;
+        return;
+    }
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        u |= 0x400000u;  // NaN stays NaN
+    } else {
+        u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+    }
+    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+}
+
+typedef float vf __attribute__((vector_size(VL * 4), aligned(4), may_alias));
+
+// Plain dereferences of the unaligned, aliasing vector type: one vector load or store. A
+// 64-byte memcpy is split into two 32-byte moves where GCC prefers 256-bit vectors (Intel
+// -march targets), and the 64-byte reload of a spilled copy then misses store forwarding:
+// prefill attention measured 3.8x slower on a Sapphire Rapids class VM.
+static inline __attribute__((always_inline)) vf vload(const float *p) { return *(const vf *)p; }
+
+static inline __attribute__((always_inline)) void vstore(float *p, vf v) { *(vf *)p = v; }
+
+typedef uint16_t vh __attribute__((vector_size(VL * 2), aligned(2), may_alias));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+
+// VL elements from p + i, float32 or bfloat16, as float32.
+static inline __attribute__((always_inline)) vf vload_as(const void *p, int64_t i, int bf16) {
+    if (!bf16) return vload((const float *)p + i);
+    const vh h = *(const vh *)((const uint16_t *)p + i);
+    const vu u = __builtin_convertvector(h, vu) << 16;
+    return (vf)u;
+}
+
+// VL floats to p + i as float32 or bfloat16 (each rounded as `store` rounds it).
+static inline __attribute__((always_inline)) void vstore_as(void *p, int64_t i, vf f, int bf16) {
+    if (!bf16) {
+        vstore((float *)p + i, f);
+        return;
+    }
+    const vu u = (vu)f;
+    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    const vu r = ((u + 0x7fffu + ((u >> 16) & 1u)) & ~nan) | ((u | 0x400000u) & nan);
+    *(vh *)((uint16_t *)p + i) = __builtin_convertvector(r >> 16, vh);
+}
+
+static inline __attribute__((always_inline)) float hsum(vf v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#elif defined(__AVX__)
+    const __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+#elif defined(__aarch64__)
+    return vaddvq_f32((float32x4_t)v);
+#else
+    float t = 0.0f;
+    for (int i = 0; i < VL; i++) t += v[i];
+    return t;
+#endif
+}
+
+// Decode attention: one query per row, each KV head's keys and values read in place from
+// the pool (no gathered copy), online softmax per block.
+// Pool layout per layer: [kv_heads, num_blocks, block_size, dim], contiguous.
+// q: [rows, heads, dim], rows q_stride elements apart (the q columns of the qkv output);
+// out: [rows, heads, dim], contiguous; block_tables: [rows, max_blocks]; context_lens: [rows].
+
+// Row r, KV head kvh: the `group` query heads that share its keys, their queries and
+// accumulators in vector registers. Inlined with `group` and `dim` (a multiple of VL)
+// constants for the common shapes, so its loops unroll.
+static inline __attribute__((always_inline)) void attend_one(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                              const int64_t *table, int ctx, void *out, int r, int kvh,
+                              int heads, int group, int dim, int block_size,
+                              int64_t head_stride, float scale, int bf16) {
+    enum { MAX_VECS = MAX_DIM / VL };
+    const int nv = dim / VL;
+    vf qv[MAX_GROUP][MAX_VECS], acc[MAX_GROUP][MAX_VECS];
+    float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][MAX_BLOCK];
+    const int64_t q0 = (int64_t)r * q_stride + (int64_t)kvh * group * dim;
+    const int64_t o0 = ((int64_t)r * heads + (int64_t)kvh * group) * dim;
+    for (int g = 0; g < group; g++) {
+        for (int c = 0; c < nv; c++) {
+            qv[g][c] = vload_as(q, q0 + g * dim + c * VL, bf16) * scale;
+            acc[g][c] = (vf){0};
+        }
+        m[g] = -FLT_MAX;  // finite: the library is built with -ffast-math
+        l[g] = 0.0f;
+    }
+    for (int j = 0; j * block_size < ctx; j++) {
+        const int n = ctx - j * block_size < block_size ? ctx - j * block_size : block_size;
+        const int64_t base = (int64_t)kvh * head_stride + table[j] * block_size * dim;
+        // The next block sits anywhere in the pool, out of the hardware prefetcher's
+        // stride: key t's loop fetches the next block's key and value t. Spread out, the
+        // prefetches never stall on full miss buffers, which one burst per block did. Into
+        // every cache level: non-temporal prefetches made decode attention 1.8x slower on a
+        // Sapphire Rapids class VM (the line was gone again by the time the loop read it).
+        const int64_t next = (j + 1) * block_size < ctx
+                                 ? (int64_t)kvh * head_stride + table[j + 1] * block_size * dim
+                                 : base;
+        const int es = bf16 ? 2 : 4;
+        for (int t = 0; t < n; t++) {
+            const int64_t at = base + (int64_t)t * dim;
+            for (int64_t b = 0; b < dim * es; b += 64) {
+                __builtin_prefetch((const char *)k_cache + (next + t * dim) * es + b, 0, 3);
+                __builtin_prefetch((const char *)v_cache + (next + t * dim) * es + b, 0, 3);
+            }
+            vf k[MAX_VECS];
+            for (int c = 0; c < nv; c++) k[c] = vload_as(k_cache, at + c * VL, bf16);
+            for (int g = 0; g < group; g++) {
+                vf dot = qv[g][0] * k[0];
+                for (int c = 1; c < nv; c++) dot += qv[g][c] * k[c];
+                s[g][t] = hsum(dot);
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            float top = m[g];
+            for (int t = 0; t < n; t++) top = s[g][t] > top ? s[g][t] : top;
+            const float rescale = expf(m[g] - top);
+            m[g] = top;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int t = 0; t < n; t++) {
+                s[g][t] = expf(s[g][t] - top);
+                sum += s[g][t];
+            }
+            l[g] = l[g] * rescale + sum;
+            if (rescale != 1.0f)
+                for (int c = 0; c < nv; c++) acc[g][c] *= rescale;
+        }
+        for (int t = 0; t < n; t++) {
+            vf v[MAX_VECS];
+            for (int c = 0; c < nv; c++) v[c] = vload_as(v_cache, base + (int64_t)t * dim + c * VL, bf16);
+            for (int g = 0; g < group; g++)
+                for (int c = 0; c < nv; c++) acc[g][c] += s[g][t] * v[c];
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        for (int c = 0; c < nv; c++) {
+            const vf o = acc[g][c] * inv;
+            for (int i = 0; i < VL; i++) store(out, o0 + g * dim + c * VL + i, o[i], bf16);
+        }
+    }
+}
+
+// attend_one with `group` a constant for the common GQA ratios.
+static inline __attribute__((always_inline)) void attend_groups(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                              const int64_t *table, int ctx, void *out, int r, int kvh,
+                              int heads, int group, int dim, int block_size,
+                              int64_t head_stride, float scale, int bf16) {
+#define ATTEND(G) attend_one(q, q_stride, k_cache, v_cache, table, ctx, out, r, kvh, heads, G, dim, \
+                             block_size, head_stride, scale, bf16)
+    switch (group) {
+    case 1: ATTEND(1); break;
+    case 2: ATTEND(2); break;
+    case 3: ATTEND(3); break;
+    case 4: ATTEND(4); break;
+    case 5: ATTEND(5); break;
+    case 6: ATTEND(6); break;
+    case 7: ATTEND(7); break;
+    case 8: ATTEND(8); break;
+    default: ATTEND(group);
+    }
+#undef ATTEND
+}
+
+// attend_one for token row r, with `dim` a constant for the common head sizes.
+static void attend_row(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                       const int64_t *table, int ctx, void *out, int r, int kvh, int heads,
+                       int group, int dim, int block_size, int64_t head_stride, float scale,
+                       int bf16) {
+    if (dim == 64) {
+        attend_groups(q, q_stride, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, 64,
+                      block_size, head_stride, scale, bf16);
+    } else if (dim == 128) {
+        attend_groups(q, q_stride, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, 128,
+                      block_size, head_stride, scale, bf16);
+    } else {
+        attend_one(q, q_stride, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, dim, block_size,
+                   head_stride, scale, bf16);
+    }
+}
+
+// Row r's blocks start at block_tables + starts[r] (a flat block list, vllm-gaudi's decode
+// layout) when `starts` is given, else at block_tables + r * max_blocks (one table per row).
+static int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                        const int64_t *block_tables, const int64_t *starts,
+                        const int32_t *context_lens, void *out, int rows, int heads,
+                        int kv_heads, int dim, int block_size, int max_blocks,
+                        int64_t head_stride, float scale, int threads, int bf16) {
+    const int group = heads / kv_heads;
+    if (dim > MAX_DIM || dim % DIM_UNIT || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
+    for (int r = 0; r < rows; r++) {
+        for (int kvh = 0; kvh < kv_heads; kvh++) {
+            const int64_t at = starts ? starts[r] : (int64_t)r * max_blocks;
+            attend_row(q, q_stride, k_cache, v_cache, block_tables + at, context_lens[r], out, r,
+                       kvh, heads, group, dim, block_size, head_stride, scale, bf16);
+        }
+    }
+    return 0;
+}
+
+int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                     const int64_t *block_tables, const int32_t *context_lens, float *out,
+                     int rows, int heads, int kv_heads, int dim, int block_size, int max_blocks,
+                     int64_t head_stride, float scale, int threads) {
+    return paged_decode(q, q_stride, k_cache, v_cache, block_tables, NULL, context_lens, out,
+                        rows, heads, kv_heads, dim, block_size, max_blocks, head_stride, scale,
+                        threads, 0);
+}
+
+int paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                      const int64_t *block_tables, const int32_t *context_lens, uint16_t *out,
+                      int rows, int heads, int kv_heads, int dim, int block_size,
+                      int max_blocks, int64_t head_stride, float scale, int threads) {
+    return paged_decode(q, q_stride, k_cache, v_cache, block_tables, NULL, context_lens, out,
+                        rows, heads, kv_heads, dim, block_size, max_blocks, head_stride, scale,
+                        threads, 1);
+}
+
+int paged_decode_flat_f32(const float *q, int64_t q_stride, const float *k_cache,
+                          const float *v_cache, const int64_t *block_list,
+                          const int64_t *block_starts, const int32_t *context_lens, float *out,
+                          int rows, int heads, int kv_heads, int dim, int block_size,
+                          int num_blocks, int64_t head_stride, float scale, int threads) {
+    return paged_decode(q, q_stride, k_cache, v_cache, block_list, block_starts, context_lens,
+                        out, rows, heads, kv_heads, dim, block_size, num_blocks, head_stride,
+                        scale, threads, 0);
+}
+
+int paged_decode_flat_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                           const uint16_t *v_cache, const int64_t *block_list,
+                           const int64_t *block_starts, const int32_t *context_lens,
+                           uint16_t *out, int rows, int heads, int kv_heads, int dim,
+                           int block_size, int num_blocks, int64_t head_stride, float scale,
+                           int threads) {
+    return paged_decode(q, q_stride, k_cache, v_cache, block_list, block_starts, context_lens,
+                        out, rows, heads, kv_heads, dim, block_size, num_blocks, head_stride,
+                        scale, threads, 1);
+}
+
+// Varlen attention of a step with prompt chunks: sequence s has queries at flat tokens
+// [query_start[s], query_start[s + 1]), the last at position context_lens[s] - 1, and
+// attends causally to its first context_lens[s] pool tokens through its block table row.
+// Rows with one query take the decode path above; prompt chunks run a tiled flash
+// attention: each chunk's keys (transposed) and values are first gathered from the pool
+// once per KV head into float32 buffers, then each tile of (query, head) rows computes
+// S = Q K^T and O += P V in register-blocked vector code, with an online softmax.
+
+enum { TILE_ROWS = 64, TILE_KEYS = 64, MASKED = -1000000000 };
+
+// Keeps a loaded vector in a register: without it GCC folds its load into each of the
+// FMAs that use it, and the microkernels below become load-bound. The vector type is the
+// ISA's register width, so the constraint always fits.
+#if defined(__x86_64__)
+#define IN_REGISTER(a) __asm__("" : "+v"(a))
+#elif defined(__aarch64__)
+#define IN_REGISTER(a) __asm__("" : "+w"(a))
+#else
+#define IN_REGISTER(a)
+#endif
+
+// The microkernels' 4 x FMA_COLS register block: acc[i][c] += a[i * stride] * b[c * VL : +VL].
+static inline __attribute__((always_inline)) void fma_block(vf acc[4][FMA_COLS], const float *a,
+                                                            int64_t stride, const float *b) {
+    vf bv[FMA_COLS];
+#pragma GCC unroll 4
+    for (int c = 0; c < FMA_COLS; c++) {
+        bv[c] = vload(b + c * VL);
+        IN_REGISTER(bv[c]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        const float x = a[i * stride];
+#pragma GCC unroll 4
+        for (int c = 0; c < FMA_COLS; c++) acc[i][c] += x * bv[c];
+    }
+}
+
+// S[rows, TILE_KEYS] = Q[rows, dim] . Kt[dim, keys0 : keys0 + TILE_KEYS] (Kt row stride kstride).
+static void tile_scores(const float *Q, const float *Kt, int64_t kstride, float *S, int rows,
+                        int dim) {
+    for (int r = 0; r < rows; r += 4) {
+        for (int c0 = 0; c0 < TILE_KEYS; c0 += FMA_COLS * VL) {
+            vf acc[4][FMA_COLS];
+            memset(acc, 0, sizeof acc);
+            for (int d = 0; d < dim; d++)
+                fma_block(acc, Q + r * dim + d, dim, Kt + (int64_t)d * kstride + c0);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
+                for (int c = 0; c < FMA_COLS; c++)
+                    vstore(S + (r + i) * TILE_KEYS + c0 + c * VL, acc[i][c]);
+        }
+    }
+}
+
+// O[rows, dim] = O * rescale[row] + P[rows, keys] . V[keys, dim], `dim` a multiple of VL
+// (the online softmax's rescale of O rides on loading it). FMA_COLS-vector column blocks
+// keep their accumulators in registers (constant loop bounds: a variable width sent them
+// to the stack, copied 8 bytes at a time); what is left of `dim` goes a vector at a time.
+static void tile_values(const float *P, const float *V, float *O, const float *rescale,
+                        int rows, int keys, int dim) {
+    for (int r = 0; r < rows; r += 4) {
+        int c0 = 0;
+        for (; c0 + FMA_COLS * VL <= dim; c0 += FMA_COLS * VL) {
+            vf acc[4][FMA_COLS];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
+                for (int c = 0; c < FMA_COLS; c++)
+                    acc[i][c] = vload(O + (r + i) * dim + c0 + c * VL) * rescale[r + i];
+            for (int j = 0; j < keys; j++)
+                fma_block(acc, P + r * TILE_KEYS + j, TILE_KEYS, V + (int64_t)j * dim + c0);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
+                for (int c = 0; c < FMA_COLS; c++) vstore(O + (r + i) * dim + c0 + c * VL, acc[i][c]);
+        }
+        for (; c0 < dim; c0 += VL) {
+            vf acc[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) acc[i] = vload(O + (r + i) * dim + c0) * rescale[r + i];
+            for (int j = 0; j < keys; j++) {
+                const vf v = vload(V + (int64_t)j * dim + c0);
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) acc[i] += P[(r + i) * TILE_KEYS + j] * v;
+            }
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) vstore(O + (r + i) * dim + c0, acc[i]);
+        }
+    }
+}
+
+// A tile's rows: row r is query qa + r / group of its chunk and head kvh * group + r % group,
+// at position pos[r] (-1: a padding row past `rows`), with its online softmax state.
+struct tile_rows {
+    float m[TILE_ROWS], l[TILE_ROWS], rescale[TILE_ROWS];
+    int pos[TILE_ROWS];
+};
+
+// The rows' positions and fresh softmax state, O [padded, dim] zero.
+static void tile_begin(struct tile_rows *t, float *O, int rows, int padded, int p0, int qa,
+                       int group, int dim) {
+    memset(O, 0, sizeof(float) * padded * dim);
+    for (int r = 0; r < padded; r++) {
+        t->pos[r] = r < rows ? p0 + qa + r / group : -1;
+        t->m[r] = MASKED;
+        t->l[r] = 0.0f;
+    }
+}
+
+// Where row r's query vector starts in q (row stride q_stride).
+static inline int64_t tile_q_at(int r, int64_t tok0, int qa, int kvh, int group, int64_t q_stride,
+                                int dim) {
+    return (tok0 + qa + r / group) * q_stride + ((int64_t)kvh * group + r % group) * dim;
+}
+
+// O / l of a tile's rows into out [T, heads, dim].
+static void tile_store(void *out, const float *O, const float *l, int rows, int64_t tok0, int qa,
+                       int kvh, int heads, int group, int dim, int bf16) {
+    for (int r = 0; r < rows; r++) {
+        const int64_t at =
+            ((tok0 + qa + r / group) * heads + (int64_t)kvh * group + r % group) * dim;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int d = 0; d < dim; d += VL) vstore_as(out, at + d, vload(O + r * dim + d) * inv, bf16);
+    }
+}
+
+// One tile: queries [qa, qb) of a chunk whose first query sits at position p0 and flat
+// token tok0, the `group` heads of KV head kvh; Kt [dim, kstride] and V [keys, dim] hold
+// the chunk's context for that KV head. `scratch` holds 2 * TILE_ROWS * dim +
+// TILE_ROWS * TILE_KEYS floats.
+static void prefill_tile(const void *q, int64_t q_stride, void *out, const float *Kt, int64_t kstride,
+                         const float *V, int64_t tok0, int p0, int qa, int qb, int kvh,
+                         int heads, int group, int dim, float scale, int bf16,
+                         float *scratch) {
+    const int rows = (qb - qa) * group, padded = (rows + 3) & ~3;
+    float *Q = scratch, *O = Q + TILE_ROWS * dim, *S = O + TILE_ROWS * dim;
+    struct tile_rows t;
+    float *m = t.m, *l = t.l, *rescale = t.rescale;
+    const int *pos = t.pos;
+    tile_begin(&t, O, rows, padded, p0, qa, group, dim);
+    memset(Q + rows * dim, 0, sizeof(float) * (padded - rows) * dim);
+    for (int r = 0; r < rows; r++) {
+        const int64_t at = tile_q_at(r, tok0, qa, kvh, group, q_stride, dim);
+        for (int d = 0; d < dim; d++) Q[r * dim + d] = load(q, at + d, bf16) * scale;
+    }
+    const int keys_end = p0 + qb;
+    for (int k0 = 0; k0 < keys_end; k0 += TILE_KEYS) {
+        const int nk = keys_end - k0 < TILE_KEYS ? keys_end - k0 : TILE_KEYS;
+        tile_scores(Q, Kt + k0, kstride, S, padded, dim);
+        for (int r = 0; r < padded; r++) {
+            float *s = S + r * TILE_KEYS;
+            const int seen = pos[r] - k0 + 1 < nk ? pos[r] - k0 + 1 : nk;
+            float top = m[r];
+            for (int j = 0; j < TILE_KEYS; j++) {
+                s[j] = j < seen ? s[j] : (float)MASKED;
+                top = s[j] > top ? s[j] : top;
+            }
+            // exp's arguments are kept >= -80: the vector expf takes a slow scalar path
+            // for every lane that underflows (masked scores), and exp(-80) is ~0 anyway.
+            rescale[r] = expf(fmaxf(m[r] - top, -80.0f));
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int j = 0; j < TILE_KEYS; j++) {
+                const float p = expf(fmaxf(s[j] - top, -80.0f));
+                s[j] = j < seen ? p : 0.0f;
+                sum += s[j];
+            }
+            m[r] = top;
+            l[r] = l[r] * rescale[r] + sum;
+        }
+        tile_values(S, V + (int64_t)k0 * dim, O, rescale, padded, nk, dim);
+    }
+    tile_store(out, O, l, rows, tok0, qa, kvh, heads, group, dim, bf16);
+}
+
+// Chunk s's context for KV head kvh into Kt [dim, kstride] (transposed, zero past ctx)
+// and V [kstride, dim].
+static void gather_context(const void *k_cache, const void *v_cache, const int64_t *table,
+                           int ctx, int kvh, int dim, int block_size, int64_t head_stride,
+                           int64_t kstride, float *Kt, float *V, int bf16) {
+    for (int j = 0; j < kstride; j++) {
+        if (j >= ctx) {
+            for (int d = 0; d < dim; d++) Kt[(int64_t)d * kstride + j] = V[(int64_t)j * dim + d] = 0.0f;
+            continue;
+        }
+        const int64_t base = (int64_t)kvh * head_stride + (table[j / block_size] * block_size + j % block_size) * dim;
+        for (int d = 0; d < dim; d++) {
+            Kt[(int64_t)d * kstride + j] = load(k_cache, base + d, bf16);
+            V[(int64_t)j * dim + d] = load(v_cache, base + d, bf16);
+        }
+    }
+}
+
+// bfloat16 prompt chunks on a CPU with AMX: both products of a tile run on the tile unit
+// (16 x 16 float32 blocks, bfloat16 pairs), the online softmax stays in float32 vector
+// code, and P is rounded to bfloat16 for P V, as GPU flash attention does. The chunk's
+// context is gathered per KV head in the layouts the tile loads read: keys as 16-key
+// blocks of [dim / 2][16][2] (K^T in pairs of dims), values as [keys / 2][dim][2].
+#if HAVE_AMX
+// Linux (5.16+) lets a process use the tile registers only once it has asked; the answer
+// holds for all its threads. BUCKETSERVE_AMX=0 keeps the float32 vector path (A/B runs).
+static int amx_usable(void) {
+    static int granted = 0;  // 0: not asked yet, 1: yes, -1: refused
+    const char *env = getenv("BUCKETSERVE_AMX");
+    if (env && env[0] == '0') return 0;
+    if (granted == 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                        18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+    return granted == 1;
+}
+
+// Every tile register as 16 rows of 64 bytes; the configuration is per thread.
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((packed)) config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.colsb[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+#else
+static int amx_usable(void) { return 0; }
+static void amx_configure(void) {}
+#endif
+
+// Whether bfloat16 prompt chunks (head size a multiple of 64) take the tile path.
+int amx_prefill(void) { return amx_usable(); }
+
+static void gather_context_amx(const uint16_t *k_cache, const uint16_t *v_cache,
+                               const int64_t *table, int ctx, int kvh, int dim, int block_size,
+                               int64_t head_stride, int64_t keys, uint16_t *Kb, uint16_t *Vv) {
+    for (int64_t j = 0; j < keys; j++) {
+        const int64_t base = j < ctx ? (int64_t)kvh * head_stride +
+                                           (table[j / block_size] * block_size + j % block_size) * dim
+                                     : -1;
+        uint16_t *kb = Kb + j / 16 * 16 * dim + j % 16 * 2, *vv = Vv + j / 2 * 2 * dim + j % 2;
+        for (int d = 0; d < dim; d++) {
+            kb[d / 2 * 32 + d % 2] = base < 0 ? 0 : k_cache[base + d];
+            vv[2 * d] = base < 0 ? 0 : v_cache[base + d];
+        }
+    }
+}
+
+#if HAVE_AMX
+// exp(x) for x <= 0 (clamped at -80, where it is ~0): 2^n e^r with |r| <= ln 2 / 2, a
+// degree-5 Taylor polynomial (relative error < 3e-6; P is then rounded to bfloat16's
+// 4e-3), 2^n applied by scalef.
+static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-80.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 e = _mm512_set1_ps(1.0f / 120);
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 24));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 6));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(e, n);
+}
+
+// Lanes [c * 16, c * 16 + 16) below `seen`.
+static inline __attribute__((always_inline)) __mmask16 lanes_below(int seen, int c) {
+    const int n = seen - c * 16;
+    return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
+
+// prefill_tile on the tile unit, for bfloat16 and dim a multiple of 64. Four accumulator
+// tiles are in flight at a time: one tile product's latency is about three times its
+// issue interval. `scratch` holds TILE_ROWS * dim floats of O, TILE_ROWS * TILE_KEYS of S,
+// then Q and P in bfloat16.
+static void prefill_tile_amx(const uint16_t *q, int64_t q_stride, uint16_t *out,
+                             const uint16_t *Kb, const uint16_t *Vv, int64_t tok0, int p0, int qa,
+                             int qb, int kvh, int heads, int group, int dim, float scale,
+                             float *scratch) {
+    _Static_assert(TILE_KEYS == 64, "four 16-key accumulators and two 32-key products per tile");
+    const int rows = (qb - qa) * group, padded = (rows + 15) & ~15;
+    float *O = scratch, *S = O + TILE_ROWS * dim;
+    uint16_t *Q = (uint16_t *)(S + TILE_ROWS * TILE_KEYS), *P = Q + TILE_ROWS * dim;
+    struct tile_rows t;
+    float *m = t.m, *l = t.l, *rescale = t.rescale;
+    const int *pos = t.pos;
+    tile_begin(&t, O, rows, padded, p0, qa, group, dim);
+    memset(Q + rows * dim, 0, sizeof(uint16_t) * (padded - rows) * dim);
+    for (int r = 0; r < rows; r++)
+        memcpy(Q + r * dim, q + tile_q_at(r, tok0, qa, kvh, group, q_stride, dim),
+               sizeof(uint16_t) * dim);
+    const __m512 vscale = _mm512_set1_ps(scale), masked = _mm512_set1_ps((float)MASKED);
+    const int keys_end = p0 + qb;
+    for (int k0 = 0; k0 < keys_end; k0 += TILE_KEYS) {
+        const int nk = keys_end - k0 < TILE_KEYS ? keys_end - k0 : TILE_KEYS;
+        // S = Q K^T: the row block's four 16-key blocks at once (none where every row of
+        // the block is before k0: the softmax masks them).
+        for (int rb = 0; rb < padded; rb += 16) {
+            if (pos[rb + 15 < rows ? rb + 15 : rows - 1] < k0) continue;
+            const uint16_t *kb = Kb + (int64_t)k0 * dim;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int d0 = 0; d0 < dim; d0 += 32) {
+                _tile_loadd(4, Q + rb * dim + d0, dim * 2);
+                _tile_loadd(5, kb + d0 * 16, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, kb + 16 * dim + d0 * 16, 64);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(7, kb + 32 * dim + d0 * 16, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, kb + 48 * dim + d0 * 16, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            _tile_stored(0, S + rb * TILE_KEYS, TILE_KEYS * 4);
+            _tile_stored(1, S + rb * TILE_KEYS + 16, TILE_KEYS * 4);
+            _tile_stored(2, S + rb * TILE_KEYS + 32, TILE_KEYS * 4);
+            _tile_stored(3, S + rb * TILE_KEYS + 48, TILE_KEYS * 4);
+        }
+        // Online softmax: scale and mask, each row's new maximum, the rescales of all rows
+        // in vectors, then P (bfloat16) and each row's sum.
+        for (int r = 0; r < padded; r++) {
+            float *s = S + r * TILE_KEYS;
+            const int seen = pos[r] - k0 + 1 < nk ? pos[r] - k0 + 1 : nk;
+            __m512 top = _mm512_set1_ps(m[r]);
+            for (int c = 0; c < 4; c++) {
+                const __m512 x = _mm512_mask_mul_ps(masked, lanes_below(seen, c),
+                                                    _mm512_loadu_ps(s + c * 16), vscale);
+                _mm512_storeu_ps(s + c * 16, x);
+                top = _mm512_max_ps(top, x);
+            }
+            rescale[r] = _mm512_reduce_max_ps(top);  // the new maximum, for now
+        }
+        for (int r = 0; r < padded; r += 16) {
+            const __m512 top = _mm512_loadu_ps(rescale + r);
+            _mm512_storeu_ps(rescale + r, exp512(_mm512_sub_ps(_mm512_loadu_ps(m + r), top)));
+            _mm512_storeu_ps(m + r, top);
+        }
+        for (int r = 0; r < padded; r++) {
+            const float *s = S + r * TILE_KEYS;
+            const int seen = pos[r] - k0 + 1 < nk ? pos[r] - k0 + 1 : nk;
+            const __m512 top = _mm512_set1_ps(m[r]);
+            __m512 p[4];
+            for (int c = 0; c < 4; c++) {
+                const __mmask16 live = lanes_below(seen, c);
+                p[c] = live ? _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + c * 16), top)))
+                            : _mm512_setzero_ps();
+            }
+            _mm512_storeu_si512(P + r * TILE_KEYS, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+            _mm512_storeu_si512(P + r * TILE_KEYS + 32, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
+            l[r] = l[r] * rescale[r] +
+                   _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])));
+            const __m512 by = _mm512_set1_ps(rescale[r]);
+            for (int d = 0; d < dim; d += 16)
+                _mm512_storeu_ps(O + r * dim + d, _mm512_mul_ps(_mm512_loadu_ps(O + r * dim + d), by));
+        }
+        // O += P V: four 16-dim accumulator tiles of a row block, 32 keys per product;
+        // key halves past the row block's last position are all zero in P.
+        for (int rb = 0; rb < padded; rb += 16) {
+            const int last = pos[rb + 15 < rows ? rb + 15 : rows - 1];
+            float *o = O + rb * dim;
+            for (int c0 = 0; c0 < dim; c0 += 64) {
+                _tile_loadd(0, o + c0, dim * 4);
+                _tile_loadd(1, o + c0 + 16, dim * 4);
+                _tile_loadd(2, o + c0 + 32, dim * 4);
+                _tile_loadd(3, o + c0 + 48, dim * 4);
+                for (int kh = 0; kh < TILE_KEYS && k0 + kh <= last; kh += 32) {
+                    const uint16_t *v = Vv + (int64_t)(k0 + kh) * dim + c0 * 2;
+                    _tile_loadd(4, P + rb * TILE_KEYS + kh, TILE_KEYS * 2);
+                    _tile_loadd(5, v, dim * 4);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(6, v + 32, dim * 4);
+                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_loadd(7, v + 64, dim * 4);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_loadd(5, v + 96, dim * 4);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+                _tile_stored(0, o + c0, dim * 4);
+                _tile_stored(1, o + c0 + 16, dim * 4);
+                _tile_stored(2, o + c0 + 32, dim * 4);
+                _tile_stored(3, o + c0 + 48, dim * 4);
+            }
+        }
+    }
+    tile_store(out, O, l, rows, tok0, qa, kvh, heads, group, dim, 1);
+}
+#endif
+
+static int paged_prefill(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                         const int64_t *block_tables, const int32_t *query_start,
+                         const int32_t *context_lens, void *out, int seqs, int heads,
+                         int kv_heads, int dim, int block_size, int max_blocks,
+                         int64_t head_stride, float scale, int threads, int bf16) {
+    const int group = heads / kv_heads;
+    if (dim > MAX_DIM || dim % DIM_UNIT || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
+    const int per_tile = TILE_ROWS / group, amx = bf16 && dim % 64 == 0 && amx_usable();
+    // Work items: (seq, kvh) of one-query rows, (seq, kvh, tile) of chunks, each chunk's
+    // last tiles (the most keys) first.
+    int64_t chunk_keys = 0, items = 0;
+    int64_t *offset = malloc(sizeof(int64_t) * (seqs + 1));
+    if (!offset) return -2;
+    for (int s = 0; s < seqs; s++) {
+        const int n = query_start[s + 1] - query_start[s];
+        offset[s] = chunk_keys;
+        if (n > 1 && context_lens[s] > 0) chunk_keys += (context_lens[s] + TILE_KEYS - 1) / TILE_KEYS * TILE_KEYS;
+        items += n > 1 ? (n + per_tile - 1) / per_tile : context_lens[s] > 0;
+    }
+    offset[seqs] = chunk_keys;
+    float *Kt = malloc(sizeof(float) * (chunk_keys * dim * kv_heads + 1));
+    float *V = malloc(sizeof(float) * (chunk_keys * dim * kv_heads + 1));
+    int32_t *item_seq = malloc(sizeof(int32_t) * (items + 1));
+    int32_t *item_tile = malloc(sizeof(int32_t) * (items + 1));
+    int ok = Kt && V && item_seq && item_tile;
+    if (ok) {
+        int64_t i = 0;
+        for (int s = 0; s < seqs; s++) {
+            const int n = query_start[s + 1] - query_start[s];
+            const int tiles = n > 1 ? (n + per_tile - 1) / per_tile : context_lens[s] > 0;
+            for (int t = tiles - 1; t >= 0; t--, i++) {
+                item_seq[i] = s;
+                item_tile[i] = t;
+            }
+        }
+#pragma omp parallel num_threads(threads)
+        {
+#pragma omp for collapse(2) schedule(dynamic, 1)
+            for (int s = 0; s < seqs; s++) {
+                for (int kvh = 0; kvh < kv_heads; kvh++) {
+                    const int64_t keys = offset[s + 1] - offset[s];
+                    if (keys == 0) continue;
+                    const int64_t at = (offset[s] * kv_heads + keys * kvh) * dim;
+                    const int64_t *table = block_tables + (int64_t)s * max_blocks;
+                    if (amx)
+                        gather_context_amx(k_cache, v_cache, table, context_lens[s], kvh, dim,
+                                           block_size, head_stride, keys, (uint16_t *)Kt + at,
+                                           (uint16_t *)V + at);
+                    else
+                        gather_context(k_cache, v_cache, table, context_lens[s], kvh, dim,
+                                       block_size, head_stride, keys, Kt + at, V + at, bf16);
+                }
+            }
+            float *scratch = malloc(sizeof(float) * 2 * (TILE_ROWS * dim + TILE_ROWS * TILE_KEYS));
+            if (amx) amx_configure();
+            if (!scratch) {
+#pragma omp atomic write
+                ok = 0;
+            }
+#pragma omp for collapse(2) schedule(dynamic, 1)
+            for (int64_t it = 0; it < items; it++) {
+                for (int kvh = 0; kvh < kv_heads; kvh++) {
+                    const int s = item_seq[it], t = item_tile[it];
+                    const int n = query_start[s + 1] - query_start[s], ctx = context_lens[s];
+                    const int64_t *table = block_tables + (int64_t)s * max_blocks;
+                    if (n == 1) {
+                        attend_row(q, q_stride, k_cache, v_cache, table, ctx, out, query_start[s], kvh,
+                                   heads, group, dim, block_size, head_stride, scale, bf16);
+                        continue;
+                    }
+                    const int64_t keys = offset[s + 1] - offset[s];
+                    const int64_t at = (offset[s] * kv_heads + keys * kvh) * dim;
+                    const int qa = t * per_tile, qb = qa + per_tile < n ? qa + per_tile : n;
+                    if (!scratch) continue;
+#if HAVE_AMX
+                    if (amx) {
+                        prefill_tile_amx(q, q_stride, out, (const uint16_t *)Kt + at,
+                                         (const uint16_t *)V + at, query_start[s], ctx - n, qa, qb,
+                                         kvh, heads, group, dim, scale, scratch);
+                        continue;
+                    }
+#endif
+                    prefill_tile(q, q_stride, out, Kt + at, keys, V + at, query_start[s], ctx - n, qa,
+                                 qb, kvh, heads, group, dim, scale, bf16, scratch);
+                }
+            }
+#if HAVE_AMX
+            if (amx) _tile_release();
+#endif
+            free(scratch);
+        }
+    }
+    free(offset);
+    free(Kt);
+    free(V);
+    free(item_seq);
+    free(item_tile);
+    return ok ? 0 : -2;
+}
+
+int paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                      const int64_t *block_tables, const int32_t *query_start,
+                      const int32_t *context_lens, float *out, int seqs, int heads,
+                      int kv_heads, int dim, int block_size, int max_blocks,
+                      int64_t head_stride, float scale, int threads) {
+    return paged_prefill(q, q_stride, k_cache, v_cache, block_tables, query_start, context_lens, out,
+                         seqs, heads, kv_heads, dim, block_size, max_blocks, head_stride, scale,
+                         threads, 0);
+}
+
+int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int64_t *block_tables, const int32_t *query_start,
+                       const int32_t *context_lens, uint16_t *out, int seqs, int heads,
+                       int kv_heads, int dim, int block_size, int max_blocks,
+                       int64_t head_stride, float scale, int threads) {
+    return paged_prefill(q, q_stride, k_cache, v_cache, block_tables, query_start, context_lens, out,
+                         seqs, heads, kv_heads, dim, block_size, max_blocks, head_stride, scale,
+                         threads, 1);
+}
+
+// Llama's (neox-style) rotary embedding in place: `x` rows of `heads` vectors of `dim`
+// (row stride `row_stride` elements: the q and k columns of the qkv GEMM's output);
+// `cos_sin` [T, 2 * dim] in x's dtype: cos | sin with rotate_half's sign folded in.
+static void rope(void *x, const void *cos_sin, int tokens, int heads, int dim,
+                 int64_t row_stride, int threads, int bf16) {
+    const int half = dim / 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < tokens; t++) {
+        const int64_t cs = (int64_t)t * 2 * dim;
+        float v[MAX_DIM];
+        for (int h = 0; h < heads; h++) {
+            const int64_t base = (int64_t)t * row_stride + (int64_t)h * dim;
+            for (int d = 0; d < dim; d++) v[d] = load(x, base + d, bf16);
+            for (int d = 0; d < dim; d++) {
+                const float rolled = v[d < half ? d + half : d - half];
+                const float c = load(cos_sin, cs + d, bf16), sn = load(cos_sin, cs + dim + d, bf16);
+                store(x, base + d, v[d] * c + rolled * sn, bf16);
+            }
+        }
+    }
+}
+
+int rope_f32(float *x, const float *cos_sin, int tokens, int heads, int dim,
+             int64_t row_stride, int threads) {
+    if (dim > MAX_DIM) return -1;
+    rope(x, cos_sin, tokens, heads, dim, row_stride, threads, 0);
+    return 0;
+}
+
+int rope_bf16(uint16_t *x, const uint16_t *cos_sin, int tokens, int heads, int dim,
+              int64_t row_stride, int threads) {
+    if (dim > MAX_DIM) return -1;
+    rope(x, cos_sin, tokens, heads, dim, row_stride, threads, 1);
+    return 0;
+}
+
+// RMSNorm of `x` [T, size] (contiguous) into `out`, accumulated in float32.
+static void rms_norm(const void *x, const void *weight, void *out, int tokens, int size,
+                     float eps, int threads, int bf16) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < tokens; t++) {
+        const int64_t base = (int64_t)t * size;
+        if (size % VL == 0) {  // every hidden size in practice: whole vectors, no tail
+            vf acc = {0};
+            for (int i = 0; i < size; i += VL) {
+                const vf v = vload_as(x, base + i, bf16);
+                acc += v * v;
+            }
+            const float inv = 1.0f / sqrtf(hsum(acc) / size + eps);
+            for (int i = 0; i < size; i += VL)
+                vstore_as(out, base + i,
+                          vload_as(x, base + i, bf16) * inv * vload_as(weight, i, bf16), bf16);
+            continue;
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < size; i++) {
+            const float v = load(x, base + i, bf16);
+            sum += v * v;
+        }
+        const float inv = 1.0f / sqrtf(sum / size + eps);
+        for (int i = 0; i < size; i++)
+            store(out, base + i, load(x, base + i, bf16) * inv * load(weight, i, bf16), bf16);
+    }
+}
+
+int rms_norm_f32(const float *x, const float *weight, float *out, int tokens, int size,
+                 float eps, int threads) {
+    rms_norm(x, weight, out, tokens, size, eps, threads, 0);
+    return 0;
+}
+
+int rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int tokens,
+                  int size, float eps, int threads) {
+    rms_norm(x, weight, out, tokens, size, eps, threads, 1);
+    return 0;
+}
+
+// SwiGLU's `silu(gate) * up` of one row of `size` into `out`.
+static inline __attribute__((always_inline)) void silu_mul_row(const void *gate, const void *up,
+                                                               void *out, int64_t g0, int64_t u0,
+                                                               int64_t o0, int size, int bf16) {
+    // exp's argument is kept in [-80, 80], off the vector expf's slow scalar lanes
+#pragma omp simd
+    for (int i = 0; i < size; i++) {
+        const float g = load(gate, g0 + i, bf16);
+        const float e = expf(fminf(fmaxf(-g, -80.0f), 80.0f));
+        store(out, o0 + i, g / (1.0f + e) * load(up, u0 + i, bf16), bf16);
+    }
+}
+
+// SwiGLU's `silu(gate) * up` over `rows` rows of `size` (each operand's rows `*_stride`
+// elements apart) into contiguous `out`, which may be `gate` itself: one pass where torch
+// takes two (silu_, then mul_). The dtype is a constant in each row loop: the parallel
+// region is outlined before `bf16` is propagated, and a loop that tests it per element
+// does not vectorise without AVX-512's masked stores.
+static void silu_mul(const void *gate, const void *up, void *out, int rows, int size,
+                     int64_t gate_stride, int64_t up_stride, int threads, int bf16) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int r = 0; r < rows; r++) {
+        const int64_t g0 = (int64_t)r * gate_stride, u0 = (int64_t)r * up_stride;
+        if (bf16)
+            silu_mul_row(gate, up, out, g0, u0, (int64_t)r * size, size, 1);
+        else
+            silu_mul_row(gate, up, out, g0, u0, (int64_t)r * size, size, 0);
+    }
+}
+
+int silu_mul_f32(const float *gate, const float *up, float *out, int rows, int size,
+                 int64_t gate_stride, int64_t up_stride, int threads) {
+    silu_mul(gate, up, out, rows, size, gate_stride, up_stride, threads, 0);
+    return 0;
+}
+
+int silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int rows, int size,
+                  int64_t gate_stride, int64_t up_stride, int threads) {
+    silu_mul(gate, up, out, rows, size, gate_stride, up_stride, threads, 1);
+    return 0;
+}
+
+// The step's K and V into their pool slots: token t's KV head h goes to slot slots[t] of
+// head h's plane ([kv_heads, head_stride] caches). k and v rows are `k_stride` and
+// `v_stride` elements apart (columns of the qkv GEMM's output), each row's heads contiguous.
+static void write_kv(const void *k, const void *v, int64_t k_stride, int64_t v_stride,
+                     void *k_cache, void *v_cache, const int64_t *slots, int tokens,
+                     int kv_heads, int dim, int64_t head_stride, int threads, int es) {
+    const size_t bytes = (size_t)dim * es;
+#pragma omp parallel for schedule(static) num_threads(threads) if (tokens >= 256)
+    for (int t = 0; t < tokens; t++) {
+        for (int h = 0; h < kv_heads; h++) {
+            const int64_t to = ((int64_t)h * head_stride + slots[t] * dim) * es;
+            memcpy((char *)k_cache + to, (const char *)k + (t * k_stride + h * dim) * es, bytes);
+            memcpy((char *)v_cache + to, (const char *)v + (t * v_stride + h * dim) * es, bytes);
+        }
+    }
+}
+
+int write_kv_f32(const float *k, const float *v, int64_t k_stride, int64_t v_stride,
+                 float *k_cache, float *v_cache, const int64_t *slots, int tokens, int kv_heads,
+                 int dim, int64_t head_stride, int threads) {
+    write_kv(k, v, k_stride, v_stride, k_cache, v_cache, slots, tokens, kv_heads, dim,
+             head_stride, threads, 4);
+    return 0;
+}
+
+int write_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t k_stride, int64_t v_stride,
+                  uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int tokens,
+                  int kv_heads, int dim, int64_t head_stride, int threads) {
+    write_kv(k, v, k_stride, v_stride, k_cache, v_cache, slots, tokens, kv_heads, dim,
+             head_stride, threads, 2);
+    return 0;
+}
+
+// float32 GEMM y[M, N] (+)= x[M, K] . W^T over W packed in column panels: panel p holds
+// output columns [32p, 32p + 32) as [K, 32], k-major, so a panel streams from memory
+// in one contiguous run. At decode batches the GEMM is as much a stream of the weights as
+// it is arithmetic; MKL's and oneDNN's packed GEMMs left the two apart (a row block's
+// first pass waited on memory, the next ones left it idle). Here a panel's row blocks
+// also prefetch the thread's next panel into L2 as they go, spread over all of them. Each
+// thread owns a contiguous run of panels. At prefill sizes rows go in blocks of GEMM_ROWS
+// (x's block stays in L2) and k in chunks of GEMM_KC (a row block's x and the panel's
+// chunk stay in L1), as MKL blocks them.
+enum { PANEL = 32, PANEL_VECS = PANEL / VL, GEMM_ROWS = 96, GEMM_KC = 256 };
+
+// rows [0, MR) of x (row stride ldx) times a panel's k-range [0, K) into y (row stride
+// ldy), adding to y when `acc`; prefetches `lines` cache lines of `pf` per k-step (a
+// prefetch never faults: past the next panel it reads ahead into the one after).
+// Inlined with MR and `lines` constants: the k loop is the FMAs, their loads, and the
+// prefetch where there is one.
+static inline __attribute__((always_inline)) void gemm_block(
+    const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int K, int MR, int acc,
+    const char *pf, int lines) {
+    vf sum[GEMM_MR][PANEL_VECS];
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+        for (int c = 0; c < PANEL_VECS; c++) sum[i][c] = acc ? vload(y + i * ldy + c * VL) : (vf){0};
+    for (int k = 0; k < K; k++) {
+        const float *wk = w + (int64_t)k * PANEL;
+        for (int l = 0; l < lines; l++) __builtin_prefetch(pf + ((int64_t)k * lines + l) * 64, 0, 2);
+        vf wv[PANEL_VECS];
+#pragma GCC unroll 8
+        for (int c = 0; c < PANEL_VECS; c++) wv[c] = vload(wk + c * VL);
+#pragma GCC unroll 12
+        for (int i = 0; i < MR; i++) {
+            const float a = x[i * ldx + k];
+#pragma GCC unroll 8
+            for (int c = 0; c < PANEL_VECS; c++) sum[i][c] += a * wv[c];
+        }
+    }
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+        for (int c = 0; c < PANEL_VECS; c++) vstore(y + i * ldy + c * VL, sum[i][c]);
+}
+
+// `rows` rows of x (row stride K) through one panel, k in chunks of `kc`. One chunk (decode
+// sizes): row block b prefetches lines [b * K, (b + 1) * K) of the next panel; several:
+// each chunk's first row block prefetches the next panel's same chunk.
+static void gemm_panel(const float *x, const float *w, float *y, int64_t ldy, int rows, int K,
+                       int kc, int acc, const char *next) {
+    for (int k0 = 0; k0 < K; k0 += kc) {
+        const int kn = K - k0 < kc ? K - k0 : kc;
+        for (int m0 = 0; m0 < rows; m0 += GEMM_MR) {
+            const char *pf = 0;
+            int lines = 0;  // this block prefetches nothing
+            if (next && kn == K) {
+                pf = next + (int64_t)(m0 / GEMM_MR) * K * 64;
+                lines = 1;
+            } else if (next && m0 == 0) {
+                pf = next + (int64_t)k0 * PANEL * 4;
+                lines = 2;
+            }
+#define GEMM_CALL(R, L) gemm_block(x + (int64_t)m0 * K + k0, K, w + (int64_t)k0 * PANEL, \
+                                   y + (int64_t)m0 * ldy, ldy, kn, R, acc || k0 > 0, pf, L)
+#define GEMM_BLOCK(R) (lines == 0 ? GEMM_CALL(R, 0) : lines == 1 ? GEMM_CALL(R, 1) \
+                                                                  : GEMM_CALL(R, 2))
+            // MR a constant in each call; a full block is GEMM_MR rows, a last one fewer.
+#define GEMM_CASE(R) case R: if (R < GEMM_MR) GEMM_BLOCK(R); break
+            const int mr = rows - m0 < GEMM_MR ? rows - m0 : GEMM_MR;
+            if (mr == GEMM_MR) {
+                GEMM_BLOCK(GEMM_MR);
+            } else {
+                switch (mr) {
+                GEMM_CASE(1); GEMM_CASE(2); GEMM_CASE(3); GEMM_CASE(4); GEMM_CASE(5);
+                GEMM_CASE(6); GEMM_CASE(7); GEMM_CASE(8); GEMM_CASE(9); GEMM_CASE(10);
+                GEMM_CASE(11);
+                }
+            }
+#undef GEMM_CASE
+#undef GEMM_BLOCK
+#undef GEMM_CALL
+        }
+    }
+}
+
+// y [M, N] (contiguous) = x [M, K] (contiguous) . W^T, plus y itself when `accumulate`;
+// `panels` is W packed as [N / 32, K, 32]. N a multiple of 32.
+int gemm_panels_f32(const float *x, const float *panels, float *y, int M, int N, int K,
+                    int accumulate, int threads) {
+    if (N % PANEL) return -1;
+    const int count = N / PANEL;
+    const int kc = M > GEMM_ROWS ? GEMM_KC : K;
+#pragma omp parallel num_threads(threads) if (M > 0)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int first = count * t / nt, last = count * (t + 1) / nt;
+        for (int r0 = 0; r0 < M; r0 += GEMM_ROWS) {
+            const int rows = M - r0 < GEMM_ROWS ? M - r0 : GEMM_ROWS;
+            for (int p = first; p < last; p++) {
+                const float *w = panels + (int64_t)p * PANEL * K;
+                const char *next = p + 1 < last ? (const char *)(w + (int64_t)PANEL * K) : 0;
+                gemm_panel(x + (int64_t)r0 * K, w, y + (int64_t)r0 * N + p * PANEL, N, rows, K,
+                           kc, accumulate, next);
+            }
+        }
+    }
+    return 0;
+}

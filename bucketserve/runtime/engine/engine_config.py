@@ -1,0 +1,61 @@
+"""The in-process engine's configuration: model runner + scheduler + pipeline depth."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from bucketserve.runtime.core.scheduler import SchedulerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+
+
+@dataclass
+class EngineConfig:
+    """`pipeline_depth` is the microbatch queue's size (1 = synchronous steps).
+    `pipeline_parallel_size` splits the layers over that many stages (threads of this
+    process, `stage_torch_threads` intra-op threads each); the queue then holds at least
+    one microbatch per stage."""
+
+    runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    pipeline_depth: int = 1
+    pipeline_parallel_size: int = 1
+    stage_torch_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pipeline_depth, int) or self.pipeline_depth < 1:
+            raise ValueError(
+                f"pipeline_depth must be a positive integer, got {self.pipeline_depth!r}"
+            )
+        pp = self.pipeline_parallel_size
+        if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
+        threads = self.stage_torch_threads
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"stage_torch_threads must be None or >= 1, got {threads!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Flat keyword arguments (`model=..., max_num_seqs=..., pipeline_depth=...`) sorted
+        into the component configs; an unknown name raises ValueError listing the known."""
+        parts: dict[str, dict[str, Any]] = {"runner": {}, "scheduler": {}, "engine": {}}
+        owners = {
+            **{f.name: "runner" for f in dataclasses.fields(ModelRunnerConfig)},
+            **{f.name: "scheduler" for f in dataclasses.fields(SchedulerConfig)},
+            "pipeline_depth": "engine",
+            "pipeline_parallel_size": "engine",
+            "stage_torch_threads": "engine",
+        }
+        unknown = sorted(set(kwargs) - set(owners))
+        if unknown:
+            raise ValueError(
+                f"unknown engine option(s) {unknown}; known options: {sorted(owners)}"
+            )
+        for name, value in kwargs.items():
+            parts[owners[name]][name] = value
+        return cls(
+            runner=ModelRunnerConfig(**parts["runner"]),
+            scheduler=SchedulerConfig(**parts["scheduler"]),
+            **parts["engine"],
+        )

@@ -1,0 +1,182 @@
+"""Graphs mode: one static-shape compiled graph per shape bucket, compiled once, replayed."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from bucketserve.runtime.cpu import kernels
+from bucketserve.runtime.models.llama import graph_decode_layer, graph_layer
+from bucketserve.runtime.worker.device import Device, GraphFn
+from bucketserve.runtime.worker.kv_cache import KVCache
+from bucketserve.runtime.worker.step_inputs import Shape
+
+logger = logging.getLogger(__name__)
+LayerHook = Callable[[int], None]
+
+
+@dataclass
+class GraphStats:
+    """Compile seconds per warmed shape; misses (shapes compiled while serving) and their
+    compile seconds, each miss counted once; `kv_export`: when layer-wise KV leaves a step."""
+
+    compile_s: dict[Shape, float] = field(default_factory=dict)
+    misses: int = 0
+    miss_compile_s: float = 0.0
+    kv_export: str = "per_layer"
+    prompt_tokens: int = 0  # real tokens of prefill parts (chunks longer than one token)
+    prompt_padded_tokens: int = 0  # ... and what their shapes ran, padding included
+
+    @property
+    def prompt_padding_share(self) -> float:
+        padded = self.prompt_padded_tokens
+        return 1.0 - self.prompt_tokens / padded if padded else 0.0
+
+    @property
+    def total_compile_s(self) -> float:
+        return sum(self.compile_s.values()) + self.miss_compile_s
+
+
+class CompiledGraphs:
+    """The padded step as static-shape regions the device compiles (`Device.compile`): the
+    head (embeddings, rope rows, mask), one decoder layer, and the tail (norm, logits).
+    The layer region is compiled once per shape and reused by all layers, whose weights
+    and K/V tensors are its inputs, so compiles grow with the buckets, not the depth.
+    Where the device captures a whole step (CUDA graphs, HPU graphs in lazy mode) the
+    regions run inside one captured graph per shape and layer-wise KV export comes after
+    it; elsewhere each layer's KV is reported as soon as its region returns."""
+
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: KVCache, device: Device, compiled: bool = True
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.compiled = compiled  # False: the same steps run eagerly (padded eager decode)
+        compile = device.compile if compiled else (lambda fn: fn)
+        self._head = compile(model.graph_head)
+        # CPU attention: the kernels eager steps run, custom ops inside the graph
+        c, kernel = model.config, kernels.for_tensors(kv_cache.dtype, kv_cache.device)
+        self.attention_kernels = kernel is not None and kernel.supports(
+            c.head_dim, c.num_queries_per_kv, kv_cache.block_size
+        )
+        self._layer = compile(graph_layer)
+        self._decode_layer = compile(graph_decode_layer)
+        self._tail = compile(model.graph_tail)
+        self._steps: dict[Shape, GraphFn] = {}
+        export = "after_graph" if device.captures_whole_step else "per_layer"
+        self.stats = GraphStats(kv_export=export)
+
+    def __contains__(self, shape: Shape) -> bool:
+        return shape in self._steps
+
+    @property
+    def shapes(self) -> list[Shape]:
+        return list(self._steps)
+
+    def fit(self, need: Shape) -> Shape | None:
+        """The smallest compiled shape (padded volume) of `need`'s kind (decode: query 1)
+        that holds it in every dimension."""
+        fits = [
+            s
+            for s in self._steps
+            if (s[1] == 1) == (need[1] == 1) and all(h >= w for h, w in zip(s, need, strict=True))
+        ]
+        return min(fits, key=lambda s: (s[0] * s[1] * (s[2] + 1), s), default=None)
+
+    def warm(self, shape: Shape, args: tuple[torch.Tensor, ...]) -> float:
+        """Compile (and capture) `shape`'s graph on dummy `args`; returns the seconds."""
+        if shape in self._steps:
+            return 0.0
+        start = time.perf_counter()
+        self._steps[shape] = self.device.graph(self._step(shape), args)
+        if not self.device.captures_whole_step:
+            self._step(shape)(*args)  # the first call compiles
+        self.device.synchronize()
+        seconds = time.perf_counter() - start
+        self.stats.compile_s[shape] = seconds
+        return seconds
+
+    def run(
+        self, shape: Shape, args: tuple[torch.Tensor, ...], on_layer: LayerHook | None = None
+    ) -> torch.Tensor:
+        """Replay `shape`'s graph; a shape not warmed compiles here, a counted miss."""
+        if not self.compiled:
+            return self._step(shape)(*args, on_layer=on_layer)
+        if shape not in self._steps:
+            start = time.perf_counter()
+            self._steps[shape] = self.device.graph(self._step(shape), args)
+            seconds = time.perf_counter() - start
+            self.stats.misses += 1
+            logger.warning(
+                "step shape %s has no warmed graph: compiling it while serving (miss %d)",
+                shape,
+                self.stats.misses,
+            )
+            if self.device.captures_whole_step:
+                self.stats.miss_compile_s += seconds
+            else:
+                start = time.perf_counter()
+                logits = self._step(shape)(*args, on_layer=on_layer)
+                self.stats.miss_compile_s += seconds + time.perf_counter() - start
+                return logits
+        if self.device.captures_whole_step:
+            logits = self._steps[shape](*args)
+            for layer in range(self.kv_cache.num_layers if on_layer else 0):
+                on_layer(layer)  # a replayed graph cannot stop between layers
+            return logits
+        return self._step(shape)(*args, on_layer=on_layer)
+
+    def _step(self, shape: Shape) -> Callable[..., torch.Tensor]:
+        """Decode shapes `(batch, 1, blocks)` read a flat block list; the rest rectangles."""
+        return self.step_flat if shape[1] == 1 else self.step
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        query_positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        token_order: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        context_lens: torch.Tensor,
+        rows: torch.Tensor,
+        on_layer: LayerHook | None = None,
+    ) -> torch.Tensor:
+        num_keys = block_tables.shape[1] * self.kv_cache.block_size
+        masked = None if self.attention_kernels else query_positions  # the kernel needs none
+        x, cos_sin, mask = self._head(input_ids, positions, masked, num_keys)
+        index = (slots, block_tables, mask, token_order, query_start_loc, context_lens)
+        for i, layer in enumerate(self.model.model.layers):
+            k, v = self.kv_cache.layer(i)
+            x = self._layer(layer, x, cos_sin, k, v, *index, self.attention_kernels)
+            if on_layer is not None:
+                on_layer(i)
+        return self._tail(x, rows)
+
+    def step_flat(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_list: torch.Tensor,
+        block_rows: torch.Tensor,
+        block_valid: torch.Tensor,
+        block_starts: torch.Tensor,
+        context_lens: torch.Tensor,
+        rows: torch.Tensor,
+        on_layer: LayerHook | None = None,
+    ) -> torch.Tensor:
+        x, cos_sin, _ = self._head(input_ids, positions)
+        index = (slots, block_list, block_rows, block_valid, block_starts, context_lens)
+        for i, layer in enumerate(self.model.model.layers):
+            k, v = self.kv_cache.layer(i)
+            x = self._decode_layer(layer, x, cos_sin, k, v, *index, self.attention_kernels)
+            if on_layer is not None:
+                on_layer(i)
+        return self._tail(x, rows)

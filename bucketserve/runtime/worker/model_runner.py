@@ -1,0 +1,385 @@
+"""Runs scheduled steps on the model: inputs from Sequences, paged KV, sampling."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from bucketserve.runtime.core.sequence import Sequence
+from bucketserve.runtime.io.model_config import ModelConfig
+from bucketserve.runtime.io.tokenizer import Tokenizer
+from bucketserve.runtime.io.weights import iter_safetensors, resolve_model
+from bucketserve.runtime.models import MODEL_REGISTRY
+from bucketserve.runtime.worker.compiled_graphs import CompiledGraphs, GraphStats
+from bucketserve.runtime.worker.device import EXECUTION_MODES, Device
+from bucketserve.runtime.worker.kv_cache import KVCache
+from bucketserve.runtime.worker.prompt_logprobs import (
+    PromptSpan,
+    prompt_spans,
+    record_prompt_logprobs,
+)
+from bucketserve.runtime.worker.sampler import Sampler
+from bucketserve.runtime.worker.step_inputs import InputBuilder, Shape, StepInputs
+
+logger = logging.getLogger(__name__)
+
+LayerHook = Callable[[int], None]
+
+
+# The GEMM row count packed weights are laid out for: a decode batch. Any row count
+# runs on them; prefill chunks (hundreds of rows) lose nothing measurable.
+_PACK_BATCH_HINT = 64
+
+
+@dataclass
+class ModelRunnerConfig:
+    """`model`: None (embedded SmolLM2), a HF directory or a .gguf file.
+
+    The KV pool holds `num_kv_blocks` blocks if given, else
+    `kv_memory_fraction` of the memory free after loading the model (on CPU
+    at most `cpu_kv_cache_bytes`). `execution`: "eager" runs each step as it
+    comes; "graphs" runs every step padded to a shape bucket, one static-shape
+    compiled graph per bucket (`CompiledGraphs`); "auto" is graphs on hpu and
+    cuda, eager on cpu (measured faster there: README).
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_memory_fraction: float = 0.8
+    cpu_kv_cache_bytes: int = 1 << 30
+    max_model_len: int | None = None
+    seed: int = 0
+    execution: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.execution not in ("auto", *EXECUTION_MODES):
+            raise ValueError(
+                f"execution must be 'auto', 'eager' or 'graphs', got {self.execution!r}"
+            )
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.num_kv_blocks is not None and (
+            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1
+        ):
+            raise ValueError(f"num_kv_blocks must be None or >= 1, got {self.num_kv_blocks!r}")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(
+                f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}"
+            )
+        if self.cpu_kv_cache_bytes < 1:
+            raise ValueError(
+                f"cpu_kv_cache_bytes must be positive, got {self.cpu_kv_cache_bytes!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be None or >= 1, got {self.max_model_len!r}")
+
+
+class ModelRunner:
+    """Owns the model, its tokenizer and the KV pool; computes scheduled chunks.
+
+    `execute` is the scheduler's contract: for each sequence it computes
+    `token_ids[num_computed_tokens : num_computed_tokens + n]`, writes their
+    K/V into the blocks of `seq.block_table`, and returns the sampled next
+    token when the chunk reaches the end of the sequence (else None). It
+    never mutates a Sequence's tokens or counters; it records the prompt logprobs of those
+    that ask in `seq.prompt_logprobs` (such a step runs unpadded and eager). `on_layer(i)`
+    is called as soon as layer i's K/V of the step is written (while later layers still
+    compute), so a prefill can ship its KV layer by layer.
+    """
+
+    def __init__(self, config: ModelRunnerConfig | None = None) -> None:
+        self.config = config = config or ModelRunnerConfig()
+        self.device = Device(config.device)
+        self.dtype = self.device.resolve_dtype(config.dtype)
+        self.model_dir = resolve_model(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.max_model_len = self._max_model_len()
+        self.block_size = config.block_size
+        self.model = self._build_model()
+        c = self.model_config
+        self.kv_cache = KVCache(
+            self.num_layers,
+            self._num_kv_blocks(),
+            self.block_size,
+            c.num_key_value_heads,
+            c.head_dim,
+            self.dtype,
+            self.device.torch_device,
+        )
+        self.sampler = Sampler(config.seed, self.eos_token_ids)
+        self.inputs = InputBuilder(
+            self.block_size,
+            self.kv_cache.num_blocks,
+            self.kv_cache.null_block,
+            self.max_model_len,
+            self.device.torch_device,
+        )
+        self.execution = resolve_execution(config.execution, self.device.type)
+        if self.execution == "eager":
+            self.model.pack_weights(_PACK_BATCH_HINT)
+        elif self.device.type == "cpu":  # graphs: the CPU's compiled regions call its GEMMs
+            self.model.pack_weights(_PACK_BATCH_HINT, graphs=True)
+        self.graphs, self._flat = self._compiled_graphs()
+
+    @property
+    def num_layers(self) -> int:
+        """Layers whose K/V this runner's pool holds."""
+        return self.model_config.num_hidden_layers
+
+    def _build_model(self) -> torch.nn.Module:
+        model_cls = MODEL_REGISTRY[self.model_config.architecture]
+        return model_cls.build(
+            self.model_config,
+            iter_safetensors(self.model_dir),
+            self.device.torch_device,
+            self.dtype,
+            self.max_model_len,
+        )
+
+    def _compiled_graphs(self) -> tuple[CompiledGraphs | None, CompiledGraphs | None]:
+        """Graphs mode's compiled steps, and the uncompiled path eager steps padded to a
+        decode shape take (they read the batch's flat block list)."""
+        graphs = None
+        if self.execution == "graphs":
+            graphs = CompiledGraphs(self.model, self.kv_cache, self.device)
+        return graphs, CompiledGraphs(self.model, self.kv_cache, self.device, compiled=False)
+
+    @property
+    def graph_stats(self) -> GraphStats | None:
+        return None if self.graphs is None else self.graphs.stats
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return eos_token_ids(self.model_config, self.tokenizer)
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(
+                f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}"
+            )
+        return wanted
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        c = self.model_config
+        per_block = KVCache.block_bytes(
+            self.num_layers, self.block_size, c.num_key_value_heads, c.head_dim, self.dtype
+        )
+        budget = self.device.free_memory() * self.config.kv_memory_fraction
+        if self.device.type == "cpu":
+            budget = min(budget, self.config.cpu_kv_cache_bytes)
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise ValueError(
+                f"no memory left for a KV block ({per_block} bytes); raise kv_memory_fraction "
+                "or cpu_kv_cache_bytes, or set num_kv_blocks"
+            )
+        if blocks * self.block_size < self.max_model_len:
+            logger.warning("KV pool (%d blocks) cannot hold one max_model_len sequence", blocks)
+        return blocks
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        pad_to: Shape | None = None,
+        on_layer: LayerHook | None = None,
+    ) -> list[int | None]:
+        """Run one step; returns each sequence's sampled token, or None for a partial chunk.
+        The step is validated here, once, before any path groups or pads its rows."""
+        self.inputs.validate(seqs, num_new_tokens, padded=pad_to is not None)
+        spans = prompt_spans(seqs, num_new_tokens)
+        if spans:
+            logits = self._run_eager(seqs, num_new_tokens, None, on_layer, spans)
+            record_prompt_logprobs(seqs, spans, logits[len(seqs) :])
+            logits = logits[: len(seqs)]
+        else:
+            logits = self._run(seqs, num_new_tokens, pad_to, on_layer)
+        return self._sample(seqs, num_new_tokens, logits)
+
+    def _sample(
+        self, seqs: list[Sequence], counts: list[int], logits: torch.Tensor
+    ) -> list[int | None]:
+        """The next token of each sequence whose chunk reaches its end (else None)."""
+        rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + counts[i] == len(s)]
+        out: list[int | None] = [None] * len(seqs)
+        if rows:
+            picked = self.sampler(
+                logits if len(rows) == len(seqs) else logits[rows],
+                [seqs[i].sampling_params for i in rows],
+                [seqs[i].num_output_tokens for i in rows],
+                [seqs[i] for i in rows],
+            )
+            for i, token in zip(rows, picked, strict=True):
+                out[i] = token
+        return out
+
+    @torch.inference_mode()
+    def compute_logits(
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        pad_to: Shape | None = None,
+    ) -> torch.Tensor:
+        """Like `execute` (K/V are written too) but returns float32 logits of each
+        sequence's last new token, `[len(seqs), vocab]`, on the CPU."""
+        return self._run(seqs, num_new_tokens, pad_to).cpu()
+
+    @torch.inference_mode()
+    def warmup(self, shapes: Iterable[Shape]) -> dict[Shape, float]:
+        """Run every (batch, query_len, num_blocks) shape once on dummy rows; in graphs mode
+        that compiles its graph. Returns the seconds each took."""
+        seconds = {}
+        for shape in shapes:
+            shape = self.inputs.check_shape(shape)
+            inputs = self._prepare([], [], shape)
+            if self.graphs is not None:
+                seconds[shape] = self.graphs.warm(shape, inputs.graph_args())
+                continue
+            start = time.perf_counter()
+            if inputs.flat is not None:
+                self._flat.run(shape, inputs.flat)
+            else:
+                self._forward(inputs)
+            seconds[shape] = time.perf_counter() - start
+        self.device.synchronize()
+        return seconds
+
+    def _run(
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        pad_to: Shape | None,
+        on_layer: LayerHook | None = None,
+    ) -> torch.Tensor:
+        pad_to = None if pad_to is None else self.inputs.check_shape(pad_to)
+        if self.graphs is not None:
+            return self._run_graphs(seqs, num_new_tokens, pad_to, on_layer)
+        if pad_to is not None and pad_to[1] == 1:
+            flat = self._prepare(seqs, num_new_tokens, pad_to)
+            return self._flat.run(pad_to, flat.graph_args(), on_layer)[: len(seqs)]
+        return self._run_eager(seqs, num_new_tokens, pad_to, on_layer)[: len(seqs)]
+
+    def _run_eager(
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        pad_to: Shape | None,
+        on_layer: LayerHook | None = None,
+        spans: list[PromptSpan] | None = None,
+    ) -> torch.Tensor:
+        """Logits of each sequence's last new token, then those of the `spans`."""
+        inputs = self.inputs.build(seqs, num_new_tokens, pad_to, spans)
+        logits = self._forward(inputs, on_layer)
+        if on_layer is not None:
+            on_layer(self.kv_cache.num_layers - 1)
+        return logits
+
+    def _forward(self, inputs: StepInputs, on_layer: LayerHook | None = None) -> torch.Tensor:
+        cache = self.kv_cache if on_layer is None else _LayerWatch(self.kv_cache, on_layer)
+        hidden = self.model(inputs.input_ids, inputs.positions, cache, inputs.metadata)
+        return self.model.compute_logits(hidden, inputs.logits_rows)
+
+    def _run_graphs(
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        pad_to: Shape | None,
+        on_layer: LayerHook | None,
+    ) -> torch.Tensor:
+        """Every step padded to a shape: `pad_to`, else the smallest warmed one, decode rows
+        apart from prefill rows; a part no warmed shape fits compiles its own (a miss)."""
+        assert self.graphs is not None
+        if pad_to is not None:
+            parts = [(np.arange(len(seqs)), pad_to)]
+        else:
+            counts = np.asarray(num_new_tokens)
+            parts = []
+            # decode rows together; prefill rows grouped by query length (a power of two),
+            # so a short prompt never pads to a long chunk
+            levels = np.where(counts == 1, 0, np.ceil(np.log2(np.maximum(counts, 2))))
+            for level in np.unique(levels):
+                rows = np.flatnonzero(levels == level)
+                if len(rows):
+                    need = self.inputs.need([seqs[i] for i in rows], counts[rows].tolist())
+                    parts.append((rows, self.graphs.fit(need) or self._miss_shape(need)))
+        hook = on_layer if len(parts) == 1 else None
+        logits = None
+        stats = self.graphs.stats
+        for rows, shape in parts:
+            if shape[1] > 1:
+                stats.prompt_tokens += sum(num_new_tokens[i] for i in rows)
+                stats.prompt_padded_tokens += shape[0] * shape[1]
+            part = self._prepare(
+                [seqs[i] for i in rows], [num_new_tokens[i] for i in rows], shape
+            )
+            out = self.graphs.run(shape, part.graph_args(), hook)[: len(rows)]
+            if len(parts) == 1:
+                return out
+            if logits is None:
+                logits = out.new_empty((len(seqs), out.shape[1]))
+            logits[torch.from_numpy(rows)] = out
+        for layer in range(self.kv_cache.num_layers if on_layer else 0):
+            on_layer(layer)
+        return logits
+
+    def _prepare(self, seqs: list[Sequence], counts: list[int], shape: Shape) -> StepInputs:
+        """A padded step's inputs: decode shapes `(batch, 1, blocks)` as a flat block list."""
+        if shape[1] == 1:
+            return self.inputs.build_flat(seqs, counts, shape)
+        return self.inputs.build(seqs, counts, shape)
+
+    def _miss_shape(self, need: Shape) -> Shape:
+        """The shape a step no warmed graph holds compiles: each dimension rounded up to a
+        power of two (the blocks capped at max_model_len's), so misses stay few."""
+        cap = -(-self.max_model_len // self.block_size) * (need[0] if need[1] == 1 else 1)
+        b, q, nb = (1 << (x - 1).bit_length() for x in need)
+        return (b, q, max(min(nb, cap), need[2]))
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer) -> set[int]:
+    """The model's end-of-sequence ids, the tokenizer's included."""
+    eos = set(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return eos
+
+
+def resolve_execution(setting: str, device_type: str) -> str:
+    """`auto`: graphs where a graph compiler pays (hpu, cuda), eager on cpu."""
+    if setting == "auto":
+        return "eager" if device_type == "cpu" else "graphs"
+    return setting
+
+
+class _LayerWatch:
+    """The KV pool as the model sees it during one forward: the model asks for layer i + 1
+    only once layer i's K/V is written, so that is when layer i is reported done."""
+
+    def __init__(self, cache: KVCache, on_layer: LayerHook) -> None:
+        self.cache = cache
+        self.on_layer = on_layer
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer > 0:
+            self.on_layer(layer - 1)
+        return self.cache.layer(layer)
+
+

@@ -1,7 +1,0 @@
-"""Model implementations, looked up by the `architectures` name in config.json."""
-
-from runtime.models.llama import LlamaForCausalLM
-
-MODEL_REGISTRY = {"LlamaForCausalLM": LlamaForCausalLM}
-
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM"]
