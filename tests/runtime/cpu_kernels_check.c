@@ -2,7 +2,7 @@
 // only emulate (aarch64 under qemu-user), where torch is not at hand. Built together with
 // the kernel source by tests/runtime/test_cpu_kernels_other_isa.py; prints one line per
 // check and exits non-zero on any mismatch.
-#include "../../runtime/kernels/cpu_kernels.c"
+#include "../../bucketserve/runtime/cpu/kernels/cpu_kernels.c"
 
 #include <stdio.h>
 
