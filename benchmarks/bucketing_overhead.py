@@ -25,6 +25,7 @@ to `--backlog`, then the queue drains. Medians over `--rounds`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import random
@@ -33,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bucketserve.bucket_manager import (
     AdaptiveBuckets,
@@ -92,15 +94,25 @@ def make_manager(
             query=BucketRange(128, 128, max_len, QUERY_LIMITS[max_len]),
         ),
     )
-    requests = RequestBucketConfig(
-        max_len=max_len, max_buckets=max_buckets, shape_edge_snap=snap, lookup=lookup
-    )
+    requests = RequestBucketConfig(max_len=max_len, max_buckets=max_buckets, shape_edge_snap=snap)
     config = BucketManagerConfig(
         request_buckets=requests,
         shape_buckets=shapes,
         batching=BatchingConfig(max_num_seqs=64, max_batched_tokens=None),
     )
-    return BucketManager(config)
+    manager = BucketManager(config)
+    if lookup == "linear":
+        manager.buckets.find = functools.partial(linear_find, manager.buckets)
+    return manager
+
+
+def linear_find(table: AdaptiveBuckets, length: int) -> Any:
+    """The paper's O(k) scan (Algorithm 1, lines 3-8), the baseline of the bisection."""
+    for bucket in table.buckets:
+        if bucket.low <= length < bucket.up:
+            return bucket
+    table.check_length(length)
+    raise AssertionError("buckets do not cover [0, max_len)")
 
 
 @dataclass
@@ -136,7 +148,8 @@ def bench_lookup(requests: list[BucketRequest], rounds: int) -> list[dict]:
         while table.adjust(n_max=16) > 0:
             pass
         timings = {}
-        for name, find in (("bisect", table.find_bisect), ("linear", table.find_linear)):
+        linear = functools.partial(linear_find, table)
+        for name, find in (("bisect", table.find), ("linear", linear)):
             samples = []
             for _ in range(rounds):
                 start = time.perf_counter()

@@ -23,7 +23,7 @@ import torch
 
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.sequence import Sequence
-from bucketserve.runtime.worker.device import linear
+from bucketserve.runtime.cpu.gemm import linear
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 
 
@@ -53,8 +53,8 @@ def model_gemm_flops(runner: ModelRunner, batch: int) -> float:
             parts = m.packed or m.weight.chunk(1)
             shape = (m.out_features // len(parts), m.in_features)  # packed: no plain weight
             pairs += [(part, shape) for part in parts]
-    head = model.head_weight()
-    pairs.append((model.packed_head if model.packed_head is not None else head, head.shape))
+    head = model.lm_head.plain_weight
+    pairs.append((model.lm_head.packed if model.lm_head.packed is not None else head, head.shape))
     inputs = {shape[1]: torch.randn(batch, shape[1]) for _, shape in pairs}
 
     def run() -> None:

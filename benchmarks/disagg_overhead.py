@@ -17,9 +17,9 @@ shared machine hits them alike:
 Both the engine and the workers take up to `--max-batched-tokens` prompt tokens
 (default 8192, an offline budget) per prefill step or batch.
 
-(Running each system in its own process instead made the engine alone up to
-3x slower on the shared 2-core machine, for reasons outside the code paths
-compared, so the pairing is in-process.) Per system: total output tok/s,
+(Running each system in its own process instead slowed the engine alone on a
+shared 2-core machine, for reasons outside the code paths compared, so the
+pairing is in-process.) Per system: total output tok/s,
 wall time and its ratio to the engine's (within each repeat), TTFT p50/p99
 from t=0, KV bytes moved, KV transfer time (send + receive) per request and per
 transfer, the transport's GB/s, and whether every sequence equals the

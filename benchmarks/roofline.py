@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.decode_step import decode_batch
-from bucketserve.runtime.worker.device import linear
+from bucketserve.runtime.cpu.gemm import linear
 from bucketserve.runtime.worker.model_runner import ModelRunner
 
 

@@ -7,9 +7,12 @@ The public Python API is the client SDK of the gRPC service:
     with Client("localhost:50051") as client:
         print(client.generate("Hello", SamplingParams(max_tokens=32)).text)
 
-The components live in the top-level packages named in DESIGN.md (runtime,
-bucket_manager, prefill_worker, decode_worker, kv_transfer, gateway, deploy).
-Exports resolve lazily, so `bucketserve --help` stays quick.
+Everything is inside this package. Its subpackages are the service's parts: `gateway`
+(gRPC and OpenAI-compatible HTTP, and this SDK), `controller`, `bucket_manager`,
+`prefill_worker`, `decode_worker`, `kv_transfer`, `runtime` (the engine), `deploy`
+(`bucketserve serve` and its recipes) and `bench` (`bucketserve bench`); `messages` holds
+what crosses a process boundary. docs/architecture.md maps them. Exports resolve lazily,
+so `import bucketserve` and `bucketserve --help` stay quick and import no torch.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ class EnvVar:
     doc: str
 
     def read(self) -> Any:
-        raw = os.environ.get(self.name, self.default)
+        raw = os.environ.get(self.name) or self.default  # set but empty: unset
         return None if raw is None else self.parse(raw)
 
 
@@ -35,8 +35,8 @@ VARIABLES: dict[str, EnvVar] = {
     for v in (
         EnvVar(
             "BUCKETSERVE_CACHE_DIR",
-            str(Path.home() / ".cache" / "bucketserve"),
-            Path,
+            "~/.cache/bucketserve",
+            lambda raw: Path(raw).expanduser(),
             "Where converted models (`models/`) and built CPU kernels (`kernels/`) are cached.",
         ),
         EnvVar(

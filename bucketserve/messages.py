@@ -4,7 +4,7 @@ picklable).
 gateway -> controller: ServeRequest; controller -> gateway: StreamDelta (with RequestTimings),
 ModelInfo, ServiceStats, and the admission errors. controller <-> prefill worker: PrefillTask,
 PrefillResult. controller <-> decode worker: Reservation, AdmitResult, StepOutput. Both
-workers: HandoffRequest (the ServeRequest with its tokens so far), TokenDelta, WorkerStats.
+workers: WorkerRequest (the ServeRequest with its tokens so far), TokenDelta, WorkerStats.
 A ServeRequest is made once, at admission; the controller, the bucket manager's queue and
 the workers refer to that one object rather than copying its fields.
 """
@@ -151,19 +151,21 @@ class ServiceStats:
 
 
 @dataclass
-class HandoffRequest:
-    """The admitted request itself with its tokens so far: what a prefill computes and a
-    decode worker continues. `request` is the ServeRequest admission made (shared, never
-    copied or changed); `output_token_ids` is a snapshot of the generated tokens: none for a
-    fresh prompt going to prefill; on admission to decode, everything generated, ending with
-    the token the prefill just sampled.
+class WorkerRequest:
+    """The admitted request as a worker's engine takes it, in either shape: what a prefill
+    worker computes, what a decode worker continues after a handoff, and what a colocated
+    worker's engine prefills and decodes itself. `request` is the ServeRequest admission
+    made (shared, never copied or changed); `output_token_ids` is a snapshot of the
+    generated tokens: none for a fresh prompt; on admission after a handoff, everything
+    generated, ending with the token the prefill just sampled.
     """
 
     request: ServeRequest
     output_token_ids: list[int]
-    # the engine's, compared in order: the tenant's priority, then the request's own
+    # its rank in the bucket manager's order, compared in order: the tenant's priority,
+    # then the request's own (the engine's priority policy applies it; lower first)
     priority: tuple[int, int] = (0, 0)
-    # seconds left, at handoff, until its first token is due (its TTFT target, the
+    # seconds left, when sent, until its first token is due (its TTFT target, the
     # request's or its tenant's); None without a target or once it has streamed a token.
     # A duration, not a time: the worker's clock may be another node's.
     ttft_left_s: float | None = None
@@ -258,7 +260,7 @@ class PrefillTask:
     token). `max_seq_len` is the decode side's bound on prompt + output."""
 
     batch_id: int
-    requests: list[HandoffRequest]
+    requests: list[WorkerRequest]
     shape: tuple[int, int, int]
     graph_miss: bool
     target: KVBlockHandle | None

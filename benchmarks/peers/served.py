@@ -9,12 +9,10 @@ process, no Ray).
 
 One server at a time: each runs the whole sweep and is stopped before the next starts.
 `--interleaved` starts every system first and lets them take turns (for each seed, for
-each rate, every system, the order rotating with the rate): a shared VM drifts by more
-than the systems differ between a sweep of one and a later sweep of the other (the same
-server, rate and seed measured 64 % and 96 % SLO attainment a day apart), but the
-waiting servers keep using the cores (idle, ours about 7 % of a core and `vllm serve`
-about 2 %; a few percent of TPOT at 1 req/s). `--add-to` fills a rate into an earlier
-report.
+each rate, every system, the order rotating with the rate): a shared VM can drift by more
+between a sweep of one system and a later sweep of the other than the systems differ, but
+the waiting servers keep using some of the cores, which costs the running one a little
+TPOT. `--add-to` fills a rate into an earlier report.
 
 For every run: requests completed and failed, output tok/s, TTFT and TPOT p50/p90, and the
 share of requests meeting the SLO (TTFT <= 4 s and TPOT <= 0.25 s by default). Per system

@@ -13,8 +13,8 @@
 4. predicted vs measured for every point, the held-out points (not fitted) included.
 
 Everything runs with torch on one thread and is timed in that thread's CPU time: the
-machine is shared (2 cores, load 5-10 while others test), and wall-clock medians measured
-the neighbours (steps 5-10x slower than idle, varying by the minute). One thread's CPU
+machine is shared, and wall-clock medians measure the neighbours (steps several times
+slower than idle, varying by the minute). One thread's CPU
 time is what the step costs one core, nearly untouched by load; the calibrated "cpu" is
 therefore one core of this machine. Wall-clock medians are kept beside it in the JSON.
 
@@ -251,7 +251,7 @@ def measure_roofline(rounds: int = 3) -> dict[str, float]:
     `linear`), on one thread and in CPU time; medians of `rounds`."""
     import torch
 
-    from bucketserve.runtime.worker.device import linear
+    from bucketserve.runtime.cpu.gemm import linear
 
     x = torch.ones(512 * MIB // 4)
     y = torch.empty_like(x)

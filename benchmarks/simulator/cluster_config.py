@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from benchmarks.simulator.cost_model import CostModel
 from benchmarks.simulator.hardware import HARDWARE, LINKS, HardwareSpec, LinkSpec, lookup
 from benchmarks.simulator.model_spec import MODELS, ModelSpec
-from bucketserve.bucket_manager.config import check_int
+from bucketserve.utils.checks import check_int
 
 
 @dataclass(frozen=True)

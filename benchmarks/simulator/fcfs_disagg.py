@@ -14,8 +14,8 @@ from collections import deque
 from collections.abc import Hashable
 
 from bucketserve.bucket_manager import BucketRequest, PrefillBatch
-from bucketserve.bucket_manager.config import check_int
 from bucketserve.bucket_manager.waste import padded_waste, waste_ratio
+from bucketserve.utils.checks import check_int
 
 
 class FcfsBatcher:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from bucketserve.bucket_manager.config import check_number
+from bucketserve.utils.checks import check_number
 
 GB = 1e9
 TB = 1e12

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bucketserve.bucket_manager.config import check_int
+from bucketserve.utils.checks import check_int
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ from benchmarks.simulator.metrics import RequestRecord, RunResult
 from benchmarks.simulator.prefill_worker import PrefillWorker
 from benchmarks.simulator.workload import SimRequest
 from bucketserve.bucket_manager import BucketRequest, PrefillBatch
-from bucketserve.bucket_manager.config import check_choice
 from bucketserve.controller.pd_scheduler import PDScheduler
 from bucketserve.kv_transfer.lease import Lease
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.scheduler import SchedulerConfig
 from bucketserve.runtime.core.sequence import Sequence
+from bucketserve.utils.checks import check_choice
 
 PAD_MODES = ("shape", "longest", "none")
 

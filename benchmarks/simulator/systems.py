@@ -28,7 +28,7 @@ from bucketserve.bucket_manager import (
     ShapeBucketConfig,
     TenantConfig,
 )
-from bucketserve.bucket_manager.config import check_choice
+from bucketserve.utils.checks import check_choice
 
 SYSTEMS = ("bucketserve", "fcfs", "static")
 SHAPE_BLOCK = 128

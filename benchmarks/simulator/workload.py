@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 
 from benchmarks.bucketing_overhead import DISTRIBUTIONS
-from bucketserve.bucket_manager.config import check_choice, check_int, check_number
+from bucketserve.utils.checks import check_choice, check_int, check_number
 
 LONG_PROMPT = 1024
 OUTPUT_SHORT = (4.382, 0.7)  # ln 80

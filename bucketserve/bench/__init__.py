@@ -1,1 +1,3 @@
-"""`bucketserve bench`: an online load generator with SLO attainment (issue 7)."""
+"""`bucketserve bench`: a load generator for the gRPC API or any OpenAI-compatible server
+(seeded workloads, Poisson or closed-loop load, latency percentiles, SLO attainment and
+goodput), and `--compare`, which starts the service in several configurations itself."""

@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bucketserve.bench.bench_config import BenchConfig
-from bucketserve.bench.bench_metrics import summarize
+from bucketserve.bench.config import BenchConfig
 from bucketserve.bench.load_runner import LoadRunner
+from bucketserve.bench.metrics import summarize
 from bucketserve.bench.request_record import RequestRecord
 from bucketserve.bench.server_metrics import ServerMetrics
 from bucketserve.bench.tenant_mix import TenantMix

@@ -1,4 +1,5 @@
-"""`bucketserve bench`: the load generator, and `--compare` for the three-system comparison."""
+"""`bucketserve bench`: the load generator, and `--compare`, which runs it against the service
+in several configurations."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def register(subparsers: Any) -> None:
         help="load-test a server: Poisson or closed-loop load, SLO attainment, goodput",
         description="Drive a bucketserve (gRPC) or any OpenAI-compatible server with a seeded "
         "workload and report throughput, TTFT/TPOT/e2e percentiles, SLO attainment and "
-        "goodput; --compare starts the service itself in three configurations.",
+        "goodput; --compare starts the service itself in several configurations.",
     )
     target = p.add_argument_group("target")
     target.add_argument("--backend", choices=("grpc", "openai"), default="grpc")
@@ -112,7 +113,7 @@ def _kind_slo(text: str) -> tuple[str, tuple[float, float]]:
 
 
 def build_config(args: argparse.Namespace) -> Any:
-    from bucketserve.bench.bench_config import BenchConfig
+    from bucketserve.bench.config import BenchConfig
     from bucketserve.bench.length_distribution import LengthDistribution
     from bucketserve.bench.slo import SLO
     from bucketserve.bench.tenant_mix import TenantShare

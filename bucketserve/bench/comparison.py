@@ -7,10 +7,10 @@
   sized by memory and the token budget alone (padded, a batch of 5 runs as 8 rows) — the
   DistServe-like disaggregated FCFS baseline. Its engines start prompts in plain queue
   order, as vLLM's scheduler does (`SchedulerConfig.slo_admission` off);
-- `fcfs-slo`: as `fcfs`, with the engines' SLO-aware admission that bucketserve runs (the
-  `fcfs` of the runs recorded until 2026-11-27), to separate what the tenant
-  policies buy from what the admission buys (it acts in the colocated shape, where the
-  engine prefills; a disaggregated decode engine only takes prefilled requests);
+- `fcfs-slo`: as `fcfs`, with the engines' SLO-aware admission that bucketserve runs, to
+  separate what the tenant policies buy from what the admission buys (it acts in the
+  colocated shape, where the engine prefills; a disaggregated decode engine only takes
+  prefilled requests);
 - `fcfs-fit`: as `fcfs`, with bucketserve's batch sizing to the warmed batch sizes
   (`BatchingConfig.fit_batch_buckets`), to separate what that alone buys (padded runs only);
 - `shape-only`: as `fcfs`, with every batch padded to the fixed shape buckets.
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from bucketserve.bench.bench import Bench
-from bucketserve.bench.bench_config import BenchConfig
-from bucketserve.bench.bench_metrics import rate_at_attainment
+from bucketserve.bench.config import BenchConfig
+from bucketserve.bench.metrics import rate_at_attainment
 from bucketserve.bench.server_metrics import ServerMetrics
 from bucketserve.bench.service_harness import ServiceHarness
 from bucketserve.bench.tenant_mix import TenantShare
@@ -64,7 +64,7 @@ class ServiceSpec:
 
     def __post_init__(self) -> None:
         if self.decode_pace is not None:
-            from bucketserve.decode_worker.config import check_pace
+            from bucketserve.utils.checks import check_pace
 
             check_pace("--decode-pace", self.decode_pace)
             if self.shape != "disaggregated":

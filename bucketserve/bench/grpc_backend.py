@@ -6,7 +6,7 @@ import contextlib
 import time
 from dataclasses import asdict
 
-from bucketserve.bench.bench_request import BenchRequest
+from bucketserve.bench.request import BenchRequest
 from bucketserve.bench.request_record import RequestRecord
 from bucketserve.gateway.async_client import AsyncClient
 from bucketserve.runtime.core.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ from typing import Protocol
 from tqdm import tqdm
 
 from bucketserve.bench.arrivals import PoissonArrivals
-from bucketserve.bench.bench_request import BenchRequest
+from bucketserve.bench.request import BenchRequest
 from bucketserve.bench.request_record import RequestRecord
 
 

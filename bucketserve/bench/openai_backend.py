@@ -8,8 +8,8 @@ from typing import Any
 
 import aiohttp
 
-from bucketserve.bench.bench_request import BenchRequest
 from bucketserve.bench.grpc_backend import _record
+from bucketserve.bench.request import BenchRequest
 from bucketserve.bench.request_record import RequestRecord
 
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from bucketserve.bench.bench_request import BenchRequest
 from bucketserve.bench.length_distribution import ALPACA, LONGBENCH, LengthDistribution
+from bucketserve.bench.request import BenchRequest
 from bucketserve.bench.sharegpt_reader import ShareGPTReader, first_exchange
 from bucketserve.bench.tenant_mix import TenantMix
 from bucketserve.bench.text_corpus import TextCorpus

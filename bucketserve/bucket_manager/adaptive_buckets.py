@@ -28,7 +28,6 @@ class AdaptiveBuckets:
         self._uppers = [config.max_len]
         self.splits = 0
         self.merges = 0
-        self.find = self.find_bisect if config.lookup == "bisect" else self.find_linear
 
     def __len__(self) -> int:
         return sum(len(b) for b in self.buckets)
@@ -47,19 +46,11 @@ class AdaptiveBuckets:
                 f"{self.config.max_len}); raise RequestBucketConfig.max_len or shorten the prompt"
             )
 
-    def find_bisect(self, length: int) -> RequestBucket:
-        """O(log k): the first bucket whose upper bound exceeds `length`."""
+    def find(self, length: int) -> RequestBucket:
+        """The first bucket whose upper bound exceeds `length` (a bisection: O(log k))."""
         if not 0 <= length < self.config.max_len:
             self.check_length(length)
         return self.buckets[bisect.bisect_right(self._uppers, length)]
-
-    def find_linear(self, length: int) -> RequestBucket:
-        """The paper's O(k) scan (Algorithm 1, lines 3-8)."""
-        for bucket in self.buckets:
-            if bucket.low <= length < bucket.up:
-                return bucket
-        self.check_length(length)
-        raise AssertionError("buckets do not cover [0, max_len)")
 
     def push(self, key: OrderKey, request: BucketRequest) -> None:
         self.find(request.prompt_len).push(key, request)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from fractions import Fraction
 
-from bucketserve.bucket_manager.config import BatchingConfig, check_int
+from bucketserve.bucket_manager.config import BatchingConfig
 from bucketserve.bucket_manager.request import BucketRequest
+from bucketserve.utils.checks import check_int
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from bucketserve.bucket_manager.adaptive_buckets import AdaptiveBuckets
 from bucketserve.bucket_manager.batching_controller import BatchingController
-from bucketserve.bucket_manager.config import BatchingConfig, BucketManagerConfig, check_int
+from bucketserve.bucket_manager.config import BatchingConfig, BucketManagerConfig
 from bucketserve.bucket_manager.monitor import BucketMetrics, BucketMonitor
 from bucketserve.bucket_manager.policy import OrderKey
 from bucketserve.bucket_manager.prefill_batch import PrefillBatch
@@ -19,6 +19,7 @@ from bucketserve.bucket_manager.request_bucket import RequestBucket
 from bucketserve.bucket_manager.shape_buckets import ShapeBuckets
 from bucketserve.bucket_manager.tenant import Tenant
 from bucketserve.bucket_manager.waste import padded_waste, waste_ratio
+from bucketserve.utils.checks import check_int
 
 
 class _Entry(NamedTuple):

@@ -1,21 +1,22 @@
 """Config dataclasses of the bucket manager, one per component.
 
 Every class validates in `__post_init__` and raises ValueError naming the field
-and the allowed values. `from_dict` builds them from the service YAML's mappings.
+and the allowed values (the bucket manager is also a library: the simulator and the
+benchmarks build these directly). `ShapeBucketConfig.from_dict` reads the shape-bucket
+mappings of `bucketserve buckets`' flags and files.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from bucketserve.bucket_manager.checks import check_choice, check_int, check_number
+from bucketserve import envs
 from bucketserve.bucket_manager.policy import Policy, TenantClass
+from bucketserve.utils.checks import check_choice, check_int, check_number
 
 BUCKET_FILE_ENV = "BUCKETSERVE_BUCKET_FILE"
 STRATEGIES = ("exponential", "linear", "file")
-LOOKUPS = ("bisect", "linear")
 
 
 def _build(cls: type, data: Any, where: str, nested: dict[str, Any] | None = None) -> Any:
@@ -131,7 +132,7 @@ class ShapeBucketConfig:
             )
 
     def bucket_file(self) -> str | None:
-        return self.file or os.environ.get(BUCKET_FILE_ENV) or None
+        return self.file or envs.BUCKETSERVE_BUCKET_FILE or None
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "shape_buckets") -> ShapeBucketConfig:
@@ -155,26 +156,19 @@ class RequestBucketConfig:
 
     `shape_edge_snap`: a split point moves to the nearest warmed prompt query
     length when that edge lies within this fraction of the bucket's width of the
-    midpoint (0 disables). `lookup="linear"` is the paper's O(k) scan, kept as
-    the benchmark's reference.
+    midpoint (0 disables; no config key: tests and benchmarks set it).
     """
 
     max_len: int = 1024
     theta: float = 0.5
     max_buckets: int = 64
     shape_edge_snap: float = 0.125
-    lookup: str = "bisect"
 
     def __post_init__(self) -> None:
         check_int("RequestBucketConfig.max_len", self.max_len, 2)
         check_number("RequestBucketConfig.theta", self.theta, 0.0, 1.0)
         check_int("RequestBucketConfig.max_buckets", self.max_buckets, 1)
         check_number("RequestBucketConfig.shape_edge_snap", self.shape_edge_snap, 0.0, 0.5)
-        check_choice("RequestBucketConfig.lookup", self.lookup, LOOKUPS)
-
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "request_buckets") -> RequestBucketConfig:
-        return _build(cls, data, where)
 
 
 @dataclass(frozen=True)
@@ -218,12 +212,6 @@ class TenantConfig:
             if value is not None:
                 check_number(f"{where}: {name}", value, 1e-9)
 
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "tenant") -> TenantConfig:
-        if isinstance(data, dict) and "class" in data:
-            data = {k: v for k, v in data.items() if k != "class"} | {"tenant_class": data["class"]}
-        return _build(cls, data, where)
-
 
 @dataclass(frozen=True)
 class BatchingConfig:
@@ -265,10 +253,6 @@ class BatchingConfig:
             if not isinstance(value, bool):
                 raise ValueError(f"BatchingConfig.{name} must be true or false, got {value!r}")
 
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "batching") -> BatchingConfig:
-        return _build(cls, data, where)
-
 
 DEFAULT_TENANT = "default"
 
@@ -302,22 +286,3 @@ class BucketManagerConfig:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"BucketManagerConfig.tenants: duplicate tenant names {duplicates}")
-
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "buckets") -> BucketManagerConfig:
-        def tenants(items: Any, w: str) -> tuple[TenantConfig, ...]:
-            if not isinstance(items, (list, tuple)):
-                raise ValueError(f"{w} must be a list of tenant mappings")
-            return tuple(TenantConfig.from_dict(t, f"{w}[{i}]") for i, t in enumerate(items))
-
-        return _build(
-            cls,
-            data,
-            where,
-            {
-                "request_buckets": RequestBucketConfig.from_dict,
-                "shape_buckets": ShapeBucketConfig.from_dict,
-                "batching": BatchingConfig.from_dict,
-                "tenants": tenants,
-            },
-        )

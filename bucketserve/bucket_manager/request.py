@@ -7,7 +7,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bucketserve.bucket_manager.checks import check_int
+from bucketserve.utils.checks import check_int
 
 
 @dataclass(frozen=True)

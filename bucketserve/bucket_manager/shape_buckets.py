@@ -13,7 +13,8 @@ from bucketserve.bucket_manager.bucket_file import (
     split_prompt_decode,
 )
 from bucketserve.bucket_manager.bucket_range import dimension_values
-from bucketserve.bucket_manager.config import BucketRange, ShapeBucketConfig, check_int
+from bucketserve.bucket_manager.config import BucketRange, ShapeBucketConfig
+from bucketserve.utils.checks import check_int
 
 logger = logging.getLogger(__name__)
 

@@ -7,19 +7,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from bucketserve.bucket_manager.config import (
-    BucketManagerConfig,
-)
-from bucketserve.decode_worker.config import check_pace
-from bucketserve.kv_worker.worker_env import check_cpus, check_worker_options
+from bucketserve.bucket_manager.config import BucketManagerConfig
 from bucketserve.runtime.core.scheduler import SchedulerConfig
 from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
-
-MODES = ("ray", "local")
-SHAPES = ("disaggregated", "colocated")
-TRANSPORT_CHOICES = ("auto", "inprocess", "ray", "collective")
-ACCELERATORS = ("auto", "hpu", "gpu", "none")
-STAGE_PACKING = ("PACK", "STRICT_PACK")
+from bucketserve.utils.checks import check_pace
 
 
 @dataclass
@@ -41,6 +32,7 @@ class PlacementConfig:
     on one node where possible; "STRICT_PACK": only on one node) next to the worker's own
     actor, which holds the scheduler and no card.
     `execution` ("eager" | "graphs" | "auto") overrides the model runner's for this role.
+    The config file's `controller.prefill` / `controller.decode` sections check the values.
     """
 
     accelerator: str = "auto"
@@ -51,36 +43,6 @@ class PlacementConfig:
     pipeline_parallel_size: int = 1
     stage_packing: str = "PACK"
     execution: str | None = None
-
-    def __post_init__(self) -> None:
-        pp = self.pipeline_parallel_size
-        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
-            raise ValueError(f"placement.pipeline_parallel_size must be >= 1, got {pp!r}")
-        if self.stage_packing not in STAGE_PACKING:
-            raise ValueError(
-                f"placement.stage_packing must be one of {STAGE_PACKING}; "
-                f"got {self.stage_packing!r}"
-            )
-        if self.accelerator not in ACCELERATORS:
-            raise ValueError(
-                f"placement.accelerator must be one of {ACCELERATORS}; got {self.accelerator!r}"
-            )
-        if not isinstance(self.num_cpus, (int, float)) or self.num_cpus < 0:
-            raise ValueError(f"placement.num_cpus must be >= 0, got {self.num_cpus!r}")
-        if not isinstance(self.resources, dict) or any(
-            not isinstance(k, str) or not isinstance(v, (int, float)) or v <= 0
-            for k, v in self.resources.items()
-        ):
-            raise ValueError(
-                f"placement.resources must map names to positive amounts, got {self.resources!r}"
-            )
-        check_worker_options("placement", "auto", "auto", self.torch_threads)
-        check_cpus("placement.cpus", self.cpus)
-        if self.execution not in (None, "auto", "eager", "graphs"):
-            raise ValueError(
-                "placement.execution must be null, 'auto', 'eager' or 'graphs'; "
-                f"got {self.execution!r}"
-            )
 
 
 @dataclass
@@ -103,8 +65,8 @@ class ControllerConfig:
     ranks by its tenant's priority, then its own, so in the colocated shape, where a
     batch joins the engine as soon as the pool has room, tenant priorities still order
     the prompts waiting for the token budget; a prompt past its TTFT deadline yields to
-    those on time it would make late, for at most `scheduler.late_yield_s` (8 s, from a
-    screen of the served sweep: benchmarks/results/xeon_model207/README.md).
+    those on time it would make late, for at most `scheduler.late_yield_s`, which bounds
+    the TTFT tail an overload gives the prompts that yield.
     `decode_pace` (disaggregated only): while a prefill batch for a decode worker is in
     flight, its steps wait until a running request would otherwise get its next token
     later than this fraction of its TPOT target, so a prefill worker on the same cores gets
@@ -120,7 +82,7 @@ class ControllerConfig:
     prefill_kv_blocks: int | None = None
     num_prefill: int = 1
     num_decode: int = 1
-    shape: str = "colocated"  # measured better on one machine: docs/architecture.md
+    shape: str = "colocated"  # one machine: no KV moves, prefill never waits for a device
     mode: str = "ray"
     transport: str = "auto"
     ray_address: str | None = None
@@ -138,14 +100,11 @@ class ControllerConfig:
     max_requeues: int = 3  # re-prefills of one request before it ends with an error
     stats_interval_s: float = 1.0
     placement_timeout_s: float = 300.0  # for Ray to place a worker (an autoscaler adds nodes)
-    admit_delay_s: float = 0.0  # fault drill: decode admissions wait this long
-    admit_delay_count: int = 0  # ... the first this many on each decode worker; 0: all
     decode_pace: float | None = None
 
     def __post_init__(self) -> None:
-        _choice("mode", self.mode, MODES)
-        _choice("shape", self.shape, SHAPES)
-        _choice("transport", self.transport, TRANSPORT_CHOICES)
+        """The rules that tie fields together; the config file's models check each value
+        (`bucketserve.deploy.serve_settings`)."""
         if self.mode == "local" and self.transport not in ("auto", "inprocess"):
             raise ValueError(
                 f"mode 'local' keeps every worker in this process, so transport must be 'auto' "
@@ -153,22 +112,6 @@ class ControllerConfig:
             )
         if self.mode == "ray" and self.transport == "inprocess":
             raise ValueError("transport 'inprocess' needs mode 'local': Ray actors are processes")
-        for name in ("num_prefill", "num_decode", "pipeline_depth", "max_queued_requests",
-                     "max_batches_per_prefill"):
-            _positive_int(name, getattr(self, name), 1)
-        _positive_int("max_requeues", self.max_requeues, 0)
-        _positive_int("max_restarts", self.max_restarts, -1)
-        if self.prefill_kv_blocks is not None:
-            _positive_int("prefill_kv_blocks", self.prefill_kv_blocks, 1)
-        for name in ("lease_ttl_s", "stats_interval_s", "worker_timeout_s", "placement_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"ControllerConfig.{name} must be > 0 seconds, got {value!r}")
-        if not isinstance(self.admit_delay_s, (int, float)) or self.admit_delay_s < 0:
-            raise ValueError(
-                f"ControllerConfig.admit_delay_s must be >= 0, got {self.admit_delay_s!r}"
-            )
-        _positive_int("admit_delay_count", self.admit_delay_count, 0)
         check_pace("ControllerConfig.decode_pace", self.decode_pace)
         if self.colocated and self.decode_pace is not None:
             raise ValueError(
@@ -176,7 +119,6 @@ class ControllerConfig:
                 "batches; the colocated shape has none (its engine prefills within its "
                 "steps): leave decode_pace out or use shape 'disaggregated'"
             )
-        check_worker_options("ControllerConfig", self.pad_to_shape_buckets, self.warmup, None)
         prefill = self.prefill_placement.pipeline_parallel_size
         decode = self.decode_placement.pipeline_parallel_size
         if not self.colocated and prefill != decode:
@@ -235,10 +177,9 @@ class ControllerConfig:
         """Whether `role`'s actors spin between parallel ops
         (`bucketserve.kv_worker.worker_env.omp_env`):
         alone on their cores, yes; sharing them, only a single decode process. Its steps
-        are hundreds of short ops, each of which would wait for a sleeping pool to wake (a
-        1P+1D decode step at batch 7: 66-78 ms passive, 46 ms spinning), while a prefill
-        batch's ops are long enough that waking costs it little, and its pool spinning
-        between batches would take the decode's cores."""
+        are hundreds of short ops, each of which would wait for a sleeping pool to wake,
+        while a prefill batch's ops are long enough that waking costs it little, and its
+        pool spinning between batches would take the decode's cores."""
         if not self.shares_cores:
             return True
         decode_processes = self.num_decode * self.decode_placement.pipeline_parallel_size
@@ -265,12 +206,3 @@ class ControllerConfig:
     def placement(self, role: str) -> PlacementConfig:
         return self.prefill_placement if role == "prefill" else self.decode_placement
 
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"ControllerConfig.{name} must be one of {choices}; got {value!r}")
-
-
-def _positive_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"ControllerConfig.{name} must be an integer >= {minimum}, got {value!r}")

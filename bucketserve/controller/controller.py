@@ -8,7 +8,8 @@
 One job per method group: lifecycle (start, shutdown, drain, stats), the request table
 (submit, abort, deliver, finish), the output pump (decode step messages through the
 OutputProcessor to the RequestStreams) and the fault policy (judge failures, revive, re-queue
-a dead worker's requests). Dispatch is the Dispatcher's (`dispatcher.py`), counting the
+a dead worker's requests), applying the outcomes each dispatched batch's flight returns
+(`outcomes.py`). Dispatch is the Dispatcher's (`dispatcher.py`), counting the
 ServiceMonitor's, lengths and bounds the ServiceLimits'.
 """
 
@@ -17,11 +18,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
+from contextlib import aclosing
 from typing import Any
 
 from bucketserve.bucket_manager.bucket_manager import BucketManager
 from bucketserve.controller.config import ControllerConfig
 from bucketserve.controller.dispatcher import Dispatcher
+from bucketserve.controller.outcomes import (
+    AbortOnWorker,
+    Deliver,
+    FailRequest,
+    Flight,
+    Outcome,
+    Requeue,
+)
 from bucketserve.controller.request_state import RequestState
 from bucketserve.controller.request_stream import RequestStream
 from bucketserve.controller.service_limits import ServiceLimits
@@ -61,7 +71,8 @@ class Controller:
     for the decode worker with the most room, has that worker *reserve* the
     blocks its KV needs (a lease), sends the batch to the least busy prefill
     worker, streams the first tokens, and admits the prefilled sequences on
-    the decode worker, whose step messages carry every later token. A dead
+    the decode worker, whose step messages carry every later token (colocated, the
+    batch goes straight into that worker's engine, which prefills it). A dead
     decode worker's requests are re-prefilled elsewhere with the tokens they
     had streamed (never sent twice); a dead prefill worker's batch is retried.
     All of this runs on the caller's asyncio loop; call `submit` from it.
@@ -73,7 +84,7 @@ class Controller:
         self.block_size = limits.block_size
         self.pool = WorkerPool(config, limits.buckets)
         self.monitor = ServiceMonitor()
-        self.dispatcher = Dispatcher(self, config, limits, self.pool, self.monitor)
+        self.dispatcher = Dispatcher(config, limits, self.pool, self.monitor)
         self.outputs = OutputProcessor(limits.model.tokenizer)  # text and stop strings
         self._requests: dict[str, RequestState] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -103,7 +114,7 @@ class Controller:
             raise
         self._bound_by_pools()
         self._state = "running"
-        self.spawn(self.dispatcher.run())
+        self.spawn(self._dispatch_loop())
         self.spawn(self._monitor_loop())
         for handle in self.pool.role("decode"):
             self.spawn(self._pump(handle))
@@ -212,6 +223,50 @@ class Controller:
         """The decode worker the next batch would reserve blocks on (the PDScheduler's)."""
         return self.dispatcher.pick_decode()
 
+    # -- dispatch ----------------------------------------------------------------------------
+
+    async def _dispatch_loop(self) -> None:
+        """Each batch the dispatcher sends flies in a task of its own."""
+        while True:
+            await self.dispatcher.woken()
+            for flight in self.dispatcher.dispatch():
+                self.spawn(self._fly(flight))
+
+    async def _fly(self, flight: Flight) -> None:
+        """Apply a batch's outcomes as they come: each before the flight goes on."""
+        async with aclosing(flight):
+            async for outcome in flight:
+                await self._apply(outcome)
+
+    async def _apply(self, outcome: Outcome) -> None:
+        match outcome:
+            case Deliver(state, delta):
+                self.deliver(state, delta)
+            case Requeue(state, why):
+                self._requeue(state, why)
+            case FailRequest(state, error):
+                self.finish(state, "error", error)
+            case AbortOnWorker(decode, request_id, index):
+                await self.abort_on(decode, request_id, index)
+            case Failure(handle, error, epoch):
+                self.on_failure(handle, error, epoch)
+
+    def _requeue(self, state: RequestState, why: str) -> None:
+        """Queue a request again for a re-prefill of everything it has so far, unless it may
+        not be: n > 1 samples with tokens streamed, or past `max_requeues`."""
+        if state.done:
+            return
+        if state.n > 1 and any(state.samples):
+            self.finish(state, "error", f"{why}; a request of n > 1 samples is not re-prefilled")
+            return
+        state.requeues += 1
+        self.monitor.requeued()
+        if state.requeues > self.config.max_requeues:
+            self.finish(state, "error", f"gave up after {state.requeues - 1} re-prefills: {why}")
+            return
+        logger.warning("re-queuing %s: %s", state.request_id, why)
+        self.dispatcher.queue(state)
+
     # -- outputs -----------------------------------------------------------------------------
 
     async def _pump(self, decode: WorkerHandle) -> None:
@@ -290,7 +345,7 @@ class Controller:
         if handle.role == "decode":
             for state in list(self._requests.values()):
                 if state.decode_worker == handle.name and state.phase == "decode":
-                    self.dispatcher.requeue(state, f"{handle.name} died")
+                    self._requeue(state, f"{handle.name} died")
         hung_or_failed = isinstance(exc, (WorkerFailedError, WorkerHungError))
         self._reviving.add(handle.name)
         self.spawn(self._revive(handle, kill_first=hung_or_failed))

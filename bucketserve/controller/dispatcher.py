@@ -1,67 +1,54 @@
 """Dispatch, both deployment shapes: queued requests -> PDScheduler choices -> batches on their
 way to a decode worker, through a Handoff (disaggregated) or straight into its engine
-(colocated); acting on each outcome the Handoff returns.
+(colocated).
 
 The Dispatcher owns the queue side of a request's life (the BucketManager, the PDScheduler,
-queuing, re-queuing, putting a batch back); the request table, the output stream and the
-fault policy stay the Controller's, reached through `DispatchOwner`.
+queuing, putting a batch back, the phase a request is in on its way). Each batch it sends
+is a `Flight`: the outcomes of its way, in order, which the Controller applies to the
+request table, the output streams and its fault policy (`outcomes.py`), as the Handoff
+returns its own outcomes to the Dispatcher.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import Coroutine
-from typing import Any, Protocol
+from collections.abc import Iterator
 
 from bucketserve.bucket_manager.bucket_manager import BucketManager
 from bucketserve.bucket_manager.prefill_batch import PrefillBatch
 from bucketserve.controller.config import ControllerConfig
 from bucketserve.controller.handoff import Admitted, Handoff
+from bucketserve.controller.outcomes import (
+    AbortOnWorker,
+    Deliver,
+    FailRequest,
+    Flight,
+    Outcome,
+    Requeue,
+)
 from bucketserve.controller.pd_scheduler import PDScheduler, subset
 from bucketserve.controller.request_state import RequestState
 from bucketserve.controller.service_limits import ServiceLimits
 from bucketserve.controller.service_monitor import ServiceMonitor
 from bucketserve.controller.worker_handle import Failure, WorkerHandle
 from bucketserve.controller.worker_pool import WorkerPool
-from bucketserve.messages import HandoffRequest, PrefillResult, TokenDelta
-
-logger = logging.getLogger(__name__)
-
-
-class DispatchOwner(Protocol):
-    """What dispatch needs of the Controller: the request table and the fault policy."""
-
-    def deliver(self, state: RequestState, delta: TokenDelta) -> None: ...
-
-    def finish(self, state: RequestState, reason: str, error: str | None = None) -> None: ...
-
-    def judge(self, failures: list[Failure]) -> None: ...
-
-    def on_failure(self, handle: WorkerHandle, exc: BaseException, epoch: int) -> None: ...
-
-    async def abort_on(
-        self, decode: WorkerHandle, request_id: str, index: int | None = None
-    ) -> None: ...
-
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
+from bucketserve.messages import PrefillResult, WorkerRequest
 
 
 class Dispatcher:
-    """Forms and sends batches while a prefill worker has a free slot (colocated: none is
-    needed) and a decode worker has room; the PDScheduler makes each choice. Woken by
-    `wake()` whenever room, slots or queued requests may have changed."""
+    """Forms batches while a prefill worker has a free slot (colocated: none is needed) and
+    a decode worker has room; the PDScheduler makes each choice. `dispatch()` returns the
+    flights of the batches it formed; `woken()` waits until room, slots or queued requests
+    may have changed."""
 
     def __init__(
         self,
-        owner: DispatchOwner,
         config: ControllerConfig,
         limits: ServiceLimits,
         pool: WorkerPool,
         monitor: ServiceMonitor,
     ) -> None:
-        self.owner = owner
         self.config = config
         self.limits = limits
         self.pool = pool
@@ -74,6 +61,7 @@ class Dispatcher:
 
     def queue(self, state: RequestState) -> None:
         """Queue `state` for a prefill of everything it has so far."""
+        state.phase, state.decode_worker = "queued", None
         left = state.request.sampling_params.max_tokens - len(state.output_token_ids)
         hint = self.limits.max_tokens_hint(left, state.num_tokens)
         if state.n > 1:  # per sample: n samples' growth must fit the pool together
@@ -81,60 +69,44 @@ class Dispatcher:
         self.buckets.add(state.bucket_request(hint))
         self.wake()
 
-    def requeue(self, state: RequestState, why: str) -> None:
-        """Queue a request again for a re-prefill of everything it has so far."""
-        if state.done:
-            return
-        if state.n > 1 and any(state.samples):
-            self.owner.finish(
-                state, "error", f"{why}; a request of n > 1 samples is not re-prefilled"
-            )
-            return
-        state.requeues += 1
-        self.monitor.requeued()
-        if state.requeues > self.config.max_requeues:
-            self.owner.finish(
-                state, "error", f"gave up after {state.requeues - 1} re-prefills: {why}"
-            )
-            return
-        logger.warning("re-queuing %s: %s", state.request_id, why)
-        state.phase, state.decode_worker = "queued", None
-        self.queue(state)
-
-    def put_back(self, batch: PrefillBatch, count: bool) -> None:
-        """A batch that never reached prefill goes back where its requests were."""
-        keep = []
+    def put_back(self, batch: PrefillBatch, count: bool) -> list[Outcome]:
+        """A batch that never reached prefill goes back where its requests were; those that
+        have failed too often (`count`: this was a failed try) end instead."""
+        keep, ended = [], []
         for i, request in enumerate(batch.requests):
             state: RequestState = request.payload
             if state.done:
                 continue
-            state.phase, state.decode_worker = "queued", None
             if count:
                 state.requeues += 1
                 if state.requeues > self.config.max_requeues:
-                    self.owner.finish(state, "error", "its prefill failed too often")
+                    ended.append(FailRequest(state, "its prefill failed too often"))
                     continue
+            state.phase, state.decode_worker = "queued", None
             keep.append(i)
         if keep:
             self.buckets.requeue(subset(batch, keep))
         self.wake()
+        return ended
 
     # -- the loop ----------------------------------------------------------------------------
 
     def wake(self) -> None:
         self._wake.set()
 
-    async def run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            self.dispatch()
+    async def woken(self) -> None:
+        await self._wake.wait()
+        self._wake.clear()
 
-    def dispatch(self) -> None:
+    def dispatch(self) -> list[Flight]:
+        """Form every batch the workers have room and slots for now; their flights, each
+        booked on its workers already."""
         if self.config.colocated:
-            self._dispatch_colocated()
-            return
-        pd = self.pd
+            return self._dispatch_colocated()
+        return self._dispatch_disaggregated()
+
+    def _dispatch_disaggregated(self) -> list[Flight]:
+        pd, flights = self.pd, []
         while len(self.buckets):
             prefills = self.pool.role("prefill", alive=True)
             p = pd.pick_prefill(
@@ -144,16 +116,16 @@ class Dispatcher:
             )
             decode = self.pick_decode()
             if p is None or decode is None:
-                return
+                break
             prefill = prefills[p]
             batch = self._next_batch(decode)
             if batch is None:
-                return
+                break
             batch, rest = pd.split_for_pool(batch, prefill.free_blocks)
             if rest is not None:
                 self.buckets.requeue(rest)
             if batch is None:  # wait for handoffs to be acknowledged
-                return
+                break
             states = self._take(batch, decode, "prefill")
             handoff = Handoff(
                 prefill,
@@ -163,21 +135,24 @@ class Dispatcher:
                 self.config.lease_ttl_s,
                 pd.fork_blocks(batch),
             )
-            self.owner.spawn(self._handoff(handoff, batch, states))
+            flights.append(self._handoff(handoff, batch, states))
+        return flights
 
-    def _dispatch_colocated(self) -> None:
+    def _dispatch_colocated(self) -> list[Flight]:
         """Colocated shape: each batch goes straight to the engine of the decode worker with
         the most room, which prefills it within its decode steps."""
+        flights = []
         while len(self.buckets):
             decode = self.pick_decode()
             if decode is None:
-                return
+                break
             batch = self._next_batch(decode)
             if batch is None:
-                return
+                break
             states = self._take(batch, decode, "decode")
             blocks = sum(n for _, n in self.pd.need(batch)) + self.pd.fork_blocks(batch)
-            self.owner.spawn(self._colocate(decode, states, blocks))
+            flights.append(self._admit_prompts(decode, states, blocks))
+        return flights
 
     def pick_decode(self) -> WorkerHandle | None:
         """The decode worker the next batch reserves blocks on: the PDScheduler's choice over
@@ -206,26 +181,28 @@ class Dispatcher:
             state.request_bucket, state.shape_bucket = batch.bucket, batch.shape
         return states
 
-    def _handoff_of(self, state: RequestState) -> HandoffRequest:
-        """`state` as a decode worker's engine takes it: ranked by its tenant's priority,
-        due by its (or its tenant's) TTFT target."""
-        return state.handoff(self.buckets.tenants[state.request.tenant].config)
+    def _worker_request(self, state: RequestState) -> WorkerRequest:
+        """`state` as a worker's engine takes it: ranked by its tenant's priority, then its
+        own, as the bucket manager ranks it; due by its (or its tenant's) TTFT target."""
+        return state.worker_request(self.buckets.tenants[state.request.tenant].config)
 
     # -- colocated: one call -----------------------------------------------------------------
 
-    async def _colocate(
+    async def _admit_prompts(
         self, decode: WorkerHandle, states: list[RequestState], blocks: int
-    ) -> None:
-        """Add a batch to `decode`'s engine; its blocks count as taken until the worker's
-        answer (whose stats count them among its waiting requests' needs)."""
-        owner, epoch = self.owner, decode.epoch
+    ) -> Flight:
+        """Add a batch to `decode`'s engine, in the order the bucket manager formed it; its
+        blocks count as taken until the worker's answer (whose stats count them among its
+        waiting requests' needs)."""
+        epoch = decode.epoch
         decode.pending_blocks += blocks
         try:
-            result = await decode.call("add_requests", [self._handoff_of(s) for s in states])
+            requests = [self._worker_request(s) for s in states]
+            result = await decode.call("admit_prompts", requests)
         except Exception as exc:
             for state in states:
-                self.requeue(state, f"{decode.name} failed: {exc}")
-            owner.on_failure(decode, exc, epoch)
+                yield Requeue(state, f"{decode.name} failed: {exc}")
+            yield Failure(decode, exc, epoch)
             return
         finally:
             if decode.epoch == epoch:
@@ -235,64 +212,72 @@ class Dispatcher:
             decode.stats = result.stats
         for state in states:
             if state.request_id in result.rejected:
-                owner.finish(state, "error", result.rejected[state.request_id])
+                yield FailRequest(state, result.rejected[state.request_id])
             elif state.done:  # cancelled while it was being added
-                await owner.abort_on(decode, state.request_id)
+                yield AbortOnWorker(decode, state.request_id)
 
     # -- disaggregated: the handoff's outcomes -----------------------------------------------
 
     async def _handoff(
         self, handoff: Handoff, batch: PrefillBatch, states: list[RequestState]
-    ) -> None:
-        """Drive `handoff` and act on each outcome it returns."""
-        owner = self.owner
+    ) -> Flight:
+        """Drive `handoff`; the outcomes of each step it returns."""
         try:
-            requests = [s.handoff() for s in states]
+            requests = [self._worker_request(s) for s in states]
             prefilled = await handoff.run_prefill(batch, requests, self.limits.max_seq_len)
             if prefilled.result is None:
                 if prefilled.put_back:
-                    self.put_back(batch, prefilled.count)
-                owner.judge(prefilled.failures)
+                    for outcome in self.put_back(batch, prefilled.count):
+                        yield outcome
+                for failure in prefilled.failures:
+                    yield failure
                 if prefilled.poll is not None:
-                    owner.judge(await self.pool.poll(prefilled.poll))
+                    for failure in await self.pool.poll(prefilled.poll):
+                        yield failure
                 return
-            self._prefilled(states, prefilled.result)
+            for outcome in self._prefilled(states, prefilled.result):
+                yield outcome
             if handoff.reservation is None:  # every request ended at its first token
                 return
             live = [s for s in states if s.phase == "prefill"]
-            admitted = await handoff.admit([self._handoff_of(s) for s in live])
-            await self._admitted(handoff.decode, live, admitted)
+            admitted = await handoff.admit([self._worker_request(s) for s in live])
+            for outcome in self._admitted(handoff.decode, live, admitted):
+                yield outcome
         finally:
             handoff.close()
             self.wake()
 
-    def _prefilled(self, states: list[RequestState], result: PrefillResult) -> None:
+    def _prefilled(self, states: list[RequestState], result: PrefillResult) -> Iterator[Outcome]:
+        """Each first token for its stream (those of requests still going)."""
         if result.lease_id is not None:  # some KV went out
             self.monitor.sent(result.kv_bytes, result.send_s)
         for state, first in zip(states, result.first, strict=True):
             state.prefill_s += result.compute_s
             state.transfer_s += result.send_s
             if not state.done:
-                self.owner.deliver(state, first)
+                yield Deliver(state, first)
 
-    async def _admitted(
+    def _admitted(
         self, decode: WorkerHandle, live: list[RequestState], admitted: Admitted
-    ) -> None:
-        owner, ack = self.owner, admitted.ack
+    ) -> Iterator[Outcome]:
+        """Requests admitted start decoding; those rejected end, those cancelled meanwhile
+        (or ended at prefill by a stop string, sample 0 of n) are aborted on `decode`; with
+        no admission every one is re-queued."""
+        ack = admitted.ack
         if ack is None:
             for state in live:
-                self.requeue(state, admitted.why)
-        owner.judge(admitted.failures)
+                yield Requeue(state, admitted.why)
+        yield from admitted.failures
         if ack is None:
             return
         self.monitor.received(ack.receive_s)
         for state in live:
             state.transfer_s += ack.receive_s
             if state.request_id in ack.rejected:
-                owner.finish(state, "error", ack.rejected[state.request_id])
+                yield FailRequest(state, ack.rejected[state.request_id])
             elif state.done:  # cancelled while it was handed over
-                await owner.abort_on(decode, state.request_id)
+                yield AbortOnWorker(decode, state.request_id)
             else:
                 state.phase = "decode"
                 if state.n > 1 and state.ended[0]:  # a stop string ended sample 0 at prefill
-                    await owner.abort_on(decode, state.request_id, 0)
+                    yield AbortOnWorker(decode, state.request_id, 0)

@@ -1,9 +1,9 @@
 """One prefill batch's way to its decode worker: reserve -> prefill -> admit -> release.
 
-Each step returns an outcome for the Controller to act on (deliver first tokens, mark
-requests decoding, put the batch back, re-queue requests, judge a worker failure) instead
-of calling up into it. Epochs guard every step: work started in a worker life that has
-ended since belongs to nobody, whatever its reply says.
+Each step returns an outcome (first tokens, an admission, a batch to put back, requests
+to re-queue, worker failures to judge) that the Dispatcher turns into the Controller's
+(`outcomes.py`), instead of calling up into either. Epochs guard every step: work started
+in a worker life that has ended since belongs to nobody, whatever its reply says.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from bucketserve.controller.worker_handle import Failure, WorkerDiedError, Worke
 from bucketserve.kv_transfer.lease import LeaseError
 from bucketserve.messages import (
     AdmitResult,
-    HandoffRequest,
     PrefillResult,
     PrefillTask,
     Reservation,
     ReservationError,
+    WorkerRequest,
 )
 from bucketserve.prefill_worker.prefill_worker import PrefillCapacityError
 
@@ -82,7 +82,7 @@ class Handoff:
         decode.pending_blocks += self.decode_total
 
     async def run_prefill(
-        self, batch: PrefillBatch, requests: list[HandoffRequest], max_seq_len: int
+        self, batch: PrefillBatch, requests: list[WorkerRequest], max_seq_len: int
     ) -> Prefilled:
         """Reserve the blocks on the decode worker, then prefill `batch` (whose `requests`
         carry their tokens so far) into them. A batch whose requests all end at their first
@@ -134,7 +134,7 @@ class Handoff:
         self.reservation = reservation
         return None
 
-    async def admit(self, requests: list[HandoffRequest]) -> Admitted:
+    async def admit(self, requests: list[WorkerRequest]) -> Admitted:
         """Admit `requests` (the batch less those cancelled meanwhile) on the decode worker,
         then release the prefill worker's lease (the handoff is acknowledged)."""
         assert self.reservation is not None and self.result is not None
@@ -148,13 +148,13 @@ class Handoff:
             decode.stats = outcome.ack.stats
         return outcome
 
-    async def _admit(self, requests: list[HandoffRequest]) -> Admitted:
+    async def _admit(self, requests: list[WorkerRequest]) -> Admitted:
         decode, epoch = self.decode, self.epochs[1]
         try:
             if decode.epoch != epoch:
                 raise WorkerDiedError(f"{decode.name} restarted since the reservation")
             ack = await decode.call(
-                "admit", self.reservation.lease_id, requests, self.result.payload
+                "admit_prefilled", self.reservation.lease_id, requests, self.result.payload
             )
         except Exception as exc:
             why = f"admission on {decode.name} failed: {exc}"

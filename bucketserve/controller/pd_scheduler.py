@@ -19,8 +19,8 @@ class PDScheduler:
     one with the most room, among equals the least loaded, then the lowest number.
 
     The rooms sit in a max-heap, re-pushed on every update and skipped lazily when stale,
-    so a pick is O(log n) rather than a scan of every worker (the scan cost 1 ms a batch
-    at 500 decode workers in the simulator).
+    so a pick is O(log n) rather than a scan of every worker, which the simulator's
+    hundreds of decode workers would pay on every batch.
     """
 
     def __init__(self, num_decode: int, block_size: int) -> None:

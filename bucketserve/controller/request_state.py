@@ -9,11 +9,11 @@ from bucketserve.bucket_manager.config import TenantConfig
 from bucketserve.bucket_manager.request import BucketRequest
 from bucketserve.controller.request_stream import RequestStream
 from bucketserve.messages import (
-    HandoffRequest,
     RequestTimings,
     ServeRequest,
     StreamDelta,
     TokenDelta,
+    WorkerRequest,
 )
 from bucketserve.runtime.core.logprobs import TokenLogprob
 from bucketserve.runtime.core.output_processor import OutputProcessor
@@ -74,11 +74,11 @@ class RequestState:
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.output_token_ids)
 
-    def handoff(self, tenant: TenantConfig | None = None) -> HandoffRequest:
+    def worker_request(self, tenant: TenantConfig | None = None) -> WorkerRequest:
         """The request as the workers get it: itself, a snapshot of the tokens so far, its
-        engine priority (its tenant's, then its own: a request's priority ranks it only
-        among its tenant's requests, as the bucket manager ranks them) and the time left
-        to its TTFT target (its own, else its tenant's), and its TPOT target."""
+        rank in the bucket manager's order (its tenant's priority, then its own: a
+        request's priority ranks it only among its tenant's requests), the time left to
+        its TTFT target (its own, else its tenant's), and its TPOT target."""
         r = self.request
         target = r.slo_ttft_s or (tenant.ttft_slo_s if tenant else None)
         left = None
@@ -86,7 +86,7 @@ class RequestState:
             left = target - (time.monotonic() - r.arrival_time)
         priority = (tenant.priority if tenant else 0, r.priority)
         tpot = r.slo_tpot_s or (tenant.tpot_slo_s if tenant else None)
-        return HandoffRequest(r, list(self.output_token_ids), priority, left, tpot)
+        return WorkerRequest(r, list(self.output_token_ids), priority, left, tpot)
 
     def bucket_request(self, max_tokens: int) -> BucketRequest:
         """What the bucket manager queues: this state (as the payload) under the request's

@@ -175,8 +175,6 @@ class WorkerPool:
         return DecodeWorkerConfig(
             engine=EngineConfig(c.role_runner("decode"), c.scheduler, c.pipeline_depth),
             **self._shared("decode", index),
-            admit_delay_s=c.admit_delay_s,
-            admit_delay_count=c.admit_delay_count,
             stall_timeout_s=c.worker_timeout_s,
             prefills=c.colocated,
             pace=c.decode_pace,
@@ -242,9 +240,8 @@ class WorkerPool:
         if not ray.is_initialized():
             kwargs = {"include_dashboard": False, **self.config.ray_init_kwargs}
             # A Ray this process starts runs its workers at nice 0, not Ray's 15: the
-            # engine is the workload, and at 15 the gateway and Ray's daemons preempt it
-            # (measured: 141 -> 147 served tok/s at R = 2). Cluster recipes set it on
-            # `ray start`.
+            # engine is the workload, and at 15 the gateway and Ray's daemons preempt it.
+            # Cluster recipes set it on `ray start`.
             os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(address=self.config.ray_address, **kwargs)
             self._started_ray = True

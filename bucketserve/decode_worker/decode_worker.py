@@ -20,10 +20,10 @@ from bucketserve.kv_worker.kv_worker import KVWorker
 from bucketserve.kv_worker.worker_env import pin_cpus
 from bucketserve.messages import (
     AdmitResult,
-    HandoffRequest,
     Reservation,
     ReservationError,
     StepOutput,
+    WorkerRequest,
     WorkerStats,
     deltas_of,
 )
@@ -41,7 +41,9 @@ class WorkerFailedError(RuntimeError):
 
 
 class DecodeWorker(KVWorker):
-    """Reserve blocks for a prefill batch, receive its KV into them, admit its sequences.
+    """Reserve blocks for a prefill batch, receive its KV into them, admit its sequences
+    (`admit_prefilled`); in the colocated shape, its engine prefills the requests itself
+    (`admit_prompts`).
 
     A background thread steps the runtime's engine (schedule / submit /
     finish / update, preemption by recompute) while calls from the controller
@@ -177,7 +179,9 @@ class DecodeWorker(KVWorker):
             with self.engine.lock:
                 self.leases.end_receive(lease_id)
 
-    def admit(self, lease_id: str, requests: list[HandoffRequest], payload=None) -> AdmitResult:
+    def admit_prefilled(
+        self, lease_id: str, requests: list[WorkerRequest], payload=None
+    ) -> AdmitResult:
         """Pull the lease's KV through the transport and start decoding `requests` (each with
         every token generated so far, the prefill's sample last). Lease requests missing
         from `requests` were cancelled: their blocks are freed. Raises LeaseError when the
@@ -216,9 +220,10 @@ class DecodeWorker(KVWorker):
         result.stats = self.stats()
         return result
 
-    def add_requests(self, requests: list[HandoffRequest]) -> AdmitResult:
+    def admit_prompts(self, requests: list[WorkerRequest]) -> AdmitResult:
         """Colocated shape: queue `requests` on this worker's engine, which prefills them
-        (prompt and any tokens streamed before a re-queue) within its decode steps."""
+        (prompt and any tokens streamed before a re-queue) within its decode steps, in the
+        order given among those of one rank (`WorkerRequest.priority`)."""
         self._check_alive()
         result = AdmitResult(admitted=[])
         now = time.monotonic()
@@ -405,7 +410,7 @@ class DecodeWorker(KVWorker):
         shape, miss = self.shapes.pad_decode(len(seqs), blocks)
         return shape if self.padding and not miss else None
 
-    def _add(self, lease: Lease, requests: list[HandoffRequest]) -> AdmitResult:
+    def _add(self, lease: Lease, requests: list[WorkerRequest]) -> AdmitResult:
         by_id = {r.request_id: r for r in requests}
         result = AdmitResult(admitted=[])
         for rid in set(by_id) - set(lease.request_ids):

@@ -36,17 +36,25 @@ def register(subparsers: Any) -> None:
     )
     serve.set_defaults(func=run_serve)
 
-    config = subparsers.add_parser("config", help="service config tools (check)")
+    config = subparsers.add_parser("config", help="service config tools (check, reference)")
     commands = config.add_subparsers(dest="config_command", metavar="COMMAND", required=True)
     check = commands.add_parser(
         "check",
         help="validate a service YAML and print what it would start",
-        description="Validate a service YAML (deploy/serve.yaml) without starting anything: "
+        description="Validate a service YAML (bucketserve/deploy/serve.yaml) without starting "
+        "anything: "
         "unknown keys, wrong types and impossible values fail with the key path. When the "
         "model is on this machine its length is checked too. Exit 0 when valid.",
     )
     check.add_argument("file", type=Path, metavar="FILE")
     check.set_defaults(func=run_check)
+    reference = commands.add_parser(
+        "reference",
+        help="print the key reference as Markdown (docs/configuration.md)",
+        description="Print every config key (path, type, default, description) and every "
+        "environment variable as Markdown, generated from the settings models.",
+    )
+    reference.set_defaults(func=run_reference)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -85,4 +93,11 @@ def run_check(args: argparse.Namespace, out: TextIO | None = None) -> int:
             f"note: model {config.controller.runner.model} is not on this machine; its length "
             "(max_model_len, L_max) is checked when serving\n"
         )
+    return 0
+
+
+def run_reference(args: argparse.Namespace) -> int:
+    from bucketserve.deploy.config_reference import render
+
+    sys.stdout.write(render())
     return 0

@@ -29,6 +29,7 @@ from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeP
 from ray.autoscaler.command_runner import CommandRunnerInterface
 from ray.autoscaler.tags import NODE_KIND_HEAD, TAG_RAY_NODE_KIND
 
+from bucketserve import envs
 from bucketserve.runtime.io.default_model import CACHE_ENV, cache_root
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class LocalClusterProvider(FakeMultiNodeProvider):
         if node_id != self._head_node_id:
             super().terminate_node(node_id)
             return
-        if os.environ.get(MARK) == str(self.cluster_dir):  # the autoscaler, on the head
+        if str(self.cluster_dir) == envs.BUCKETSERVE_LOCAL_CLUSTER:  # the autoscaler, on the head
             logger.warning("not terminating the head from inside the cluster: `ray down` does")
             return
         with self.lock:

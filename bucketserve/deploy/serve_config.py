@@ -1,18 +1,17 @@
-"""The service YAML (`bucketserve/deploy/serve.yaml`) loaded into the typed configs the service
-starts
-with: GatewayConfig, TenantRegistry and ControllerConfig.
+"""The service config file (`bucketserve/deploy/serve.yaml`) turned into the configs the
+service starts with: GatewayConfig, TenantRegistry and ControllerConfig.
 
 Every error is a ServeConfigError naming the file, the key path and what is allowed.
-`load` checks everything that needs no model files; `controller_config()` then reads the
-model's length (L_max checks, derived shape buckets), which `bucketserve serve` needs anyway
-and `bucketserve config check` does when the model is on this machine.
+`load` checks everything that needs no model files (`ServeSettings`, then the rules across
+sections); `controller_config()` then reads the model's length (L_max checks, derived
+shape buckets), which `bucketserve serve` needs anyway and `bucketserve config check` does
+when the model is on this machine.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,9 @@ import yaml
 from bucketserve.bucket_manager.config import (
     BatchingConfig,
     BucketManagerConfig,
+    BucketRange,
+    DecodeShapeConfig,
+    PromptShapeConfig,
     RequestBucketConfig,
     ShapeBucketConfig,
     TenantConfig,
@@ -31,13 +33,21 @@ from bucketserve.bucket_manager.config import (
 from bucketserve.controller.config import ControllerConfig, PlacementConfig
 from bucketserve.controller.service_limits import ServiceLimits
 from bucketserve.deploy.serve_config_error import ServeConfigError
-from bucketserve.deploy.serve_config_schema import FIELDS, TARGETS, ServeConfigSchema, check_type
+from bucketserve.deploy.serve_settings import (
+    BucketsSettings,
+    PlacementSettings,
+    ServeSettings,
+    ShapeRange,
+)
 from bucketserve.gateway.gateway_config import GatewayConfig
 from bucketserve.gateway.tenant_registry import TenantRegistry
-from bucketserve.runtime.worker.device import DTYPES
+from bucketserve.runtime.core.scheduler import SchedulerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+from bucketserve.utils.settings import SettingsError
 
-DEVICES = ("auto", "cpu", "cuda", "cuda:<i>", "hpu")
 _CARD_DEVICES = {"hpu": "hpu", "cuda": "gpu"}  # model.device -> the card its workers need
+# ControllerConfig's rules across fields, by the field they name -> the key to change
+_RULE_KEYS = (("decode_pace", "controller.decode.pace"), ("transport", "controller.transport"))
 
 
 @dataclass(frozen=True)
@@ -78,62 +88,44 @@ class ServeConfig:
     ) -> ServeConfig:
         flags = flags or {}
         try:
-            return cls._build(ServeConfigSchema(data), source, flags)
+            return cls.from_settings(ServeSettings.parse(data), source, flags)
+        except SettingsError as exc:
+            raise ServeConfigError(exc.path, exc.message, flags.get(exc.path, source)) from None
         except ServeConfigError as exc:
             raise exc.at(flags.get(exc.path, source)) from None
 
     @classmethod
-    def _build(cls, schema: ServeConfigSchema, source: str, flags: dict[str, str]) -> ServeConfig:
-        values = schema.values
-        max_len = values.get("buckets.max_len")  # L_max
-        built = {
-            t: _construct(schema, t)
-            for t in ("request_buckets", "scheduler", "prefill_placement", "decode_placement",
-                      "gateway", "batching")
-        }
-        built["runner"] = _construct(schema, "runner", _runner_len(schema, max_len))
-        nested = {k: built[k] for k in _CONTROLLER_SECTIONS}
-        controller = _construct(schema, "controller", nested)
+    def from_settings(
+        cls, settings: ServeSettings, source: str = "<config>", flags: dict[str, str] | None = None
+    ) -> ServeConfig:
+        s, buckets = settings, settings.buckets
+        try:
+            tenants = TenantRegistry([t.spec() for t in s.tenants or ()])
+        except ValueError as exc:  # across tenants: names, keys
+            raise ServeConfigError("tenants", str(exc)) from None
+        runner = _runner(s)
         config = cls(
             source=source,
-            gateway=built["gateway"],
-            tenants=_tenants(values.get("tenants")),
-            controller=controller,
-            request_buckets=built["request_buckets"],
-            batching=built["batching"],
-            shape_buckets=_shape_buckets(values, controller.runner.block_size),
-            max_len=max_len,
-            cluster_resources=_cluster_resources(values.get("cluster.resources")),
-            flags=flags,
+            gateway=GatewayConfig(**s.gateway.model_dump()),
+            tenants=tenants,
+            controller=_controller(s, runner),
+            request_buckets=RequestBucketConfig(
+                theta=buckets.theta,
+                max_buckets=buckets.max_buckets,
+                **({} if buckets.max_len is None else {"max_len": buckets.max_len}),
+            ),
+            batching=BatchingConfig(**buckets.batching.model_dump()),
+            shape_buckets=_shape_buckets(buckets, runner.block_size),
+            max_len=buckets.max_len,
+            cluster_resources=dict(s.cluster.resources),
+            flags=flags or {},
         )
-        config._check_consistent()
+        for role in ("prefill", "decode"):
+            config._check_card(role)
+        config._check_capacity()
         return config
 
     # -- checks across sections ---------------------------------------------------------------
-
-    def _check_consistent(self) -> None:
-        c, g = self.controller, self.gateway
-        if self.request_buckets.theta <= 0:
-            theta = self.request_buckets.theta
-            raise ServeConfigError("buckets.theta", f"θ must be in (0, 1], got {theta}")
-        if g.http_port is not None and g.http_port == g.grpc_port != 0:
-            raise ServeConfigError(
-                "gateway.http_port", f"must differ from gateway.grpc_port ({g.grpc_port})"
-            )
-        if c.mode == "local" and c.ray_address is not None:
-            raise ServeConfigError(
-                "controller.ray_address",
-                "mode 'local' runs every worker in this process without Ray; remove "
-                "ray_address or set controller.mode to 'ray'",
-            )
-        _check_device(c.runner.device)
-        if c.runner.dtype != "auto" and c.runner.dtype not in DTYPES:
-            raise ServeConfigError(
-                "model.dtype", f"must be 'auto' or one of {sorted(DTYPES)}; got {c.runner.dtype!r}"
-            )
-        for role in ("prefill", "decode"):
-            self._check_card(role)
-        self._check_capacity()
 
     def _check_card(self, role: str) -> None:
         device = self.controller.runner.device.split(":")[0]
@@ -232,7 +224,6 @@ class ServeConfig:
         return ServeConfigError(path, message, self.flags.get(path, self.source))
 
 
-
 def with_tenants(config: ControllerConfig, tenants: Sequence[TenantConfig]) -> ControllerConfig:
     """`config` whose bucket manager serves these tenants' policies. Without bucket settings
     these are the controller's defaults for the model (its derived request and shape
@@ -276,107 +267,102 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-# -- builders -----------------------------------------------------------------------------------
+# -- builders: validated settings -> the service's dataclasses -----------------------------------
 
 
-_CONTROLLER_SECTIONS = ("runner", "scheduler", "prefill_placement", "decode_placement")
+def _runner(s: ServeSettings) -> ModelRunnerConfig:
+    m, kv = s.model, s.kv_cache
+    return ModelRunnerConfig(
+        model=m.path,
+        dtype=m.dtype,
+        device=m.device,
+        block_size=kv.block_size,
+        num_kv_blocks=kv.num_blocks,
+        kv_memory_fraction=kv.memory_fraction,
+        cpu_kv_cache_bytes=kv.cpu_bytes,
+        max_model_len=s.buckets.max_len or m.max_model_len,  # L_max bounds the longest request
+        seed=m.seed,
+        execution=m.execution,
+    )
 
 
-def _construct(schema: ServeConfigSchema, target: str, extra: dict[str, Any] | None = None) -> Any:
-    """TARGETS[target] from its keys' values over its defaults: a section of the controller
-    starts from ControllerConfig's (its decode engines schedule by priority, the offline
-    engine's SchedulerConfig by FCFS). A ValueError from the config's own validation is
-    pinned to the key whose value alone fails it, else to the section."""
-    cls, kwargs = TARGETS[target], schema.kwargs(target)
-    make = cls
-    if target in _CONTROLLER_SECTIONS:
-        make = functools.partial(dataclasses.replace, getattr(ControllerConfig(), target))
+def _controller(s: ServeSettings, runner: ModelRunnerConfig) -> ControllerConfig:
+    c, prefill, decode = s.controller, s.controller.prefill, s.controller.decode
     try:
-        return make(**kwargs, **(extra or {}))
-    except (ValueError, TypeError) as exc:
-        for path in schema.paths(target):
-            name = FIELDS[path][1]
-            try:
-                cls(**{name: kwargs[name]})
-            except (ValueError, TypeError) as single:
-                raise ServeConfigError(path, _without_subject(str(single), name)) from None
-        paths = schema.paths(target)
-        section = _common_prefix(paths) if paths else target
-        raise ServeConfigError(section, str(exc)) from None
-
-
-def _without_subject(message: str, name: str) -> str:
-    """"ControllerConfig.num_prefill must be ..." -> "must be ...": the key path says which."""
-    return re.sub(rf"^[\w.]*\b{re.escape(name)}:? (?=must )", "", message)
-
-
-def _common_prefix(paths: list[str]) -> str:
-    parts = [p.split(".")[:-1] for p in paths]
-    common = parts[0]
-    for other in parts[1:]:
-        while other[: len(common)] != common:
-            common = common[:-1]
-    return ".".join(common)
-
-
-def _runner_len(schema: ServeConfigSchema, max_len: int | None) -> dict[str, Any]:
-    """L_max is the longest request served, so it sets the runner's max_model_len."""
-    if max_len is None:
-        return {}
-    given = schema.values.get("model.max_model_len")
-    if given is not None and given != max_len:
-        raise ServeConfigError(
-            "buckets.max_len",
-            f"L_max {max_len} differs from model.max_model_len {given}; both bound the "
-            "longest request: give one of them (or equal values)",
+        return ControllerConfig(
+            runner=runner,
+            scheduler=SchedulerConfig(
+                max_num_seqs=decode.max_num_seqs,
+                max_num_batched_tokens=decode.max_num_batched_tokens,
+                enable_chunked_prefill=decode.enable_chunked_prefill,
+                watermark=decode.watermark,
+                scheduling_policy=decode.scheduling_policy,
+                slo_admission=decode.slo_admission,
+                late_yield_s=decode.late_yield_s,
+            ),
+            pipeline_depth=decode.pipeline_depth,
+            prefill_kv_blocks=prefill.kv_blocks,
+            num_prefill=prefill.num_workers,
+            num_decode=decode.num_workers,
+            shape=c.shape,
+            mode=c.mode,
+            transport=c.transport,
+            ray_address=c.ray_address,
+            prefill_placement=_placement(prefill),
+            decode_placement=_placement(decode),
+            max_restarts=c.max_restarts,
+            pad_to_shape_buckets=c.pad_to_shape_buckets,
+            warmup=c.warmup,
+            lease_ttl_s=c.lease_ttl_s,
+            worker_timeout_s=c.worker_timeout_s,
+            max_queued_requests=c.max_queued_requests,
+            max_batches_per_prefill=prefill.max_batches,
+            max_requeues=c.max_requeues,
+            stats_interval_s=c.stats_interval_s,
+            placement_timeout_s=c.placement_timeout_s,
+            decode_pace=decode.pace,
         )
-    schema.values.pop("model.max_model_len", None)
-    return {"max_model_len": max_len}
-
-
-def _tenants(data: Any) -> TenantRegistry:
-    try:
-        return TenantRegistry.from_dict(data, "tenants")
-    except ValueError as exc:
-        found = re.match(r"(tenants(?:\[\d+\]|\.[^:\s]+)?): (.*)", str(exc), re.DOTALL)
-        path, message = found.groups() if found else ("tenants", str(exc))
-        raise ServeConfigError(path, message) from None
-
-
-def _shape_buckets(values: dict[str, Any], block_size: int) -> dict[str, Any]:
-    """The given shape-bucket keys, checked by ShapeBucketConfig itself (with the prompt and
-    decode ranges the model derives standing in for any not given)."""
-    given = {k: values[f"buckets.{k}"] for k in ("strategy", "file", "prompt", "decode")
-             if values.get(f"buckets.{k}") is not None}
-    for key in ("strategy", "file"):
-        if key in given:
-            check_type(f"buckets.{key}", given[key], str)
-    try:
-        shapes = ShapeBucketConfig.from_dict({**given, "block_size": block_size}, "buckets")
-    except ValueError as exc:
+    except ValueError as exc:  # a rule across the controller's keys (shape, transport, stages)
         message = str(exc)
-        match = re.search(r"\b(?:buckets\.)?((?:prompt|decode)(?:\.\w+)*)", message)
+        key = next((k for name, k in _RULE_KEYS if name in message), "controller")
+        raise ServeConfigError(key, message) from None
+
+
+def _placement(role: PlacementSettings) -> PlacementConfig:
+    fields = {f.name for f in dataclasses.fields(PlacementConfig)}
+    return PlacementConfig(**{k: v for k, v in role.model_dump().items() if k in fields})
+
+
+def _shape_buckets(buckets: BucketsSettings, block_size: int) -> dict[str, Any]:
+    """The shape-bucket keys given, checked by ShapeBucketConfig itself (with the prompt and
+    decode ranges the model derives standing in for any not given)."""
+    given: dict[str, Any] = {}
+    if "strategy" in buckets.model_fields_set:
+        given["strategy"] = buckets.strategy
+    if buckets.file is not None:
+        given["file"] = buckets.file
+    try:
+        if buckets.prompt is not None:
+            given["prompt"] = PromptShapeConfig(**_ranges(buckets.prompt, "prompt"))
+        if buckets.decode is not None:
+            given["decode"] = DecodeShapeConfig(**_ranges(buckets.decode, "decode"))
+        ShapeBucketConfig(**given, block_size=block_size)
+    except ValueError as exc:  # names its field: "decode.blocks.limit is required by ..."
+        message = str(exc)
+        match = re.search(r"\b((?:prompt|decode)(?:\.\w+)*)", message)
         key = next((k for k in ("strategy", "file") if f"ShapeBucketConfig.{k} " in message), None)
         path = f"buckets.{key}" if key else f"buckets.{match.group(1)}" if match else "buckets"
         raise ServeConfigError(path, message) from None
-    return {k: getattr(shapes, k) for k in given}
+    return given
 
 
-def _cluster_resources(data: Any) -> dict[str, float]:
-    if data is None:
-        return {}
-    check_type("cluster.resources", data, dict[str, float])
-    for name, amount in data.items():
-        if amount < 0:
-            raise ServeConfigError(f"cluster.resources.{name}", f"must be >= 0, got {amount}")
-    return dict(data)
-
-
-def _check_device(device: str) -> None:
-    name = device.strip().lower()
-    if name in ("auto", "cpu", "cuda", "hpu") or re.fullmatch(r"cuda:\d+", name):
-        return
-    raise ServeConfigError("model.device", f"must be one of {list(DEVICES)}; got {device!r}")
+def _ranges(shapes: Any, phase: str) -> dict[str, BucketRange]:
+    ranges: dict[str, ShapeRange | None] = dict(shapes)
+    return {
+        dim: BucketRange(r.min, r.step, r.max, r.limit, name=f"{phase}.{dim}")
+        for dim, r in ranges.items()
+        if r is not None
+    }
 
 
 def _set(data: dict[str, Any], path: str, value: Any) -> None:
@@ -391,4 +377,3 @@ def _set(data: dict[str, Any], path: str, value: Any) -> None:
 
 def _num(value: float) -> str:
     return f"{value:g}"
-

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any, TextIO
 
+from bucketserve import envs
 from bucketserve.gateway.client_base import API_KEY_ENV, DEFAULT_TARGET
 
 TARGET_ENV = "BUCKETSERVE_TARGET"
@@ -37,7 +37,7 @@ def register(subparsers: Any) -> None:
 def _client_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument(
         "--target",
-        default=os.environ.get(TARGET_ENV, DEFAULT_TARGET),
+        default=envs.BUCKETSERVE_TARGET or DEFAULT_TARGET,
         help=f"server host:port (${TARGET_ENV} or {DEFAULT_TARGET})",
     )
     parser.add_argument("--api-key", help=f"tenant key (default ${API_KEY_ENV})")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import grpc
 
+from bucketserve import envs
 from bucketserve.gateway.errors import BucketServeError, GenerationError, error_for_status
 from bucketserve.gateway.gateway_config import DEFAULT_GRPC_PORT
 from bucketserve.gateway.generate_input import GenerateInput
@@ -48,7 +48,7 @@ class ClientBase:
         self.target = target
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
-        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        key = api_key if api_key is not None else envs.BUCKETSERVE_API_KEY
         self.metadata = (("authorization", f"Bearer {key}"),) if key else ()
         self.credentials = (
             grpc.ssl_channel_credentials(root_certificates)

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-
-from bucketserve.bucket_manager.config import check_int, check_number
 
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
@@ -33,6 +28,8 @@ class GatewayConfig:
     token, and `max_stop_token_ids` its stop token ids, checked on every token too.
     `tokenizer_threads` tokenize and render chat templates off the event loop.
     `log_prompts` puts prompt text in the access log (off: it may be private).
+    Built from the config file's `gateway` section, which checks the values
+    (`bucketserve.deploy.serve_settings.GatewaySettings`).
     """
 
     host: str = "127.0.0.1"
@@ -52,50 +49,6 @@ class GatewayConfig:
     tokenizer_threads: int = 2
     log_prompts: bool = False
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.host, str) or not self.host:
-            raise ValueError(f"gateway.host must be a host name or address, got {self.host!r}")
-        check_int("gateway.grpc_port", self.grpc_port, 0)
-        if self.http_port is not None:
-            check_int("gateway.http_port", self.http_port, 0)
-        for name in ("grpc_port", "http_port"):
-            port = getattr(self, name)
-            if port is not None and port > 65535:
-                raise ValueError(f"gateway.{name} must be at most 65535, got {port}")
-        check_int("gateway.max_message_bytes", self.max_message_bytes, 1024)
-        check_number("gateway.keepalive_time_s", self.keepalive_time_s, 1.0)
-        check_number("gateway.keepalive_timeout_s", self.keepalive_timeout_s, 0.1)
-        check_number("gateway.drain_timeout_s", self.drain_timeout_s, 0.0)
-        if self.http_request_timeout_s is not None:
-            check_number("gateway.http_request_timeout_s", self.http_request_timeout_s, 0.001)
-        check_int("gateway.max_stop_strings", self.max_stop_strings, 0)
-        check_int("gateway.max_stop_chars", self.max_stop_chars, 0)
-        check_int("gateway.max_stop_token_ids", self.max_stop_token_ids, 0)
-        check_int("gateway.tokenizer_threads", self.tokenizer_threads, 1)
-        if not isinstance(self.log_prompts, bool):
-            raise ValueError(f"gateway.log_prompts must be true or false, got {self.log_prompts!r}")
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("gateway.tls_cert_file and gateway.tls_key_file go together")
-        for name in ("tls_cert_file", "tls_key_file"):
-            path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"gateway.{name}: {path} is not a file")
-
     @property
     def tls(self) -> bool:
         return self.tls_cert_file is not None
-
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "gateway") -> GatewayConfig:
-        return cls(**known_keys(cls, data or {}, where))
-
-
-def known_keys(cls: type, data: Any, where: str) -> dict[str, Any]:
-    """`data` as keyword arguments of dataclass `cls`; ValueError naming unknown keys."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown}; allowed keys are {sorted(known)}")
-    return dict(data)

@@ -25,10 +25,9 @@ from bucketserve.gateway.errors import (
 )
 from bucketserve.gateway.gateway_config import BindError, GatewayConfig
 from bucketserve.gateway.metrics import GatewayMetrics
-from bucketserve.gateway.openai_api import OpenAIApi
-from bucketserve.gateway.openai_format import error_body
-from bucketserve.gateway.openapi_schema import openapi_document
-from bucketserve.gateway.tokenize_api import TokenizeApi, package_version
+from bucketserve.gateway.openai.api import OpenAIApi, package_version
+from bucketserve.gateway.openai.schema import openapi_document
+from bucketserve.gateway.openai.serving import error_body
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -50,9 +49,7 @@ class HttpServer:
             middlewares=[self._access, _openai_errors],
             client_max_size=config.max_message_bytes,
         )
-        openai_api = OpenAIApi(admission, model_name, config)
-        self.app.add_routes(openai_api.routes())
-        self.app.add_routes(TokenizeApi(openai_api).routes())
+        self.app.add_routes(OpenAIApi(admission, model_name, config).routes())
         self.app.add_routes([
             web.get("/metrics", self.scrape),
             web.get("/health", self.health),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from bucketserve.bucket_manager.config import check_int, check_number
 from bucketserve.gateway.errors import BucketServeError, UnavailableError
+from bucketserve.utils.checks import check_int, check_number
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ from typing import Any
 from bucketserve.bucket_manager.config import DEFAULT_TENANT, TenantConfig, default_tenant
 from bucketserve.gateway.errors import AuthenticationError
 from bucketserve.gateway.tenant_quota import TenantQuota
-from bucketserve.gateway.tenant_spec import TenantSpec, hash_api_key
+from bucketserve.gateway.tenant_spec import TenantSettings, TenantSpec, hash_api_key
+from bucketserve.utils.settings import SettingsError
 
 
 class TenantRegistry:
@@ -40,19 +41,17 @@ class TenantRegistry:
     @classmethod
     def from_dict(cls, data: Any, where: str = "tenants") -> TenantRegistry:
         """From a list of tenant mappings, or a mapping of name to settings; None or empty
-        for the open `default` tenant. Errors name the offending entry and key."""
+        for the open `default` tenant. A SettingsError (a ValueError) names the entry and
+        the key."""
         if data is None:
             return cls()
         if isinstance(data, dict):
-            items = [
-                (f"{where}.{name}", {"name": name, **_mapping(v, f"{where}.{name}")})
-                for name, v in data.items()
-            ]
+            items = [(f"{where}.{name}", _named(name, v)) for name, v in data.items()]
         elif isinstance(data, (list, tuple)):
             items = [(f"{where}[{i}]", v) for i, v in enumerate(data)]
         else:
-            raise ValueError(f"{where} must be a list of tenant mappings or a mapping by name")
-        return cls([TenantSpec.from_dict(v, w) for w, v in items])
+            raise SettingsError(where, "must be a list of tenant mappings or a mapping by name")
+        return cls([TenantSettings.parse(v, w).spec() for w, v in items])
 
     def authenticate(self, api_key: str | None) -> TenantSpec:
         """The caller's tenant; AuthenticationError for a missing or unknown key."""
@@ -81,9 +80,8 @@ def parse_bearer(authorization: str | None) -> str | None:
     return key.strip() if scheme.lower() == "bearer" else authorization.strip()
 
 
-def _mapping(value: Any, where: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ValueError(f"{where} must be a mapping, got {type(value).__name__}")
-    return value
+def _named(name: str, settings: Any) -> Any:
+    """A tenant given as `name: {settings}` as a list entry (its settings may be empty)."""
+    if settings is None:
+        return {"name": name}
+    return {"name": name, **settings} if isinstance(settings, dict) else settings

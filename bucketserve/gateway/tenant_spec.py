@@ -5,9 +5,12 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from bucketserve.bucket_manager.config import TenantConfig, check_int, check_number
+from pydantic import AfterValidator, Field, field_validator, model_validator
+
+from bucketserve.bucket_manager.config import TenantConfig
+from bucketserve.utils.settings import Settings
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 BURST_SECONDS = 10.0  # default token_burst: this many seconds of token_rate_limit
@@ -28,30 +31,6 @@ class TenantSpec:
     token_rate_limit: float | None = None  # prompt + output tokens per second
     token_burst: float | None = None  # bucket capacity; default BURST_SECONDS of the rate
 
-    # keys of a tenant mapping that belong to the gateway; the rest go to TenantConfig
-    GATEWAY_KEYS = (
-        "api_keys",
-        "api_key_sha256",
-        "max_concurrent_requests",
-        "token_rate_limit",
-        "token_burst",
-    )
-
-    def __post_init__(self) -> None:
-        where = f"tenant {self.name!r}"
-        object.__setattr__(self, "api_key_hashes", frozenset(self.api_key_hashes))
-        bad = sorted(h for h in self.api_key_hashes if not _SHA256_HEX.fullmatch(str(h)))
-        if bad:
-            raise ValueError(f"{where}: api_key_sha256 entries must be 64 lowercase hex digits")
-        if self.max_concurrent_requests is not None:
-            check_int(f"{where}: max_concurrent_requests", self.max_concurrent_requests, 1)
-        if self.token_rate_limit is not None:
-            check_number(f"{where}: token_rate_limit", self.token_rate_limit, 1e-9)
-        if self.token_burst is not None:
-            if self.token_rate_limit is None:
-                raise ValueError(f"{where}: token_burst needs token_rate_limit")
-            check_number(f"{where}: token_burst", self.token_burst, 1.0)
-
     @property
     def name(self) -> str:
         return self.config.name
@@ -65,35 +44,66 @@ class TenantSpec:
     def has_key(self, key_hash: str) -> bool:
         return key_hash in self.api_key_hashes
 
+
+def _digest(value: str) -> str:
+    if not _SHA256_HEX.fullmatch(value):
+        raise ValueError("must be 64 lowercase hex digits (the sha256 digest of a key)")
+    return value
+
+
+class TenantSettings(Settings):
+    """One entry of the config's `tenants` list."""
+
+    name: str = Field(min_length=1)
+    """The tenant's name (metrics, logs, and `default` for the open tenant)."""
+    tenant_class: Literal["online", "offline"] = Field("online", alias="class")
+    """online: served by earliest arrival; offline: by the tenant's `policy`."""
+    policy: Literal["fcfs", "sjf", "ljf"] = "fcfs"
+    """Order within the tenant: fcfs, or for offline tenants sjf / ljf (shortest / longest
+    job first)."""
+    priority: int = 0
+    """Lower is served first."""
+    weight: float = Field(1.0, gt=0)
+    """Fair share against tenants of the same priority."""
+    max_wait_s: float | None = Field(30.0, gt=0)
+    """Aging bound: a request that waited this long is served next, whatever its priority
+    (null: no aging)."""
+    ttft_slo_s: float | None = Field(None, gt=0)
+    """Time-to-first-token target of the tenant's requests (null: none)."""
+    tpot_slo_s: float | None = Field(None, gt=0)
+    """Time-per-output-token target of the tenant's requests (null: none)."""
+    api_keys: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
+    """Plaintext keys, hashed when read."""
+    api_key_sha256: list[Annotated[str, AfterValidator(_digest)]] = Field(default_factory=list)
+    """sha256 hex digests of the keys (the form to keep in a file)."""
+    max_concurrent_requests: int | None = Field(None, ge=1)
+    """Requests of the tenant in flight at once (null: no bound)."""
+    token_rate_limit: float | None = Field(None, gt=0)
+    """Prompt + output tokens per second (null: no bound)."""
+    token_burst: float | None = Field(None, ge=1)
+    """Tokens the rate limit lets through at once (null: 10 s of token_rate_limit)."""
+
+    @field_validator("api_keys", "api_key_sha256", mode="before")
     @classmethod
-    def from_dict(cls, data: Any, where: str = "tenant") -> TenantSpec:
-        """From a mapping with TenantConfig's keys (`class` for tenant_class) plus
-        GATEWAY_KEYS; `api_keys` are plaintext and hashed at once, `api_key_sha256` are
-        digests already."""
-        if not isinstance(data, dict):
-            raise ValueError(f"{where} must be a mapping, got {type(data).__name__}")
-        if "name" not in data:
-            raise ValueError(f"{where}: name is required")
-        gateway = {k: data[k] for k in cls.GATEWAY_KEYS if k in data}
-        rest = {k: v for k, v in data.items() if k not in gateway}
-        try:
-            config = TenantConfig.from_dict(rest, where)
-        except ValueError as exc:
-            if "unknown keys" not in str(exc):
-                raise ValueError(f"{where}: {exc}") from None
-            raise ValueError(f"{exc}; or one of {list(cls.GATEWAY_KEYS)}") from None
-        hashes = set(_strings(gateway.pop("api_key_sha256", []), f"{where}.api_key_sha256"))
-        keys = _strings(gateway.pop("api_keys", []), f"{where}.api_keys")
-        hashes.update(hash_api_key(k) for k in keys)
-        try:
-            return cls(config, frozenset(hashes), **gateway)
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
+    def _one_key(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
 
+    @model_validator(mode="after")
+    def _consistent(self) -> TenantSettings:
+        if self.token_burst is not None and self.token_rate_limit is None:
+            raise ValueError("token_burst needs token_rate_limit")
+        self.tenant_config()  # its own rules: an online tenant is served fcfs
+        return self
 
-def _strings(value: Any, where: str) -> list[str]:
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
-        raise ValueError(f"{where} must be a list of non-empty strings")
-    return list(value)
+    def tenant_config(self) -> TenantConfig:
+        return TenantConfig(
+            self.name, self.tenant_class, self.policy, self.priority, self.weight,
+            self.max_wait_s, self.ttft_slo_s, self.tpot_slo_s,
+        )
+
+    def spec(self) -> TenantSpec:
+        hashes = {*self.api_key_sha256, *(hash_api_key(k) for k in self.api_keys)}
+        return TenantSpec(
+            self.tenant_config(), frozenset(hashes), self.max_concurrent_requests,
+            self.token_rate_limit, self.token_burst,
+        )

@@ -1,2 +1,2 @@
-"""Shared by prefill and decode workers: the KVWorker base class, its config, and the
-messages that cross process boundaries (bucketserve.messages)."""
+"""Shared by prefill and decode workers: the KVWorker base class, its config, its
+environment (threads, padding, warm-up) and the pipeline-stage actors."""

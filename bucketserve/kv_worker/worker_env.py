@@ -5,23 +5,9 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
-PADDING = ("auto", True, False)
-WARMUP_MODES = ("auto", "all", "smallest", "none")
 T = TypeVar("T")
-
-
-def check_worker_options(where: str, padding: Any, warmup: Any, threads: Any) -> None:
-    if padding not in PADDING or (isinstance(padding, int) and not isinstance(padding, bool)):
-        raise ValueError(
-            f"{where}.pad_to_shape_buckets must be 'auto', true or false; got {padding!r}"
-        )
-    if warmup not in WARMUP_MODES:
-        raise ValueError(f"{where}.warmup must be one of {WARMUP_MODES}; got {warmup!r}")
-    bad_int = isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
-    if threads is not None and bad_int:
-        raise ValueError(f"{where}.torch_threads must be None or an integer >= 1; got {threads!r}")
 
 
 def resolve_padding(setting: str | bool, device_type: str) -> bool:
@@ -47,26 +33,14 @@ def omp_env(threads: int, spins: bool) -> dict[str, str]:
     """OpenMP settings of a worker with `threads` intra-op threads. A pool that `spins`
     (`ControllerConfig.omp_spins`) does so between ops for libgomp's own default count, then
     sleeps; the others wait passively (a spinning pool steals the cores it shares).
-    Spinning without a limit starves the gateway; a short spin (20,000) puts the threads
-    to sleep between the ops of a step, and waking them cost the colocated default 25 % of
-    its decode speed at 1 req/s (TPOT p50 133 -> 98 ms with 300,000, `vllm bench serve`,
-    one server at a time: benchmarks/results/xeon_amx/README.md).
+    Spinning without a limit starves the gateway; a short spin puts the threads to sleep
+    between the ops of a decode step, and waking them costs more than the step's short ops.
     `OMP_WAIT_POLICY` / `GOMP_SPINCOUNT` in the environment win."""
     wait = os.environ.get("OMP_WAIT_POLICY") or ("active" if spins else "passive")
     env = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": wait}
     if wait.lower() == "active":
         env["GOMP_SPINCOUNT"] = os.environ.get("GOMP_SPINCOUNT", str(SPIN_COUNT))
     return env
-
-
-def check_cpus(where: str, cpus: Any) -> None:
-    if cpus is None:
-        return
-    ok = isinstance(cpus, list) and cpus and all(
-        isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus
-    )
-    if not ok or len(set(cpus)) != len(cpus):
-        raise ValueError(f"{where} must be null or a list of distinct core ids >= 0; got {cpus!r}")
 
 
 def pin_cpus(cpus: list[int] | None) -> None:

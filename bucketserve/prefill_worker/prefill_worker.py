@@ -13,7 +13,7 @@ from bucketserve.kv_transfer.collective import CollectiveTransport
 from bucketserve.kv_transfer.lease import Lease, LeaseError, LeaseTable
 from bucketserve.kv_transfer.transport import KVSender, KVTransport
 from bucketserve.kv_worker.kv_worker import KVWorker
-from bucketserve.messages import HandoffRequest, PrefillResult, PrefillTask, TokenDelta, WorkerStats
+from bucketserve.messages import PrefillResult, PrefillTask, TokenDelta, WorkerRequest, WorkerStats
 from bucketserve.prefill_worker.config import PrefillWorkerConfig
 from bucketserve.runtime.core.block_manager import BlockManager
 from bucketserve.runtime.core.logprobs import logprob_of
@@ -40,7 +40,7 @@ class PrefillWorker(KVWorker):
     One thread of its own builds the model, warms up and runs every batch (`_on_torch`),
     whichever of the actor's call threads asks: OpenMP keeps a thread pool per thread
     that starts parallel work, and with more pool threads in the process than cores
-    libgomp stops spinning between parallel regions (a prefill step took 1.5x as long).
+    libgomp stops spinning between parallel regions, and every region waits for a wake-up.
     A pipelined worker runs batches on the calling thread, so the next batch can enter
     the first stage while one flows down: its stages compute in processes of their own.
     """
@@ -310,7 +310,7 @@ class PrefillWorker(KVWorker):
                 )
 
 
-def _sequence(request: HandoffRequest) -> Sequence:
+def _sequence(request: WorkerRequest) -> Sequence:
     return Sequence(
         request.prompt_token_ids,
         request.sampling_params,

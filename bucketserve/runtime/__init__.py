@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+        raise AttributeError(f"module 'bucketserve.runtime' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -121,7 +121,7 @@ def test_split_snaps_to_a_nearby_shape_edge():
     bounds=st.lists(st.integers(1, 4095), max_size=63, unique=True),
     lengths=st.lists(st.integers(0, 4095), min_size=1, max_size=50),
 )
-def test_bisect_lookup_agrees_with_the_linear_scan(bounds, lengths):
+def test_lookup_finds_the_bucket_holding_each_length(bounds, lengths):
     buckets = plain(max_len=4096, max_buckets=64)
     edges = sorted(bounds)
     for low, up in zip([0, *edges], [*edges, 4096], strict=True):
@@ -129,9 +129,8 @@ def test_bisect_lookup_agrees_with_the_linear_scan(bounds, lengths):
     buckets.buckets = buckets.buckets[1:]
     buckets._uppers = [b.up for b in buckets.buckets]
     for length in lengths:
-        found = buckets.find_bisect(length)
-        assert found is buckets.find_linear(length)
-        assert found.low <= length < found.up
+        found = buckets.find(length)
+        assert found is next(b for b in buckets.buckets if b.low <= length < b.up)
 
 
 def test_lengths_outside_the_buckets_are_rejected():
@@ -139,7 +138,7 @@ def test_lengths_outside_the_buckets_are_rejected():
     with pytest.raises(ValueError, match=r"prompt length 1024 is outside the request buckets"):
         buckets.find(1024)
     with pytest.raises(ValueError, match=r"RequestBucketConfig\.max_len"):
-        plain(lookup="linear").find_linear(5000)
+        buckets.find(5000)
     assert len(buckets) == 0
 
 

@@ -4,11 +4,9 @@ from bucketserve.bucket_manager import (
     BatchingConfig,
     BucketManagerConfig,
     BucketRange,
-    Policy,
     PromptShapeConfig,
     RequestBucketConfig,
     ShapeBucketConfig,
-    TenantClass,
     TenantConfig,
 )
 
@@ -30,7 +28,6 @@ from bucketserve.bucket_manager import (
         (lambda: BucketRange(10, 1, 5), "range.max must be an integer >= 10, got 5"),
         (lambda: BucketRange(1, 0, 5), "range.step must be an integer >= 1, got 0"),
         (lambda: RequestBucketConfig(theta=1.5), r"theta must be a number in \[0.0, 1.0\]"),
-        (lambda: RequestBucketConfig(lookup="hash"), "lookup must be one of 'bisect', 'linear'"),
         (lambda: RequestBucketConfig(shape_edge_snap=0.6), "shape_edge_snap must be a number in"),
         (lambda: RequestBucketConfig(max_len=True), "max_len must be an integer >= 2, got True"),
         (lambda: BatchingConfig(safety_fraction=0), "safety_fraction must be a number"),
@@ -65,46 +62,32 @@ def test_invalid_config_names_the_field_and_allowed_values(build, message):
         build()
 
 
-def test_from_dict_builds_the_nested_config():
-    config = BucketManagerConfig.from_dict(
+def test_from_dict_builds_the_nested_shape_config():
+    config = ShapeBucketConfig.from_dict(
         {
-            "request_buckets": {"max_len": 4096, "theta": 0.6},
-            "shape_buckets": {
-                "strategy": "linear",
-                "max_model_len": 4096,
-                "prompt": {"bs": [1, 2, 8], "query": {"min": 128, "step": 256, "max": 4096}},
-                "decode": {"blocks": [16, 16, 512]},
-            },
-            "batching": {"max_num_seqs": 32},
-            "tenants": [
-                {"name": "chat", "priority": -1, "ttft_slo_s": 0.5},
-                {"name": "batch", "class": "offline", "policy": "ljf", "weight": 2},
-            ],
+            "strategy": "linear",
+            "max_model_len": 4096,
+            "prompt": {"bs": [1, 2, 8], "query": {"min": 128, "step": 256, "max": 4096}},
+            "decode": {"blocks": [16, 16, 512]},
         }
     )
-    assert config.request_buckets == RequestBucketConfig(max_len=4096, theta=0.6)
-    assert config.shape_buckets.prompt.query == BucketRange(128, 256, 4096)
-    assert config.shape_buckets.decode.blocks == BucketRange(16, 16, 512)
-    assert config.shape_buckets.decode.bs == BucketRange(1, 2, 4, 3)  # default kept
-    assert config.batching.max_num_seqs == 32
-    chat, batch = config.tenants
-    assert (chat.tenant_class, chat.policy, chat.priority, chat.ttft_slo_s) == (
-        TenantClass.ONLINE, Policy.FCFS, -1, 0.5
-    )
-    assert (batch.tenant_class, batch.policy, batch.weight) == (TenantClass.OFFLINE, Policy.LJF, 2)
+    assert (config.strategy, config.max_model_len) == ("linear", 4096)
+    assert config.prompt.bs == BucketRange(1, 2, 8)
+    assert config.prompt.query == BucketRange(128, 256, 4096)
+    assert config.decode.blocks == BucketRange(16, 16, 512)
+    assert config.decode.bs == BucketRange(1, 2, 4, 3)  # default kept
 
 
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"request_bucket": {}}, r"buckets: unknown keys \['request_bucket'\]; allowed keys are"),
-        ({"shape_buckets": {"prompt": {"query": [10, 1, 5, 3]}}}, "prompt.query.max must be"),
-        ({"shape_buckets": {"prompt": {"query": [1, 2]}}}, r"prompt.query must be \[min"),
-        ({"tenants": {"name": "a"}}, "buckets.tenants must be a list of tenant mappings"),
-        ({"tenants": [{"name": "a", "slo": 1}]}, r"buckets.tenants\[0\]: unknown keys \['slo'\]"),
-        ({"batching": 5}, "batching must be a mapping, got int"),
+        ({"prompts": {}}, r"shape_buckets: unknown keys \['prompts'\]; allowed keys are"),
+        ({"prompt": {"query": [10, 1, 5, 3]}}, "prompt.query.max must be"),
+        ({"prompt": {"query": [1, 2]}}, r"prompt.query must be \[min"),
+        ({"prompt": {"qery": [1, 2, 4]}}, r"shape_buckets.prompt: unknown keys \['qery'\]"),
+        ({"decode": 5}, "shape_buckets.decode must be a mapping, got int"),
     ],
 )
 def test_from_dict_rejects_unknown_keys_and_bad_values(data, message):
     with pytest.raises(ValueError, match=message):
-        BucketManagerConfig.from_dict(data)
+        ShapeBucketConfig.from_dict(data)

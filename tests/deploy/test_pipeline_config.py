@@ -60,10 +60,10 @@ def test_unequal_prefill_and_decode_stages_are_refused_naming_both_keys(
             transport="collective",
             decode_placement=PlacementConfig(pipeline_parallel_size=2),
         )
-    with pytest.raises(ValueError, match="stage_packing must be one of"):
-        PlacementConfig(stage_packing="SPREAD")
-    with pytest.raises(ValueError, match="pipeline_parallel_size must be >= 1"):
-        PlacementConfig(pipeline_parallel_size=0)
+    with pytest.raises(ServeConfigError, match="stage_packing: must be one of 'PACK', 'STRICT"):
+        ServeConfig.from_dict({"controller": {"prefill": {"stage_packing": "SPREAD"}}})
+    with pytest.raises(ServeConfigError, match="pipeline_parallel_size: must be an integer >= 1"):
+        ServeConfig.from_dict({"controller": {"decode": {"pipeline_parallel_size": 0}}})
 
 
 def test_a_stage_group_is_one_placement_group_head_bundle_plus_one_card_per_stage() -> None:

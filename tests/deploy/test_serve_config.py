@@ -12,11 +12,16 @@ from typing import Any
 import pytest
 import yaml
 
+from bucketserve.bucket_manager.config import BatchingConfig, RequestBucketConfig, TenantConfig
 from bucketserve.bucket_manager.policy import Policy, TenantClass
+from bucketserve.controller.config import ControllerConfig
 from bucketserve.deploy.cli import run_check
 from bucketserve.deploy.serve_config import ServeConfig, ServeConfigError
-from bucketserve.deploy.serve_config_schema import FIELDS, TARGETS
+from bucketserve.deploy.serve_settings import ModelSettings
 from bucketserve.deploy.service_runner import flag_overrides
+from bucketserve.gateway.gateway_config import GatewayConfig
+from bucketserve.gateway.tenant_spec import TenantSettings
+from bucketserve.runtime.worker.device import DTYPES
 
 DEPLOY = Path(__file__).resolve().parents[2] / "bucketserve" / "deploy"
 EXAMPLES = sorted(p for p in DEPLOY.glob("serve*.yaml"))
@@ -97,9 +102,21 @@ def test_flags_override_the_file(tmp_path: Path, tiny_model_dir: Path) -> None:
         ServeConfig.load(path, flag_overrides(args))
 
 
-def test_every_schema_key_feeds_a_real_field_of_its_config() -> None:
-    for path, (target, name) in FIELDS.items():
-        assert name in {f.name for f in dataclasses.fields(TARGETS[target])}, path
+def test_the_settings_defaults_are_the_configs_defaults() -> None:
+    config = ServeConfig.from_dict({})
+    assert config.controller == ControllerConfig()
+    assert config.gateway == GatewayConfig()
+    assert config.request_buckets == RequestBucketConfig()
+    assert config.batching == BatchingConfig()
+    assert TenantSettings(name="t").tenant_config() == TenantConfig("t")
+    dtypes = ModelSettings.model_fields["dtype"].annotation.__args__
+    assert set(dtypes) == {"auto", *DTYPES}
+
+
+def test_an_empty_section_is_left_out_and_tenants_may_be_a_mapping_by_name() -> None:
+    config = ServeConfig.from_dict({"controller": None, "tenants": {"a": {"api_keys": "k"}}})
+    assert config.controller == ControllerConfig()
+    assert config.tenants.authenticate("k").name == "a"
 
 
 def test_no_file_is_the_embedded_default() -> None:
@@ -122,34 +139,37 @@ def test_late_prompts_yield_for_8_s_unless_the_yaml_says_otherwise() -> None:
         assert config.controller.scheduler.late_yield_s == value
 
 
-def test_prompts_are_held_up_to_their_last_chance_unless_the_yaml_caps_it() -> None:
-    assert ServeConfig.from_dict({}).controller.scheduler.slo_hold_fraction is None
-    for value in (0.5, 1):
-        config = ServeConfig.from_dict({"controller": {"decode": {"slo_hold_fraction": value}}})
-        assert config.controller.scheduler.slo_hold_fraction == value
-
-
 HPU_CLUSTER = {"cluster": {"resources": {"HPU": 4}}}
 BROKEN = [
     ({"controller": {"prefill": {"num_workers": 0}}},
      "controller.prefill.num_workers", "must be an integer >= 1, got 0"),
     ({"controller": {"prefill": {"num_workers": "two"}}},
-     "controller.prefill.num_workers", "must be an integer, got a string 'two'"),
+     "controller.prefill.num_workers", "must be an integer >= 1, got a string 'two'"),
     ({"controller": {"prefill": {"nm_workers": 1}}},
      "controller.prefill.nm_workers", "did you mean 'num_workers'"),
     ({"modle": {"path": None}}, "modle", "did you mean 'model'"),
     ({"controller": "ray"}, "controller", "must be a mapping, got a string"),
-    ({"controller": {"mode": "k8s"}}, "controller.mode", "('ray', 'local')"),
+    ({"controller": {"mode": "k8s"}}, "controller.mode", "one of 'ray', 'local', got 'k8s'"),
     ({"controller": {"mode": "local", "ray_address": "auto"}},
      "controller.ray_address", "mode 'local' runs every worker in this process"),
     ({"controller": {"decode": {"enable_chunked_prefill": "yes"}}},
      "controller.decode.enable_chunked_prefill", "must be true or false"),
     ({"controller": {"decode": {"scheduling_policy": "sjf"}}},
-     "controller.decode.scheduling_policy", "must be one of fcfs, priority, got 'sjf'"),
+     "controller.decode.scheduling_policy", "must be one of 'fcfs', 'priority', got 'sjf'"),
     ({"controller": {"decode": {"late_yield_s": 0}}},
-     "controller.decode.late_yield_s", "must be a number of seconds > 0, or null for no bound"),
-    ({"controller": {"decode": {"slo_hold_fraction": 2}}},
-     "controller.decode.slo_hold_fraction", "must be a number in (0, 1]"),
+     "controller.decode.late_yield_s", "must be a number > 0 or null, got 0"),
+    ({"controller": {"decode": {"slo_hold_fraction": 0.5}}},
+     "controller.decode.slo_hold_fraction", "unknown key 'slo_hold_fraction'"),
+    ({"controller": {"decode": {"pace": 0.8}}},
+     "controller.decode.pace", "the colocated shape has none"),
+    ({"controller": {"mode": "local", "transport": "ray"}},
+     "controller.transport", "mode 'local' keeps every worker in this process"),
+    ({"controller": {"prefill": {"stage_packing": "SPREAD"}}},
+     "controller.prefill.stage_packing", "one of 'PACK', 'STRICT_PACK', got 'SPREAD'"),
+    ({"controller": {"decode": {"pipeline_parallel_size": 0}}},
+     "controller.decode.pipeline_parallel_size", "must be an integer >= 1, got 0"),
+    ({"controller": {"pad_to_shape_buckets": "yes"}},
+     "controller.pad_to_shape_buckets", "must be 'auto' or true or false, got a string 'yes'"),
     ({"controller": {"prefill": {"resources": {"HPU": "one"}}}},
      "controller.prefill.resources", "a mapping of names to numbers"),
     ({"controller": {"shape": "disaggregated", "decode": {"num_workers": 3, "accelerator": "hpu"},
@@ -162,38 +182,45 @@ BROKEN = [
     ({"model": {"device": "tpu"}}, "model.device", "'cpu', 'cuda'"),
     ({"model": {"dtype": "int4"}}, "model.dtype", "'bfloat16'"),
     ({"model": {"max_model_len": 0}}, "model.max_model_len", ">= 1"),
-    ({"kv_cache": {"memory_fraction": 1.5}}, "kv_cache.memory_fraction", "(0, 1]"),
-    ({"kv_cache": {"memory_fraction": 0}}, "kv_cache.memory_fraction", "(0, 1]"),
-    ({"kv_cache": {"block_size": -16}}, "kv_cache.block_size", "positive integer"),
-    ({"gateway": {"grpc_port": -1}}, "gateway.grpc_port", ">= 0"),
-    ({"gateway": {"http_port": 70000}}, "gateway.http_port", "at most 65535"),
+    ({"kv_cache": {"memory_fraction": 1.5}}, "kv_cache.memory_fraction", "in (0, 1], got 1.5"),
+    ({"kv_cache": {"memory_fraction": 0}}, "kv_cache.memory_fraction", "in (0, 1], got 0"),
+    ({"kv_cache": {"block_size": -16}}, "kv_cache.block_size", "an integer >= 1, got -16"),
+    ({"gateway": {"grpc_port": -1}}, "gateway.grpc_port", "an integer in [0, 65535], got -1"),
+    ({"gateway": {"http_port": 70000}}, "gateway.http_port", "in [0, 65535] or null, got 70000"),
     ({"gateway": {"http_port": 9000, "grpc_port": 9000}}, "gateway.http_port", "must differ"),
     ({"gateway": {"tls_cert_file": "/nonexistent/cert.pem"}}, "gateway.tls_cert_file",
      "go together"),
     ({"buckets": {"strategy": "logarithmic"}}, "buckets.strategy", "'exponential', 'linear'"),
     ({"buckets": {"strategy": "file"}}, "buckets.file", "required by the 'file' strategy"),
     ({"buckets": {"theta": 0}}, "buckets.theta", "(0, 1]"),
-    ({"buckets": {"theta": 1.5}}, "buckets.theta", "[0.0, 1.0]"),
+    ({"buckets": {"theta": 1.5}}, "buckets.theta", "in (0, 1], got 1.5"),
+    ({"buckets": {"lookup": "linear"}}, "buckets.lookup", "unknown key 'lookup'"),
+    ({"buckets": {"shape_edge_snap": 0}}, "buckets.shape_edge_snap", "unknown key"),
     ({"buckets": {"max_len": 1}}, "buckets.max_len", ">= 2"),
     ({"buckets": {"max_len": 512}, "model": {"max_model_len": 256}},
      "buckets.max_len", "differs from model.max_model_len 256"),
     ({"buckets": {"prompt": {"bs": [1, 2]}}}, "buckets.prompt.bs", "[min, step, max]"),
     ({"buckets": {"decode": {"blocks": [1, 1, 64]}}}, "buckets.decode.blocks.limit",
      "required by the exponential strategy"),
+    ({"buckets": {"prompt": {"query": [10, 1, 5, 3]}}}, "buckets.prompt.query.max",
+     "must be >= min (10), got 5"),
     ({"buckets": {"batching": {"safety_fraction": 2}}}, "buckets.batching.safety_fraction",
-     "1.0]"),
+     "in (0, 1], got 2"),
+    ({"buckets": {"batching": {"fit_batch_buckets": False}}},
+     "buckets.batching.fit_batch_buckets", "unknown key"),
     ({"tenants": [{"name": "a", "api_keys": ["k"], "colour": "red"}]},
-     "tenants[0]", "unknown keys ['colour']"),
+     "tenants[0].colour", "unknown key 'colour'"),
     ({"tenants": [{"name": "a", "api_keys": ["k"], "policy": "sjf"}]},
      "tenants", "online tenants are served by earliest arrival"),
     ({"tenants": [{"name": "a"}, {"name": "b", "api_keys": ["k"]}]},
      "tenants", "tenant 'a' has no api_keys"),
     ({"cluster": {"resources": {"HPU": -1}}}, "cluster.resources.HPU", ">= 0"),
     ({"controller": {"shape": "collocated"}}, "controller.shape", "'colocated'"),
-    ({"controller": {"worker_timeout_s": 0}}, "controller.worker_timeout_s", "> 0 seconds"),
+    ({"controller": {"worker_timeout_s": 0}}, "controller.worker_timeout_s",
+     "must be a number > 0, got 0"),
     ({"controller": {"decode": {"cpus": [1, 1]}}}, "controller.decode.cpus", "distinct core ids"),
     ({"controller": {"prefill": {"cpus": "0-1"}}}, "controller.prefill.cpus",
-     "must be a list of integers or null"),
+     "must be a list of integers >= 0 or null, got a string '0-1'"),
 ]
 
 

@@ -45,7 +45,7 @@ def test_worker_messages_carry_token_ids_and_no_text() -> None:
 
 def test_the_admitted_request_is_one_object_from_the_controller_to_the_workers() -> None:
     """Nothing after admission copies a ServeRequest's fields: the controller's state holds
-    it, the bucket manager's entry carries that state, a HandoffRequest carries it."""
+    it, the bucket manager's entry carries that state, a WorkerRequest carries it."""
     from bucketserve.bucket_manager.config import TenantConfig
     from bucketserve.controller.request_state import RequestState
     from bucketserve.controller.request_stream import RequestStream
@@ -58,31 +58,31 @@ def test_the_admitted_request_is_one_object_from_the_controller_to_the_workers()
     request = ServeRequest("r", [1, 2, 3], SamplingParams(max_tokens=4), tenant="t", priority=-1)
     state = RequestState(request, RequestStream("r", abort))
     state.output_token_ids.extend([7])
-    handoff = state.handoff()
-    assert handoff.request is request and handoff.prompt_token_ids is request.prompt_token_ids
-    assert (handoff.request_id, handoff.sampling_params) == ("r", request.sampling_params)
-    assert handoff.output_token_ids == [7] and handoff.num_tokens == 4
-    assert handoff.priority == (0, -1)
-    assert state.handoff(TenantConfig("t", priority=2)).priority == (2, -1)
-    assert handoff.ttft_left_s is None  # it has streamed a token: its TTFT is behind it
-    state.output_token_ids.extend([8])  # a snapshot: later tokens are the next handoff's
-    assert handoff.output_token_ids == [7]
+    sent = state.worker_request()
+    assert sent.request is request and sent.prompt_token_ids is request.prompt_token_ids
+    assert (sent.request_id, sent.sampling_params) == ("r", request.sampling_params)
+    assert sent.output_token_ids == [7] and sent.num_tokens == 4
+    assert sent.priority == (0, -1)
+    assert state.worker_request(TenantConfig("t", priority=2)).priority == (2, -1)
+    assert sent.ttft_left_s is None  # it has streamed a token: its TTFT is behind it
+    state.output_token_ids.extend([8])  # a snapshot: later tokens are the next one's
+    assert sent.output_token_ids == [7]
     fresh = RequestState(
         ServeRequest("f", [1], SamplingParams(), arrival_time=time.monotonic() - 1.0),
         RequestStream("f", abort),
     )
-    left = fresh.handoff(TenantConfig("t", ttft_slo_s=4.0)).ttft_left_s
+    left = fresh.worker_request(TenantConfig("t", ttft_slo_s=4.0)).ttft_left_s
     assert 2.0 < left < 3.0  # its tenant's 4 s target, less the second it has waited
     fresh.request.slo_ttft_s = 10.0  # the request's own target wins
-    assert 8.0 < fresh.handoff(TenantConfig("t", ttft_slo_s=4.0)).ttft_left_s < 9.0
-    assert fresh.handoff(TenantConfig("t")).ttft_left_s < 9.0
+    assert 8.0 < fresh.worker_request(TenantConfig("t", ttft_slo_s=4.0)).ttft_left_s < 9.0
+    assert fresh.worker_request(TenantConfig("t")).ttft_left_s < 9.0
     fresh.request.slo_ttft_s = None
-    assert fresh.handoff(TenantConfig("t")).ttft_left_s is None  # no target at all
-    assert fresh.handoff(TenantConfig("t", tpot_slo_s=0.2)).tpot_s == 0.2
+    assert fresh.worker_request(TenantConfig("t")).ttft_left_s is None  # no target at all
+    assert fresh.worker_request(TenantConfig("t", tpot_slo_s=0.2)).tpot_s == 0.2
     fresh.request.slo_tpot_s = 0.1  # the request's own TPOT target wins, too
-    assert fresh.handoff(TenantConfig("t", tpot_slo_s=0.2)).tpot_s == 0.1
-    assert state.handoff().tpot_s is None
-    assert handoff.output_token_ids == [7]
+    assert fresh.worker_request(TenantConfig("t", tpot_slo_s=0.2)).tpot_s == 0.1
+    assert state.worker_request().tpot_s is None
+    assert sent.output_token_ids == [7]
     entry = state.bucket_request(max_tokens=3)
     assert entry.payload is state
     assert (entry.request_id, entry.prompt_len, entry.tenant) == ("r", 5, "t")

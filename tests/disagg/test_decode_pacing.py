@@ -13,7 +13,7 @@ from bucketserve.controller.config import ControllerConfig
 from bucketserve.decode_worker.config import DecodeWorkerConfig
 from bucketserve.decode_worker.decode_worker import DecodeWorker
 from bucketserve.decode_worker.pacer import DecodePacer
-from bucketserve.messages import HandoffRequest, ServeRequest
+from bucketserve.messages import ServeRequest, WorkerRequest
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.sequence import Sequence
 from bucketserve.runtime.engine.engine_config import EngineConfig
@@ -81,11 +81,11 @@ def decode_worker(model_dir: Path, pace: float | None) -> DecodeWorker:
     )
 
 
-def greedy(tpot_s: float) -> HandoffRequest:
+def greedy(tpot_s: float) -> WorkerRequest:
     """A greedy request of TOKENS tokens with TPOT target `tpot_s`, which the worker's
     own engine prefills (the colocated entry: no prefill worker needed)."""
     params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-    return HandoffRequest(ServeRequest("r", [5, 6, 7, 8, 9], params), [], tpot_s=tpot_s)
+    return WorkerRequest(ServeRequest("r", [5, 6, 7, 8, 9], params), [], tpot_s=tpot_s)
 
 
 def run_one(model_dir: Path, pace: float | None) -> tuple[list[int], list[float], float]:
@@ -94,7 +94,7 @@ def run_one(model_dir: Path, pace: float | None) -> tuple[list[int], list[float]
     worker = decode_worker(model_dir, pace)
     try:
         lease = worker.reserve([("in-flight", 2)]).lease_id
-        assert worker.add_requests([greedy(TPOT)]).admitted == ["r"]
+        assert worker.admit_prompts([greedy(TPOT)]).admitted == ["r"]
         tokens: list[int] = []
         times: list[float] = []
         deadline = time.monotonic() + 30
@@ -123,7 +123,7 @@ def test_a_paced_worker_spaces_tokens_to_the_target_and_keeps_them(tiny_model_di
 def test_without_a_prefill_in_flight_nothing_waits(tiny_model_dir: Path) -> None:
     worker = decode_worker(tiny_model_dir, pace=1.0)
     try:
-        assert worker.add_requests([greedy(60.0)]).admitted == ["r"]
+        assert worker.admit_prompts([greedy(60.0)]).admitted == ["r"]
         got = 0
         deadline = time.monotonic() + 30  # paced, 60 s a token: far past this
         while got < TOKENS and time.monotonic() < deadline:

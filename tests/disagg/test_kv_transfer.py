@@ -16,7 +16,7 @@ from bucketserve.kv_transfer.inprocess import InProcessTransport
 from bucketserve.kv_transfer.kv_format import KVBlockHandle, KVFormat
 from bucketserve.kv_transfer.ray_store import from_wire, to_wire
 from bucketserve.kv_transfer.transport import KVSender, LayerSink
-from bucketserve.messages import HandoffRequest, PrefillTask, ReservationError, ServeRequest
+from bucketserve.messages import PrefillTask, ReservationError, ServeRequest, WorkerRequest
 from bucketserve.prefill_worker.config import PrefillWorkerConfig
 from bucketserve.prefill_worker.prefill_worker import PrefillWorker
 from bucketserve.runtime.engine.engine_config import EngineConfig
@@ -90,7 +90,7 @@ def test_kv_moves_layer_by_layer_into_the_reserved_blocks(
     transport.register(decode.name, log)
     try:
         requests = [
-            HandoffRequest(ServeRequest(f"r{i}", list(p), s), [])
+            WorkerRequest(ServeRequest(f"r{i}", list(p), s), [])
             for i, (p, s) in enumerate(work[:3])
         ]
         need = [(r.request_id, -(-len(r.prompt_token_ids) // BLOCK_SIZE)) for r in requests]
@@ -117,7 +117,7 @@ def test_kv_moves_layer_by_layer_into_the_reserved_blocks(
 
         for request, first in zip(requests, result.first, strict=True):
             request.output_token_ids = list(first.token_ids)
-        ack = decode.admit(reservation.lease_id, requests, result.payload)
+        ack = decode.admit_prefilled(reservation.lease_id, requests, result.payload)
         assert ack.admitted == ["r0", "r1", "r2"] and not ack.rejected
         assert prefill.release(result.lease_id) and not prefill.release(result.lease_id)
         got = _drain(decode, requests)
@@ -133,7 +133,7 @@ def test_kv_moves_layer_by_layer_into_the_reserved_blocks(
         decode.shutdown()
 
 
-def _drain(decode: DecodeWorker, requests: list[HandoffRequest]) -> dict[str, list[int]]:
+def _drain(decode: DecodeWorker, requests: list[WorkerRequest]) -> dict[str, list[int]]:
     out = {r.request_id: list(r.output_token_ids) for r in requests}
     done: set[str] = set()
     deadline = time.monotonic() + 30
@@ -199,18 +199,18 @@ def test_each_worker_runs_its_torch_work_on_one_thread_whichever_thread_calls(
     callers: set[int] = set()
     try:
         requests = [
-            HandoffRequest(ServeRequest(f"r{i}", list(p), s), [])
+            WorkerRequest(ServeRequest(f"r{i}", list(p), s), [])
             for i, (p, s) in enumerate(work[:2])
         ]
 
-        def handoff(request: HandoffRequest) -> None:
+        def handoff(request: WorkerRequest) -> None:
             callers.add(threading.get_ident())
             blocks = -(-len(request.prompt_token_ids) // BLOCK_SIZE)
             reservation = decode.reserve([(request.request_id, blocks)])
             task = PrefillTask(0, [request], (1, 64, 0), True, reservation.handle, 512)
             result = prefill.run_batch(task)
             request.output_token_ids = list(result.first[0].token_ids)
-            assert decode.admit(reservation.lease_id, [request], result.payload).admitted
+            assert decode.admit_prefilled(reservation.lease_id, [request], result.payload).admitted
             assert prefill.release(result.lease_id)
 
         handoff(requests[0])  # from this thread

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from bucketserve.controller.controller import Controller
+from bucketserve.controller.worker_pool import WorkerPool
+from bucketserve.decode_worker.config import DecodeWorkerConfig
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from tests.disagg.helpers import (
     BLOCK_SIZE,
@@ -110,14 +112,19 @@ def test_padded_to_warmed_shape_buckets_matches_the_engine(
 
 
 def test_expired_lease_frees_the_prefill_blocks_and_the_request_completes(
-    tiny_model_dir: Path, work: list, reference: list
+    tiny_model_dir: Path, work: list, reference: list, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The decode side acknowledges the first handoff only after both leases ran out."""
+    decode_config = WorkerPool.decode_config
+
+    def delayed(pool: WorkerPool, index: int) -> DecodeWorkerConfig:
+        config = decode_config(pool, index)  # the fault drill: the first admission waits 2 s
+        return dataclasses.replace(config, admit_delay_s=2.0, admit_delay_count=1)
+
+    monkeypatch.setattr(WorkerPool, "decode_config", delayed)
 
     async def main() -> None:
-        controller = await started(
-            tiny_model_dir, lease_ttl_s=0.5, admit_delay_s=2.0, admit_delay_count=1
-        )
+        controller = await started(tiny_model_dir, lease_ttl_s=0.5)
         try:
             run = asyncio.ensure_future(generate(controller, work, "lease"))
             prefill = await _expired(controller, "prefill-0")

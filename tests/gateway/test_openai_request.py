@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from bucketserve.gateway.errors import InvalidArgumentError
-from bucketserve.gateway.openai_request import OpenAIRequest
+from bucketserve.gateway.openai.serving import OpenAIRequest
 
 
 def test_completion_body() -> None:
@@ -164,7 +164,7 @@ def test_vllm_bench_bodies_are_accepted() -> None:
 
 
 def test_unknown_fields_are_ignored_with_a_debug_log(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="bucketserve.gateway.request_body")
+    caplog.set_level(logging.DEBUG, logger="bucketserve.gateway.openai.body")
     body = {
         "prompt": "x", "temprature": 0, "stream": True,
         "stream_options": {"include_usage": True, "chunk_size": 3},

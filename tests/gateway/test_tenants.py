@@ -111,16 +111,18 @@ def test_a_lone_default_tenant_without_keys_sets_its_targets_and_stays_open() ->
     ("entry", "message"),
     [
         ({"api_keys": ["k"]}, r"tenants\[0\]: name is required"),
-        ({"name": "x", "api_keys": ["k"], "colour": 1}, r"unknown keys \['colour'\]"),
+        ({"name": "x", "api_keys": ["k"], "colour": 1},
+         r"tenants\[0\]\.colour: unknown key 'colour'"),
         ({"name": "x", "api_keys": ["k"], "policy": "sjf"}, "online tenants"),
-        ({"name": "x", "api_keys": ["k"], "class": "batchy"}, "tenant_class"),
+        ({"name": "x", "api_keys": ["k"], "class": "batchy"},
+         r"tenants\[0\]\.class: must be one of 'online', 'offline', got 'batchy'"),
         ({"name": "x", "api_keys": ["k"], "max_concurrent_requests": 0}, "max_concurrent_requests"),
         ({"name": "x", "api_keys": ["k"], "token_rate_limit": -1}, "token_rate_limit"),
         ({"name": "x", "api_keys": ["k"], "token_burst": 10}, "token_burst needs token_rate"),
         ({"name": "x", "api_keys": [""]}, r"tenants\[0\].api_keys"),
         ({"name": "x", "api_key_sha256": ["abc"]}, "64 lowercase hex"),
         ({"name": "x"}, "has no api_keys"),
-        ("alice", r"tenants\[0\] must be a mapping"),
+        ("alice", r"tenants\[0\]: must be a mapping"),
     ],
 )
 def test_bad_tenant_entries_name_the_key(entry: object, message: str) -> None:

@@ -42,19 +42,19 @@ def kernel(request, monkeypatch) -> Iterator:
 @pytest.fixture(params=["onednn", "mkl", *(f"kernels-{isa}" for isa in KERNEL_ISAS)])
 def gemm_backend(request, monkeypatch) -> Iterator[str]:
     """Eager CPU GEMMs through oneDNN, MKL's packed sgemm or the kernels' panel GEMM,
-    whichever a machine measures fastest (`cpu_gemm_backend`): all must give the same
-    tokens. The kernels' GEMM runs once per ISA build, and so does everything else the
-    kernels compute in that test (attention, norms, rotary)."""
-    from bucketserve.runtime.cpu import kernels, mkl_sgemm
-    from bucketserve.runtime.worker import device
+    whichever a machine measures fastest (`cpu_gemm_backend`, here pinned to one by
+    narrowing GEMM_BACKENDS): all must give the same tokens. The kernels' GEMM runs once
+    per ISA build, and so does everything else the kernels compute in that test
+    (attention, norms, rotary)."""
+    from bucketserve.runtime.cpu import gemm_plan, kernels, mkl_sgemm
 
     backend, _, isa = request.param.partition("-")
     if backend == "mkl" and not mkl_sgemm.available():
         pytest.skip("this torch build carries no MKL packed sgemm")
     if isa:
         use_kernels(isa, monkeypatch)
-    monkeypatch.setenv(device.GEMM_ENV, backend)
-    device.cpu_gemm_backend.cache_clear()
+    monkeypatch.setattr(gemm_plan, "GEMM_BACKENDS", (backend,))
+    gemm_plan.cpu_gemm_backend.cache_clear()
     yield backend
-    device.cpu_gemm_backend.cache_clear()
+    gemm_plan.cpu_gemm_backend.cache_clear()
     kernels.load.cache_clear()

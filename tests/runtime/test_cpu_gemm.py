@@ -3,16 +3,17 @@ row counts other than the one they were packed for, and the choice between them.
 
 from __future__ import annotations
 
+import psutil
 import pytest
 import torch
 import torch.nn.functional as F
 
-from bucketserve.runtime.cpu import kernels, mkl_sgemm
+from bucketserve.runtime.cpu import gemm_plan, kernels, mkl_sgemm
+from bucketserve.runtime.cpu.gemm import linear, linear_add, linear_silu_mul, pack_weight
+from bucketserve.runtime.cpu.gemm_plan import GemmPlan
 from bucketserve.runtime.cpu.host_gemm import RowSplitGemm
 from bucketserve.runtime.cpu.mkl_sgemm import PackedSgemm
 from bucketserve.runtime.cpu.panel_gemm import PanelGemm
-from bucketserve.runtime.worker import device
-from bucketserve.runtime.worker.device import linear, linear_add, linear_silu_mul, pack_weight
 
 PACKED = {"mkl": PackedSgemm, "kernels": PanelGemm}
 
@@ -84,13 +85,13 @@ def test_prefill_sized_gemms_run_on_the_second_packing(kernel, monkeypatch):
 
 def test_the_second_packing_is_kept_only_for_the_panel_gemm_and_when_it_fits(monkeypatch):
     monkeypatch.setattr(mkl_sgemm, "available", lambda: True)
-    total = device.psutil.virtual_memory().total
-    assert device.prefill_gemm_rows("kernels", total // 16) == device.PREFILL_GEMM_ROWS
-    assert device.prefill_gemm_rows("kernels", total // 4) is None  # two copies won't fit
-    assert device.prefill_gemm_rows("onednn", 1 << 20) is None
-    assert device.prefill_gemm_rows("mkl", 1 << 20) is None
-    monkeypatch.setenv(device.PREFILL_GEMM_ENV, "0")
-    assert device.prefill_gemm_rows("kernels", 1 << 20) is None
+    total = psutil.virtual_memory().total
+    assert gemm_plan.prefill_gemm_rows("kernels", total // 16) == gemm_plan.PREFILL_GEMM_ROWS
+    assert gemm_plan.prefill_gemm_rows("kernels", total // 4) is None  # two copies won't fit
+    assert gemm_plan.prefill_gemm_rows("onednn", 1 << 20) is None
+    assert gemm_plan.prefill_gemm_rows("mkl", 1 << 20) is None
+    monkeypatch.setattr(mkl_sgemm, "available", lambda: False)
+    assert gemm_plan.prefill_gemm_rows("kernels", 1 << 20) is None
 
 
 def test_a_weight_the_panel_gemm_cannot_pack_falls_back_to_onednn():
@@ -100,24 +101,41 @@ def test_a_weight_the_panel_gemm_cannot_pack_falls_back_to_onednn():
     torch.testing.assert_close(linear(x, pack_weight(w, 64, "kernels")), F.linear(x, w))
 
 
-def test_the_backend_choice(monkeypatch):
+def test_the_backend_choice():
+    """Measured among GEMM_BACKENDS by default; `backends` narrows the field (one: that
+    one where it runs these weights here, else oneDNN)."""
     shapes = ((64, 32), (32, 64))
     runs = {"onednn": True, "mkl": mkl_sgemm.available(), "kernels": kernels.load() is not None}
-    for choice in ("onednn", "mkl", "kernels", "auto", "bogus"):
-        monkeypatch.setenv(device.GEMM_ENV, choice)
-        device.cpu_gemm_backend.cache_clear()
+    choose = gemm_plan.cpu_gemm_backend
+    choose.cache_clear()
+    for choice in ("onednn", "mkl", "kernels", None, "bogus"):
+        backends = None if choice is None else (choice,)
         if choice == "bogus":
-            with pytest.raises(ValueError, match="BUCKETSERVE_CPU_GEMM must be auto, onednn"):
-                device.cpu_gemm_backend(torch.float32, shapes, 8)
+            with pytest.raises(ValueError, match="unknown CPU GEMM backend 'bogus'"):
+                choose(torch.float32, shapes, 8, backends)
             continue
-        got = device.cpu_gemm_backend(torch.float32, shapes, 8)
-        if choice == "auto":
-            assert got in device.GEMM_BACKENDS and runs[got]
+        got = choose(torch.float32, shapes, 8, backends)
+        if choice is None:
+            assert got in gemm_plan.GEMM_BACKENDS and runs[got]
         else:
             assert got == (choice if runs[choice] else "onednn")
         # MKL's packed sgemm and the panel GEMM are float32 only; the panels need whole
         # 32-column panels
-        assert device.cpu_gemm_backend(torch.bfloat16, shapes, 8) == "onednn"
+        assert choose(torch.bfloat16, shapes, 8, backends) == "onednn"
         if choice == "kernels":
-            assert device.cpu_gemm_backend(torch.float32, ((48, 32),), 8) != "kernels"
-    device.cpu_gemm_backend.cache_clear()
+            assert choose(torch.float32, ((48, 32),), 8, backends) != "kernels"
+    choose.cache_clear()
+
+
+def test_a_plan_packs_the_layers_with_mkl_beside_the_panels_and_the_head_alone(kernel):
+    """`GemmPlan.pack`: the plan's backend, its `large_rows` for the layers' weights, one
+    packing where `split_rows` is off (the LM head); graphs: tensors a region takes."""
+    if not mkl_sgemm.available():
+        pytest.skip("this torch build carries no MKL packed sgemm")
+    w = torch.randn(96, 40)
+    plan = GemmPlan("kernels", 8, large_rows=16)
+    assert isinstance(plan.pack(w), RowSplitGemm)
+    assert isinstance(plan.pack(w, split_rows=False), PanelGemm)
+    graph = GemmPlan("kernels", 8, large_rows=16, graphs=True).pack(w)
+    assert graph.large is not None and graph.large_rows == 16
+    assert isinstance(GemmPlan("onednn", 8).pack(w), torch.Tensor)

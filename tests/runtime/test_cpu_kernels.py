@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bucketserve.runtime.attention.metadata import rect_mask
+from bucketserve.runtime.attention.paged_attention import attend_flat, attend_rect
 from bucketserve.runtime.core.sequence import Sequence
 from bucketserve.runtime.cpu import kernels, mkl_sgemm
+from bucketserve.runtime.cpu.gemm import pack_graph_weight
 from bucketserve.runtime.cpu.graph_ops import gemm, gemm_panels, paged_decode_flat
 from bucketserve.runtime.cpu.panel_gemm import PanelGemm
-from bucketserve.runtime.worker.attention import attend_flat, attend_rect, rect_mask
-from bucketserve.runtime.worker.device import pack_graph_weight
 from bucketserve.runtime.worker.step_inputs import InputBuilder
 
 # Every test runs on each ISA build of the kernels (tests/runtime/conftest.py: KERNEL_ISAS),
@@ -165,15 +166,9 @@ def test_kernel_is_off_with_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_in_place_matches_the_torch_ops(kernel, dtype: torch.dtype) -> None:
-    from bucketserve.runtime.io.model_config import ModelConfig
-    from bucketserve.runtime.models.llama import RotaryEmbedding, rope_reference
+    from bucketserve.runtime.layers.rotary_embedding import RotaryEmbedding, rope_reference
 
-    config = ModelConfig.from_dict(
-        {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 2,
-         "num_key_value_heads": 1, "intermediate_size": 64, "num_hidden_layers": 1,
-         "vocab_size": 32, "max_position_embeddings": 64}
-    )
-    cos_sin = RotaryEmbedding(config, 64)(torch.tensor([0, 5, 63, 17]), dtype)
+    cos_sin = RotaryEmbedding(32, 64, 10000.0)(torch.tensor([0, 5, 63, 17]), dtype)
     # q and k columns of a qkv output: rows strided by the whole qkv width
     qkv = torch.randn(4, 5 * 32).to(dtype)
     qk = qkv[:, : 3 * 32].view(4, 3, 32)

@@ -9,10 +9,9 @@ from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
 from bucketserve.runtime.core.sampling_params import SamplingParams
-from bucketserve.runtime.cpu import kernels, mkl_sgemm
+from bucketserve.runtime.cpu import gemm_plan, kernels, mkl_sgemm
 from bucketserve.runtime.cpu.graph_ops import is_panels
 from bucketserve.runtime.engine.llm import LLM
-from bucketserve.runtime.worker import device
 from bucketserve.runtime.worker.device import Device, graph_backend_for, hpu_lazy_mode
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 from tests.runtime.test_model_runner import BLOCK, NUM_BLOCKS, Blocks, generate, new_seqs, prompts
@@ -189,8 +188,8 @@ def test_cpu_graphs_call_the_eager_kernels_inside_the_compiled_regions(
 
     monkeypatch.setattr(mkl_sgemm, "compute", counted_mkl)
     # the 2 x 16 prompt rectangle's GEMMs take MKL's path (32 rows), decode's the panels
-    monkeypatch.setattr(device, "PREFILL_GEMM_ROWS", 32)
-    mkl_rows = device.prefill_gemm_rows(gemm_backend, 0) is not None
+    monkeypatch.setattr(gemm_plan, "PREFILL_GEMM_ROWS", 32)
+    mkl_rows = gemm_plan.prefill_gemm_rows(gemm_backend, 0) is not None
     config = ModelRunnerConfig(
         model=str(tiny_model_dir), block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, execution="graphs"
     )

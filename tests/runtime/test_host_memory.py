@@ -9,20 +9,19 @@ import sys
 
 import pytest
 
-from bucketserve.runtime.worker.device import MALLOC_ENV
-
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
 
 PROBE = """
-import bucketserve.runtime.worker.device as d
-before = d.keep_freed_host_memory.cache_info().currsize
-d.Device("cpu")
-print(before, d.keep_freed_host_memory.cache_info().currsize, d.keep_freed_host_memory())
+from bucketserve.runtime.cpu.host_memory import keep_freed_host_memory as keep
+from bucketserve.runtime.worker.device import Device
+before = keep.cache_info().currsize
+Device("cpu")
+print(before, keep.cache_info().currsize, keep())
 """
 
 
 def probe(switch: str) -> list[str]:
-    env = {**os.environ, MALLOC_ENV: switch}
+    env = {**os.environ, "BUCKETSERVE_MALLOC_TUNING": switch}
     return subprocess.run(
         [sys.executable, "-c", PROBE], capture_output=True, text=True, check=True, env=env
     ).stdout.split()

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.sequence import Sequence
 from bucketserve.runtime.io.model_config import ModelConfig, RopeScaling
-from bucketserve.runtime.models.llama import rope_inv_freq
+from bucketserve.runtime.layers.rotary_embedding import rope_inv_freq
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 
 BLOCK = 4

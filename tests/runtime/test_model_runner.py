@@ -276,7 +276,8 @@ def test_smollm_batched_greedy_chat_matches_transformers(smollm_dir, gemm_backen
 
 
 def test_device_choice_on_a_cpu_machine():
-    from bucketserve.runtime.worker.device import Device, linear
+    from bucketserve.runtime.cpu.gemm import linear
+    from bucketserve.runtime.worker.device import Device
 
     auto = Device("auto")
     assert auto.torch_device == torch.device("cpu") or torch.cuda.is_available()
@@ -316,6 +317,6 @@ def test_packed_weights_replace_the_plain_ones(tiny_model_dir, gemm_backend):
     split = gemm_backend == "kernels" and mkl_sgemm.available()
     assert all(isinstance(p, RowSplitGemm) == split for p in layers)
     assert all(isinstance(p.large, PackedSgemm) for p in layers if split)
-    packed = [p.small if split else p for p in layers] + [runner.model.packed_head]
+    packed = [p.small if split else p for p in layers] + [runner.model.lm_head.packed]
     assert all(isinstance(p, PackedSgemm) == (gemm_backend == "mkl") for p in packed)
     assert all(isinstance(p, PanelGemm) == (gemm_backend == "kernels") for p in packed)

@@ -199,17 +199,3 @@ def test_a_prompt_late_by_more_than_late_yield_s_is_no_longer_held_for_running_t
     admitted.ttft_deadline = now + 0.9
     assert not admits(slo, overdue, [tight, admitted], now)
     assert slo.num_holds == 2
-
-
-def test_a_prompt_is_held_for_at_most_slo_hold_fraction_of_its_time_to_the_deadline():
-    now = time.monotonic()
-    slo = SloAdmission(times(), hold_fraction=0.5)
-    tight = decoding("tight", 10, 1.0, now, tpot=0.25)
-    big = seq("big", 50_000)
-    big.arrival_time, big.ttft_deadline = now - 1.9, now + 2.1  # 4 s to its deadline
-    assert not admits(slo, big, [tight], now)  # held 1.9 s of 4
-    assert admits(slo, big, [tight], now + 0.2)  # 2.1 s: half its time is spent
-    assert not admits(SloAdmission(times()), big, [tight], now + 0.2)  # no cap: held on
-    no_deadline = seq("no-deadline", 50_000)
-    no_deadline.arrival_time = now - 60.0
-    assert not admits(slo, no_deadline, [tight], now)  # no time to take a fraction of

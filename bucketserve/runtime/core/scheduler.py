@@ -32,10 +32,7 @@ class SchedulerConfig:
     `late_yield_s`: how long past its TTFT deadline a prompt yields before it takes its
     queue place back and is no longer held for running sequences' TPOT (None: it yields
     while any would be made late, and is held), which bounds the TTFT tail of an overload
-    at the cost of some of the SLOs the yielding keeps. `slo_hold_fraction`: SLO admission
-    holds a prompt for at most this fraction of the time it had to its TTFT deadline
-    (None: until its last chance to make it), which keeps the TTFT tail below capacity
-    short at the cost of some running requests' TPOT.
+    at the cost of some of the SLOs the yielding keeps.
     """
 
     max_num_seqs: int = 64
@@ -45,17 +42,8 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     slo_admission: bool = True
     late_yield_s: float | None = None
-    slo_hold_fraction: float | None = None
 
     def __post_init__(self) -> None:
-        f = self.slo_hold_fraction
-        if f is not None and (
-            isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0
-        ):
-            raise ValueError(
-                f"slo_hold_fraction must be a number in (0, 1], or null to hold until a "
-                f"prompt's last chance, got {f!r}"
-            )
         y = self.late_yield_s
         if y is not None and (isinstance(y, bool) or not isinstance(y, (int, float)) or y <= 0):
             raise ValueError(
@@ -124,11 +112,7 @@ class Scheduler:
         # what steps cost, learned from those run: SLO-aware admission and decode pacing
         self.step_times = StepTimes()
         self.slo = (
-            SloAdmission(
-                self.step_times,
-                late_yield_s=config.late_yield_s,
-                hold_fraction=config.slo_hold_fraction,
-            )
+            SloAdmission(self.step_times, late_yield_s=config.late_yield_s)
             if config.slo_admission
             else None
         )

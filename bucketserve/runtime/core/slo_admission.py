@@ -57,15 +57,11 @@ class SloAdmission:
 
     Nor may the candidate push an admitted prompt that can still make its TTFT deadline
     past it: prompts admitted together are computed in one step, so each one's first token
-    waits for all of them (without this check most TTFT misses of the served sweep were a
-    few tenths of a second late).
+    waits for all of them, and a deadline missed by that wait alone is missed by a little.
 
-    A prompt is held for at most `hold_fraction` of the time it had to its TTFT deadline
-    when it arrived (None: until its last chance), so holding trades only part of its TTFT
-    budget for the running requests' TPOT rather than pushing first tokens up to the
-    deadline. A prompt late by more than `late_yield_s` past its TTFT deadline is no
-    longer held either: it has yielded its bounded time (`WaitingQueue.peek`) and now
-    starts as in plain queue order, so an overload's TTFT tail stays bounded too.
+    A prompt late by more than `late_yield_s` past its TTFT deadline is no longer held: it
+    has yielded its bounded time (`WaitingQueue.peek`) and now starts as in plain queue
+    order, so an overload's TTFT tail stays bounded too.
 
     A running sequence already past its budget is not protected, and a sequence that
     already streamed tokens (a preempted one resuming) is never held: its own TPOT is
@@ -82,12 +78,10 @@ class SloAdmission:
         times: StepTimes | None = None,
         headroom: float = 0.05,
         late_yield_s: float | None = None,
-        hold_fraction: float | None = None,
     ) -> None:
         self.times = times or StepTimes()
         self.headroom = headroom  # of each target, kept for what the estimates miss
         self.late_yield_s = late_yield_s  # late by more: no longer held for running TPOTs
-        self.hold_fraction = hold_fraction  # of its time to its TTFT deadline, held at most
         self.num_holds = 0  # admissions held back, counted once per step that held one
 
     def lead_s(self, seq: Sequence, backlog: int = 0) -> float:
@@ -138,15 +132,11 @@ class SloAdmission:
         )
 
     def _held_enough(self, seq: Sequence, now: float) -> bool:
-        """`seq` is no longer held for running TPOTs: it has waited `hold_fraction` of the
-        time it had to its TTFT deadline when it arrived, or is late by more than
+        """`seq` is no longer held for running TPOTs: it is late by more than
         `late_yield_s`."""
-        deadline, fraction, y = seq.ttft_deadline, self.hold_fraction, self.late_yield_s
-        if deadline is None:
+        y = self.late_yield_s
+        if seq.ttft_deadline is None:
             return False
-        arrived = seq.arrival_time
-        if fraction is not None and now - arrived >= fraction * (deadline - arrived):
-            return True
         return y is not None and seq.is_late(now - y)  # the overdue test of WaitingQueue.peek
 
     def _admit_or_hold(self, admit: bool) -> bool:

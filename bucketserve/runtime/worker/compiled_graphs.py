@@ -10,8 +10,13 @@ from dataclasses import dataclass, field
 import torch
 
 from bucketserve.runtime.cpu import kernels
-from bucketserve.runtime.models.llama import graph_decode_layer, graph_layer
 from bucketserve.runtime.worker.device import Device, GraphFn
+from bucketserve.runtime.worker.graph_regions import (
+    decode_layer_region,
+    head_region,
+    layer_region,
+    tail_region,
+)
 from bucketserve.runtime.worker.kv_cache import KVCache
 from bucketserve.runtime.worker.step_inputs import Shape
 
@@ -43,7 +48,8 @@ class GraphStats:
 
 class CompiledGraphs:
     """The padded step as static-shape regions the device compiles (`Device.compile`): the
-    head (embeddings, rope rows, mask), one decoder layer, and the tail (norm, logits).
+    head (embeddings, rope rows, mask), one decoder layer, and the tail (norm, logits), as
+    `graph_regions` defines them.
     The layer region is compiled once per shape and reused by all layers, whose weights
     and K/V tensors are its inputs, so compiles grow with the buckets, not the depth.
     Where the device captures a whole step (CUDA graphs, HPU graphs in lazy mode) the
@@ -58,15 +64,15 @@ class CompiledGraphs:
         self.device = device
         self.compiled = compiled  # False: the same steps run eagerly (padded eager decode)
         compile = device.compile if compiled else (lambda fn: fn)
-        self._head = compile(model.graph_head)
+        self._head = compile(head_region)
         # CPU attention: the kernels eager steps run, custom ops inside the graph
         c, kernel = model.config, kernels.for_tensors(kv_cache.dtype, kv_cache.device)
         self.attention_kernels = kernel is not None and kernel.supports(
             c.head_dim, c.num_queries_per_kv, kv_cache.block_size
         )
-        self._layer = compile(graph_layer)
-        self._decode_layer = compile(graph_decode_layer)
-        self._tail = compile(model.graph_tail)
+        self._layer = compile(layer_region)
+        self._decode_layer = compile(decode_layer_region)
+        self._tail = compile(tail_region)
         self._steps: dict[Shape, GraphFn] = {}
         export = "after_graph" if device.captures_whole_step else "per_layer"
         self.stats = GraphStats(kv_export=export)
@@ -150,14 +156,14 @@ class CompiledGraphs:
     ) -> torch.Tensor:
         num_keys = block_tables.shape[1] * self.kv_cache.block_size
         masked = None if self.attention_kernels else query_positions  # the kernel needs none
-        x, cos_sin, mask = self._head(input_ids, positions, masked, num_keys)
+        x, cos_sin, mask = self._head(self.model, input_ids, positions, masked, num_keys)
         index = (slots, block_tables, mask, token_order, query_start_loc, context_lens)
         for i, layer in enumerate(self.model.model.layers):
             k, v = self.kv_cache.layer(i)
             x = self._layer(layer, x, cos_sin, k, v, *index, self.attention_kernels)
             if on_layer is not None:
                 on_layer(i)
-        return self._tail(x, rows)
+        return self._tail(self.model, x, rows)
 
     def step_flat(
         self,
@@ -172,11 +178,11 @@ class CompiledGraphs:
         rows: torch.Tensor,
         on_layer: LayerHook | None = None,
     ) -> torch.Tensor:
-        x, cos_sin, _ = self._head(input_ids, positions)
+        x, cos_sin, _ = self._head(self.model, input_ids, positions)
         index = (slots, block_list, block_rows, block_valid, block_starts, context_lens)
         for i, layer in enumerate(self.model.model.layers):
             k, v = self.kv_cache.layer(i)
             x = self._decode_layer(layer, x, cos_sin, k, v, *index, self.attention_kernels)
             if on_layer is not None:
                 on_layer(i)
-        return self._tail(x, rows)
+        return self._tail(self.model, x, rows)

@@ -14,6 +14,7 @@ from bucketserve.runtime.core.sequence import Sequence
 from bucketserve.runtime.io.model_config import ModelConfig
 from bucketserve.runtime.io.tokenizer import Tokenizer
 from bucketserve.runtime.io.weights import iter_safetensors, resolve_model
+from bucketserve.runtime.layers.packing import pack_weights
 from bucketserve.runtime.models import MODEL_REGISTRY
 from bucketserve.runtime.worker.compiled_graphs import CompiledGraphs, GraphStats
 from bucketserve.runtime.worker.device import EXECUTION_MODES, Device
@@ -45,7 +46,7 @@ class ModelRunnerConfig:
     at most `cpu_kv_cache_bytes`). `execution`: "eager" runs each step as it
     comes; "graphs" runs every step padded to a shape bucket, one static-shape
     compiled graph per bucket (`CompiledGraphs`); "auto" is graphs on hpu and
-    cuda, eager on cpu (measured faster there: README).
+    cuda, eager on cpu (there padding costs more than a compiled graph saves).
     """
 
     model: str | None = None
@@ -125,9 +126,9 @@ class ModelRunner:
         )
         self.execution = resolve_execution(config.execution, self.device.type)
         if self.execution == "eager":
-            self.model.pack_weights(_PACK_BATCH_HINT)
+            pack_weights(self.model, _PACK_BATCH_HINT)
         elif self.device.type == "cpu":  # graphs: the CPU's compiled regions call its GEMMs
-            self.model.pack_weights(_PACK_BATCH_HINT, graphs=True)
+            pack_weights(self.model, _PACK_BATCH_HINT, graphs=True)
         self.graphs, self._flat = self._compiled_graphs()
 
     @property

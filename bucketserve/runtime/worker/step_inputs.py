@@ -10,8 +10,8 @@ from numbers import Integral
 import numpy as np
 import torch
 
+from bucketserve.runtime.attention.metadata import AttentionGroup, AttentionMetadata
 from bucketserve.runtime.core.sequence import Sequence
-from bucketserve.runtime.worker.attention import AttentionGroup, AttentionMetadata
 from bucketserve.runtime.worker.prompt_logprobs import PromptSpan, span_rows
 
 Shape = tuple[int, int, int]  # (batch, query_len, num_blocks)

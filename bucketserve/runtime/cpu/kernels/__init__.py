@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import cache
 
 import torch
 
+from bucketserve import envs
 from bucketserve.runtime.cpu.kernels.build import ISA_ENV as ISA_ENV  # re-exported: the ISA switch
 from bucketserve.runtime.cpu.kernels.build import KernelBuild, KernelBuildError
 
@@ -253,7 +253,7 @@ def for_tensors(dtype: torch.dtype, device: torch.device) -> CpuKernels | None:
 def load() -> CpuKernels | None:
     """The kernel library (built on first use and cached), or None where it cannot be: a
     failed build costs one warning line, not the compiler's output."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if not envs.BUCKETSERVE_CPU_KERNELS:
         return None
     try:
         build = KernelBuild()

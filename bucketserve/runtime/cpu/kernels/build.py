@@ -26,7 +26,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from bucketserve.runtime.io.default_model import CACHE_ENV
+from bucketserve import envs
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 ISA_ENV = "BUCKETSERVE_CPU_ISA"
@@ -56,7 +56,7 @@ class KernelBuild:
         self.source = source
         # -march=native builds for (and caches on) the CPU that runs it; a named level such as
         # x86-64-v3 (AVX2 + FMA) builds code every CPU of that level, AVX-512 ones too, runs.
-        self.isa = isa or os.environ.get(ISA_ENV) or DEFAULT_ISA
+        self.isa = isa or envs.BUCKETSERVE_CPU_ISA or DEFAULT_ISA
         # $CC may be a missing program: the failed start is recorded like any other failure.
         self.compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
         # -ffast-math + libmvec: vector expf and reassociated sums (the source keeps every
@@ -70,8 +70,7 @@ class KernelBuild:
             self.libs.append("-lmvec")
         described = " ".join([self.compiler, *self.flags, *self.libs, platform.machine()])
         digest = hashlib.sha256(source.read_bytes() + (described + _cpu_flags()).encode())
-        base = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "bucketserve"
-        self.directory = Path(base) / "kernels"
+        self.directory = envs.BUCKETSERVE_CACHE_DIR / "kernels"
         self.path = self.directory / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
         self.log_path = self.path.with_suffix(".log")
         self.failed_path = self.path.with_suffix(".failed")

@@ -9,10 +9,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from bucketserve.runtime.attention.metadata import AttentionMetadata
 from bucketserve.runtime.io.model_config import ModelConfig
-from bucketserve.runtime.models.llama import LlamaForCausalLM, paged_attend
-from bucketserve.runtime.worker.attention import AttentionMetadata
-from bucketserve.runtime.worker.kv_cache import KVCache
+from bucketserve.runtime.layers.attention import KVLayers, paged_attend
+from bucketserve.runtime.models.llama import LlamaForCausalLM
 from bucketserve.runtime.worker.pipeline.stage_spec import StageSpec
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -21,11 +21,13 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 class StageModel(nn.Module):
     """`forward` takes token ids (first stage) or the previous stage's hidden states and
     returns this stage's output: hidden states, normed on the last stage. Layer i of the
-    stage reads and writes layer i of the stage's own KV pool."""
+    stage reads and writes layer i of the stage's own KV pool. `model` and `lm_head` (last
+    stage only) are the stage's parts of the whole model's, named alike."""
 
     def __init__(self, model: LlamaForCausalLM, spec: StageSpec) -> None:
         super().__init__()
-        self.inner = model
+        self.model = model.model
+        self.lm_head = getattr(model, "lm_head", None)
         self.spec = spec
         self.config = model.config
 
@@ -61,10 +63,10 @@ class StageModel(nn.Module):
         input_ids: torch.Tensor,
         hidden: torch.Tensor | None,
         positions: torch.Tensor,
-        kv_cache: KVCache,
+        kv_cache: KVLayers,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        inner = self.inner.model
+        inner = self.model
         assert self.spec.is_first or hidden is not None, (
             "a stage after the first needs the previous stage's hidden states"
         )
@@ -78,10 +80,7 @@ class StageModel(nn.Module):
         return inner.norm(x) if self.spec.is_last else x
 
     def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self.inner.compute_logits(hidden, rows)
-
-    def pack_weights(self, batch_hint: int, graphs: bool = False) -> None:
-        self.inner.pack_weights(batch_hint, head=self.spec.is_last, graphs=graphs)
+        return self.lm_head(hidden, rows)
 
 
 def _stage_weights(

@@ -1,0 +1,355 @@
+"""The service config file (`bucketserve/deploy/serve.yaml`) as pydantic models: one per
+section, each key with its type, default and allowed values, and its docstring as its entry
+in the key reference (`docs/configuration.md`, generated from these models).
+
+`ServeConfig` (serve_config.py) builds the controller's, the gateway's and the bucket
+manager's configs from a validated `ServeSettings`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from annotated_types import Ge, Gt
+from pydantic import AfterValidator, Field, field_validator, model_validator
+
+from bucketserve.gateway.gateway_config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+from bucketserve.gateway.tenant_spec import TenantSettings
+from bucketserve.utils.settings import Settings, SettingsError
+
+DEVICES = ("auto", "cpu", "cuda", "cuda:<i>", "hpu")
+Execution = Literal["auto", "eager", "graphs"]
+
+
+def _device(device: str) -> str:
+    name = device.strip().lower()
+    if name in ("auto", "cpu", "cuda", "hpu") or re.fullmatch(r"cuda:\d+", name):
+        return device
+    raise ValueError(f"must be one of {list(DEVICES)}; got {device!r}")
+
+
+def _core_ids(cpus: list[int] | None) -> list[int] | None:
+    if cpus is not None and (not cpus or len(set(cpus)) != len(cpus)):
+        raise ValueError(f"must be null or a list of distinct core ids >= 0; got {cpus!r}")
+    return cpus
+
+
+class ModelSettings(Settings):
+    path: str | None = None
+    """HF model directory or .gguf file (on the head node); null: the embedded
+    SmolLM2-135M-Instruct."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half"] = (
+        "auto"
+    )
+    """auto: float32 on CPU, bfloat16 on cuda and hpu."""
+    device: Annotated[str, AfterValidator(_device)] = "auto"
+    """auto, cpu, cuda, cuda:<i> or hpu, as each worker sees it."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Longest prompt + output; null: the model's max_position_embeddings."""
+    seed: int = 0
+    """Sampling seed of the workers."""
+    execution: Execution = "auto"
+    """eager: each step as it comes; graphs: one compiled graph per shape bucket, compiled
+    at warm-up; auto: graphs on hpu and cuda, eager on cpu."""
+
+
+class KVCacheSettings(Settings):
+    block_size: int = Field(16, ge=1)
+    """Tokens per KV block."""
+    memory_fraction: float = Field(0.8, gt=0, le=1)
+    """Share of the memory free after loading the weights that the KV pool takes."""
+    num_blocks: int | None = Field(None, ge=1)
+    """A fixed pool size per decode worker instead of memory_fraction."""
+    cpu_bytes: int = Field(1 << 30, ge=1)
+    """Cap of the pool on CPU workers."""
+
+
+class PlacementSettings(Settings):
+    """How many workers of one role, and where their Ray actors go."""
+
+    num_workers: int = Field(1, ge=1)
+    """Workers of this role (the colocated shape starts no prefill workers)."""
+    accelerator: Literal["auto", "hpu", "gpu", "none"] = "auto"
+    """A card per actor: hpu (resources HPU: 1), gpu (num_gpus 1), none, or auto: the card
+    the cluster has."""
+    num_cpus: float = Field(1.0, ge=0)
+    """Ray CPUs per actor."""
+    resources: dict[str, Annotated[float, Gt(0)]] = Field(default_factory=dict)
+    """Extra Ray resources per actor, e.g. {prefill_node: 1} to pin the role to nodes."""
+    torch_threads: int | None = Field(None, ge=1)
+    """Intra-op threads per actor; null: all the node's cores, or len(cpus)."""
+    cpus: Annotated[list[Annotated[int, Ge(0)]] | None, AfterValidator(_core_ids)] = None
+    """Pin each actor to these core ids, e.g. [0]; disjoint lists per role partition one
+    machine."""
+    pipeline_parallel_size: int = Field(1, ge=1)
+    """Pipeline stages per worker: a group of that many stage actors, one card each."""
+    stage_packing: Literal["PACK", "STRICT_PACK"] = "PACK"
+    """How a worker's stage actors are placed: PACK (one node where possible) or
+    STRICT_PACK (only on one node)."""
+    execution: Execution | None = None
+    """eager, graphs or auto for this role; null: model.execution."""
+
+
+class PrefillSettings(PlacementSettings):
+    kv_blocks: int | None = Field(None, ge=1)
+    """Prefill pool size; null: as kv_cache. It holds batches until their handoff."""
+    max_batches: int = Field(2, ge=1)
+    """Batches in flight at one prefill worker."""
+
+
+class DecodeSettings(PlacementSettings):
+    pipeline_depth: int = Field(1, ge=1)
+    """Microbatches in flight (1: synchronous schedule / submit / finish / update)."""
+    pace: float | None = Field(None, gt=0, le=1)
+    """Disaggregated, prefill on the same cores: while a prefill batch for the worker runs,
+    a step waits until a request would get its next token later than this fraction of its
+    TPOT target (e.g. 0.8); null: never waits."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Sequences in one decode batch."""
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    """Tokens of one engine step."""
+    enable_chunked_prefill: bool = True
+    """Prefill a long prompt over several steps (the colocated shape, and recomputing a
+    preempted sequence)."""
+    watermark: float = Field(0.01, ge=0, lt=1)
+    """Share of the KV blocks kept free before admitting more."""
+    scheduling_policy: Literal["fcfs", "priority"] = "priority"
+    """fcfs, or priority: by tenant priority, then request priority."""
+    slo_admission: bool = True
+    """A new prompt waits while its prefill would cost a running request its TPOT target,
+    and one past its TTFT deadline yields to those on time it would make late; false:
+    plain queue order, as vLLM's."""
+    late_yield_s: float | None = Field(8.0, gt=0)
+    """Seconds past its TTFT deadline a prompt yields (and is held for running TPOTs)
+    before it takes its place back; null: no bound."""
+
+
+class ControllerSettings(Settings):
+    shape: Literal["disaggregated", "colocated"] = "colocated"
+    """disaggregated: prefill workers hand KV to decode workers (separate cards);
+    colocated: no prefill workers, each decode worker prefills in chunks within its steps
+    (one machine or one card)."""
+    mode: Literal["ray", "local"] = "ray"
+    """ray: workers are Ray actors; local: threads in this process."""
+    ray_address: str | None = None
+    """null: start a local Ray; auto: join the running cluster; or host:port."""
+    transport: Literal["auto", "ray", "collective", "inprocess"] = "auto"
+    """KV transport: ray (object store), collective (NCCL / HCCL), inprocess (mode local),
+    or auto."""
+    max_restarts: int = Field(-1, ge=-1)
+    """Restarts of a dead worker actor (-1: forever)."""
+    lease_ttl_s: float = Field(60.0, gt=0)
+    """Blocks held for a handoff are freed if not acknowledged within this."""
+    worker_timeout_s: float = Field(120.0, gt=0)
+    """A worker call or decode step taking longer is hung: the worker is restarted."""
+    max_queued_requests: int = Field(4096, ge=1)
+    """Requests waiting in the bucket manager before new ones are refused."""
+    max_requeues: int = Field(3, ge=0)
+    """Re-prefills of a request whose decode worker died."""
+    stats_interval_s: float = Field(1.0, gt=0)
+    """How often workers report their statistics."""
+    placement_timeout_s: float = Field(300.0, gt=0)
+    """How long to wait for Ray to place the workers (an autoscaler adds nodes); then serve
+    with those placed."""
+    pad_to_shape_buckets: Literal["auto"] | bool = "auto"
+    """Pad batches to shape buckets: auto (on hpu and cuda, not on CPU), true or false."""
+    warmup: Literal["auto", "all", "smallest", "none"] = "auto"
+    """Which shape buckets to compile at start (auto: all when padding, else the
+    smallest)."""
+    prefill: PrefillSettings = PrefillSettings()
+    """The prefill workers (the disaggregated shape starts them) and where they go."""
+    decode: DecodeSettings = DecodeSettings()
+    """The decode workers, their continuous-batching engines and where they go."""
+
+    @model_validator(mode="after")
+    def _local_has_no_ray(self) -> ControllerSettings:
+        if self.mode == "local" and self.ray_address is not None:
+            raise SettingsError(
+                "ray_address",
+                "mode 'local' runs every worker in this process without Ray; remove "
+                "ray_address or set controller.mode to 'ray'",
+            )
+        return self
+
+
+class ShapeRange(Settings):
+    """[min, step, max] or [min, step, max, limit] of one shape dimension (or a mapping)."""
+
+    min: int = Field(ge=0)
+    step: int = Field(ge=1)
+    max: int = Field(ge=0)
+    limit: int | None = Field(None, ge=1)
+    """Points of the exponential strategy (the linear one ignores it)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_list(cls, data: Any) -> Any:
+        if not isinstance(data, list):
+            return data
+        if len(data) not in (3, 4):
+            raise ValueError("must be [min, step, max] or [min, step, max, limit]")
+        return dict(zip(("min", "step", "max", "limit"), data, strict=False))
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ShapeRange:
+        if self.max < self.min:
+            raise SettingsError("max", f"must be >= min ({self.min}), got {self.max}")
+        return self
+
+
+class PromptShapes(Settings):
+    """Prompt shape buckets `(batch, query, context blocks)`; a dimension left out takes
+    the bucket manager's default."""
+
+    bs: ShapeRange | None = None
+    """Batch sizes."""
+    query: ShapeRange | None = None
+    """Query lengths (tokens)."""
+    ctx: ShapeRange | None = None
+    """Context blocks beside the query; null: every count that fits."""
+
+
+class DecodeShapes(Settings):
+    """Decode shape buckets `(batch, 1, blocks)`."""
+
+    bs: ShapeRange | None = None
+    """Batch sizes."""
+    blocks: ShapeRange | None = None
+    """KV blocks of the whole batch."""
+
+
+class BatchingSettings(Settings):
+    safety_fraction: float = Field(0.9, gt=0, le=1)
+    """A prefill batch fits this share of the decode pool's free blocks (Eq. 5-6)."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Requests in one prefill batch (padded: also at most the largest prompt bs)."""
+    max_batched_tokens: int | None = Field(2048, ge=1)
+    """Prompt tokens per prefill batch (a longer prompt goes alone): how long a request can
+    wait behind one; raise it for offline work. null: no bound."""
+
+
+class BucketsSettings(Settings):
+    strategy: Literal["exponential", "linear", "file"] = "exponential"
+    """Shape buckets: exponential, linear or file."""
+    file: str | None = None
+    """The bucket file of the file strategy (or $BUCKETSERVE_BUCKET_FILE)."""
+    prompt: PromptShapes | None = None
+    """Prompt shape ranges; null: derived from the model (batch 1..16, query
+    block_size..max_model_len, two per doubling)."""
+    decode: DecodeShapes | None = None
+    """Decode shape ranges; null: derived from the model (batch 1..max_num_seqs)."""
+    theta: float = Field(0.5, gt=0, le=1)
+    """θ: split a request bucket when more than this share of it lies below its middle."""
+    max_len: int | None = Field(None, ge=2)
+    """L_max: request buckets cover [0, L_max); sets model.max_model_len. null: the
+    model's length."""
+    max_buckets: int = Field(64, ge=1)
+    """Most request buckets."""
+    batching: BatchingSettings = BatchingSettings()
+    """Prefill batches: memory-safe size (Eq. 5-6) and token budget."""
+
+
+class GatewaySettings(Settings):
+    host: str = Field("127.0.0.1", min_length=1)
+    """Address to bind; 0.0.0.0 serves a network."""
+    grpc_port: int = Field(DEFAULT_GRPC_PORT, ge=0, le=65535)
+    """gRPC port (0: any free port)."""
+    http_port: int | None = Field(DEFAULT_HTTP_PORT, ge=0, le=65535)
+    """OpenAI API, /metrics and /health; null: gRPC only."""
+    served_model_name: str | None = None
+    """The model's name in the APIs; null: its path or the embedded model's name."""
+    tls_cert_file: str | None = None
+    """PEM certificate; TLS when given with tls_key_file."""
+    tls_key_file: str | None = None
+    """PEM private key."""
+    max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    """Largest gRPC message."""
+    keepalive_time_s: float = Field(30.0, ge=1)
+    """gRPC keepalive ping interval."""
+    keepalive_timeout_s: float = Field(10.0, ge=0.1)
+    """How long a keepalive ping may go unanswered."""
+    drain_timeout_s: float = Field(30.0, ge=0)
+    """On shutdown, how long running requests may finish before they are cancelled."""
+    http_request_timeout_s: float | None = Field(600.0, ge=0.001)
+    """One HTTP request, streaming included: 504 after it; null: no bound."""
+    max_stop_strings: int = Field(64, ge=0)
+    """Stop strings per request."""
+    max_stop_chars: int = Field(4096, ge=0)
+    """Total length of a request's stop strings, in characters."""
+    max_stop_token_ids: int = Field(256, ge=0)
+    """Stop token ids per request."""
+    tokenizer_threads: int = Field(2, ge=1)
+    """Threads that tokenize and render chat templates, off the event loop."""
+    log_prompts: bool = False
+    """Prompt text in the access log."""
+
+    @model_validator(mode="after")
+    def _ports_and_tls(self) -> GatewaySettings:
+        if self.http_port is not None and self.http_port == self.grpc_port != 0:
+            raise SettingsError(
+                "http_port", f"must differ from gateway.grpc_port ({self.grpc_port})"
+            )
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise SettingsError(
+                "tls_cert_file", "gateway.tls_cert_file and gateway.tls_key_file go together"
+            )
+        for name in ("tls_cert_file", "tls_key_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise SettingsError(name, f"{path} is not a file")
+        return self
+
+
+class ClusterSettings(Settings):
+    resources: dict[str, Annotated[float, Ge(0)]] = Field(default_factory=dict)
+    """What the cluster has, summed over its nodes, e.g. {HPU: 16}: more workers than
+    these can place is an error."""
+
+
+class ServeSettings(Settings):
+    """The whole file."""
+
+    model: ModelSettings = ModelSettings()
+    """The model, and how every worker runs it."""
+    kv_cache: KVCacheSettings = KVCacheSettings()
+    """Each worker's paged KV cache."""
+    controller: ControllerSettings = ControllerSettings()
+    """The deployment shape, the workers and how the controller looks after them."""
+    buckets: BucketsSettings = BucketsSettings()
+    """Shape buckets (the compiled shapes batches pad to) and request buckets (Algorithm 1:
+    prompt-length ranges that split under load and merge when it drops)."""
+    tenants: list[TenantSettings] | None = None
+    """Who may call, by API key: a list of tenants (or a mapping by name). Without tenants
+    every request is tenant `default` (online, fcfs, TTFT 4 s and TPOT 0.25 s targets) and
+    needs no key; a lone tenant named `default` without keys sets its own targets and keeps
+    the service open. Once other tenants are named, every request carries one of their
+    keys (`authorization: Bearer <key>`)."""
+    gateway: GatewaySettings = GatewaySettings()
+    """The gRPC and OpenAI-compatible HTTP front ends."""
+    cluster: ClusterSettings = ClusterSettings()
+    """What the cluster has, checked without starting anything (serving checks the live
+    cluster as well)."""
+
+    @field_validator("tenants", mode="before")
+    @classmethod
+    def _tenants_by_name(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return [
+            {"name": name, **(v or {})} if isinstance(v, dict) or v is None else v
+            for name, v in data.items()
+        ]
+
+    @model_validator(mode="after")
+    def _one_longest_request(self) -> ServeSettings:
+        """L_max is the longest request served, so it sets the runner's max_model_len."""
+        max_len, given = self.buckets.max_len, self.model.max_model_len
+        if max_len is not None and given is not None and given != max_len:
+            raise SettingsError(
+                "buckets.max_len",
+                f"L_max {max_len} differs from model.max_model_len {given}; both bound the "
+                "longest request: give one of them (or equal values)",
+            )
+        return self

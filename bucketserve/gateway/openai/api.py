@@ -1,0 +1,249 @@
+"""The OpenAI-compatible routes: `/v1/models`, `/v1/completions` and
+`/v1/chat/completions` (SSE when streamed), and vLLM's `/tokenize`, `/detokenize` and
+`/version`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from importlib.metadata import PackageNotFoundError, version
+from typing import TypeVar
+
+from aiohttp import web
+
+from bucketserve.gateway.access_log import GENERATION, TENANT
+from bucketserve.gateway.admission import Admission
+from bucketserve.gateway.errors import (
+    BucketServeError,
+    DeadlineExceededError,
+    GenerationError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+)
+from bucketserve.gateway.gateway_config import GatewayConfig
+from bucketserve.gateway.generation import Generation
+from bucketserve.gateway.openai.body import M, parse_body, read_text
+from bucketserve.gateway.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from bucketserve.gateway.openai.serving import (
+    OpenAIFormat,
+    OpenAIRequest,
+    chat_messages,
+    error_event,
+)
+from bucketserve.gateway.tenant_registry import parse_bearer
+from bucketserve.messages import StreamDelta
+
+T = TypeVar("T")
+
+
+class OpenAIApi:
+    """The handlers over one Admission. Tokenization uses the served model's tokenizer and
+    chat template, off the event loop like admission's; every route but /version needs a
+    tenant's key, as generation does."""
+
+    def __init__(self, admission: Admission, model_name: str, config: GatewayConfig) -> None:
+        self.admission = admission
+        self.tokenizer = admission.tokenizer
+        self.model_name = model_name
+        self.config = config
+        self.created = int(time.time())
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/v1/models", self.models),
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
+            web.get("/version", self.version),
+        ]
+
+    async def models(self, request: web.Request) -> web.Response:
+        self._tenant(request)
+        card = ModelCard(
+            id=self.model_name, created=self.created, max_model_len=self.admission.max_model_len
+        )
+        return web.json_response(ModelList(data=[card]).model_dump())
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request, TokenizeRequest)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidArgumentError("give exactly one of prompt or messages")
+        if body.messages is not None:
+            messages = chat_messages(body.messages)
+            text = await self.admission.off_loop(self.admission.chat_prompt, messages)
+            special = bool(body.add_special_tokens)  # the template wrote them
+        else:
+            text, special = body.prompt or "", body.add_special_tokens is not False
+        ids = await self.admission.off_loop(self.tokenizer.encode, text, special)
+        strs = [self.tokenizer.backend.id_to_token(i) for i in ids]
+        return web.json_response(
+            TokenizeResponse(
+                count=len(ids),
+                max_model_len=self.admission.max_model_len,
+                tokens=ids,
+                token_strs=strs if body.return_token_strs else None,
+            ).model_dump()
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request, DetokenizeRequest)
+        most = self.admission.max_model_len  # no sequence here is longer
+        if isinstance(body.tokens, list) and len(body.tokens) > most:  # before each id
+            raise InvalidArgumentError(
+                f"tokens has {len(body.tokens)} ids; this server detokenizes at most {most} "
+                "(the model's max_model_len)"
+            )
+        ids = self.admission.token_ids("tokens", body.tokens)
+        text = await self.admission.off_loop(self.tokenizer.decode, ids, False)
+        return web.json_response(DetokenizeResponse(prompt=text).model_dump())
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response(VersionResponse(version=package_version()).model_dump())
+
+    def _tenant(self, request: web.Request) -> str | None:
+        """The request's API key, once it authenticates a tenant."""
+        api_key = parse_bearer(request.headers.get("Authorization"))
+        request[TENANT] = self.admission.tenant(api_key).name
+        return api_key
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise NotFoundError(
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}"
+            )
+
+    async def _body(self, request: web.Request, model: type[M]) -> M:
+        self._tenant(request)
+        body = parse_body(model, await read_text(request, self.config.max_message_bytes))
+        self._check_model(getattr(body, "model", None))
+        return body
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        deadline = _Deadline(self.config.http_request_timeout_s)
+        api_key = self._tenant(request)
+        text = await read_text(request, self.config.max_message_bytes)
+        oai = OpenAIRequest.parse(text, chat)
+        self._check_model(oai.model)
+        gen = await deadline.run(self.admission.admit(oai.input, api_key), None)
+        request[GENERATION] = gen
+        prompt_tokens = len(gen.request.prompt_token_ids)
+        prefix = self._prompt_text(gen) if oai.echo else ""
+        fmt = OpenAIFormat(
+            oai, gen.request_id, self.model_name, prompt_tokens, self._token_text, prefix
+        )
+        try:
+            if oai.stream:
+                return await _stream(request, gen, fmt, deadline)
+            await deadline.run(_drain(gen), gen)
+        finally:
+            await gen.close()
+        response = fmt.response(
+            _final(gen), gen.choices, gen.request.prompt_token_ids, gen.prompt_logprobs
+        )
+        return web.json_response(response)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _prompt_text(self, gen: Generation) -> str:
+        text = gen.request.prompt_text
+        if text is None:
+            text = self.tokenizer.decode(gen.request.prompt_token_ids)
+        return text
+
+
+class _Deadline:
+    """gateway.http_request_timeout_s from the request's arrival (None: no bound)."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self.at = None if timeout_s is None else time.monotonic() + timeout_s
+
+    async def run(self, step: Awaitable[T], gen: Generation | None) -> T:
+        if self.at is None:
+            return await step
+        try:
+            return await asyncio.wait_for(step, max(0.0, self.at - time.monotonic()))
+        except TimeoutError:
+            raise self.error(gen) from None
+
+    def error(self, gen: Generation | None) -> DeadlineExceededError:
+        done = f" after {gen.num_output_tokens} tokens" if gen is not None else ""
+        return DeadlineExceededError(
+            f"the request ran past this server's limit of {self.timeout_s:g}s "
+            f"(gateway.http_request_timeout_s) and was aborted{done}; lower max_tokens"
+        )
+
+
+async def _drain(gen: Generation) -> None:
+    async for _ in gen:
+        pass
+
+
+def _final(gen: Generation) -> StreamDelta:
+    """The finished delta, or the error the request ended with."""
+    final = gen.final
+    if final is None:
+        raise GenerationError("generation failed: no final")
+    failed = [c for c in gen.choices if c.finish_reason == "error"]
+    if failed:
+        raise GenerationError(f"generation failed: {failed[0].error}")
+    if final.finish_reason == "cancelled" and gen.cancel_reason:
+        raise UnavailableError(gen.cancel_reason)
+    return final
+
+
+async def _stream(
+    request: web.Request, gen: Generation, fmt: OpenAIFormat, deadline: _Deadline
+) -> web.StreamResponse:
+    """Every choice's events as its deltas come (each chunk names its choice's index),
+    then `[DONE]`."""
+    stream = aiter(gen)
+    # admission errors surface with the first delta, before any header is sent
+    first = await deadline.run(anext(stream), gen)
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+
+    async def send(events: list[str]) -> None:
+        for data in events:
+            await response.write(f"data: {data}\n\n".encode())
+
+    await send(fmt.opening(len(gen.choices), gen.request.prompt_token_ids, first.prompt_logprobs))
+    try:
+        delta: StreamDelta | None = first
+        while delta is not None:
+            await send(fmt.events(delta, len(gen.choices[delta.index].token_ids)))
+            if delta.finished:
+                break
+            delta = await deadline.run(anext(stream, None), gen)
+    except BucketServeError as exc:  # headers are out: the error goes in the stream
+        await send([error_event(exc)])
+    await send(["[DONE]"])
+    await response.write_eof()
+    return response
+
+
+def package_version() -> str:
+    try:
+        return version("bucketserve")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"

@@ -1,0 +1,377 @@
+"""OpenAI bodies to the gateway's types and back: a `/v1/completions` or
+`/v1/chat/completions` body read into a GenerateInput (OpenAIRequest), and a request's
+StreamDeltas written as OpenAI responses, SSE events and errors (OpenAIFormat).
+
+A field this server does not implement yet is refused unless it holds its neutral value,
+so no request is silently served differently from what it asked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bucketserve.gateway.errors import BucketServeError, GenerationError, InvalidArgumentError
+from bucketserve.gateway.generate_input import GenerateInput
+from bucketserve.gateway.generation import Choice
+from bucketserve.gateway.openai.body import parse_body
+from bucketserve.gateway.openai.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprob,
+    ChatMessage,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    TopLogprob,
+    UsageInfo,
+)
+from bucketserve.messages import StreamDelta
+from bucketserve.runtime.core.logprobs import TokenLogprob
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's; chat defaults to the rest of the context
+SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+            "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
+            "min_p", "min_tokens")
+OPENAI_FINISH = {"stop": "stop", "length": "length", "cancelled": "abort"}  # vLLM's "abort"
+LOGPROB_FLOOR = -9999.0  # -inf (a token excluded) as JSON can carry it, as vLLM writes it
+Body = CompletionRequest | ChatCompletionRequest
+TokenText = Callable[[int], str]
+Logprobs = Sequence[TokenLogprob | None]
+
+
+@dataclass
+class OpenAIRequest:
+    input: GenerateInput
+    chat: bool
+    model: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False  # usage in every chunk (vLLM's continuous_usage_stats)
+    n: int = 1  # choices: samples of the prompt, prefilled once (SamplingParams.n)
+    logprobs: int | None = None  # top logprobs per token (0: the sampled token's only)
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the output
+
+    @classmethod
+    def parse(cls, body: str | bytes | Any, chat: bool) -> OpenAIRequest:
+        """`body` as JSON text or decoded JSON; InvalidArgumentError naming the field."""
+        req: Body = parse_body(ChatCompletionRequest if chat else CompletionRequest, body)
+        _check_neutral(req)
+        options = req.stream_options
+        if options is not None and not req.stream:
+            raise InvalidArgumentError("stream_options is only allowed with stream=true")
+        include_usage = options is not None and options.include_usage
+        logprobs = _logprobs(req)
+        inp = _input(req)
+        if logprobs is not None:
+            inp.sampling["logprobs"] = logprobs
+        echo = isinstance(req, CompletionRequest) and req.echo
+        if echo and logprobs is not None:  # the prompt's tokens come with theirs (vLLM's way)
+            inp.sampling["prompt_logprobs"] = logprobs
+        if req.n != 1:
+            inp.sampling["n"] = req.n
+        return cls(
+            input=inp,
+            n=req.n,
+            logprobs=logprobs,
+            echo=echo,
+            chat=chat,
+            model=req.model,
+            stream=req.stream,
+            include_usage=include_usage,
+            continuous_usage=include_usage and options is not None
+            and options.continuous_usage_stats,
+        )
+
+
+def _check_neutral(req: Body) -> None:
+    for name, neutral in type(req).NEUTRAL.items():
+        value = getattr(req, name)
+        if value not in neutral:
+            raise InvalidArgumentError(
+                f"{name}={value!r} is not supported yet by this server; leave it out or "
+                f"send {neutral[-1]!r}"
+            )
+
+
+def _logprobs(req: Body) -> int | None:
+    """How many top logprobs each output token carries (None: no logprobs)."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidArgumentError("top_logprobs needs logprobs=true")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _input(req: Body) -> GenerateInput:
+    sampling = req.model_dump(include=set(SAMPLING), exclude_none=True, exclude_unset=True)
+    if isinstance(sampling.get("stop"), str):
+        sampling["stop"] = [sampling["stop"]]
+    inp = GenerateInput(
+        sampling=sampling,
+        request_id=req.request_id,
+        priority=req.priority,
+        slo_ttft_s=req.ttft_slo_s,
+        slo_tpot_s=req.tpot_slo_s,
+    )
+    if isinstance(req, ChatCompletionRequest):
+        if req.max_completion_tokens is not None:
+            sampling["max_tokens"] = req.max_completion_tokens
+        inp.messages = chat_messages(req.messages)
+        return inp
+    sampling.setdefault("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    if isinstance(req.prompt, str):
+        inp.prompt = req.prompt
+    else:
+        inp.prompt_token_ids = list(req.prompt)  # type: ignore[arg-type]
+    return inp
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Text parts joined; OpenAI's `developer` role is the template's `system`."""
+    return [
+        {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": "".join(p.text for p in m.content)
+            if isinstance(m.content, list)
+            else m.content,
+        }
+        for m in messages
+    ]
+
+
+class OpenAIFormat:
+    """The OpenAI JSON of one request's responses. `prompt_tokens` feeds the usage of every
+    chunk when the client asked for continuous usage stats; `token_text(id)` is a token's
+    text in logprobs; `prefix` (echo) comes before each choice's text."""
+
+    def __init__(
+        self,
+        oai: OpenAIRequest,
+        request_id: str,
+        model: str,
+        prompt_tokens: int = 0,
+        token_text: TokenText | None = None,
+        prefix: str = "",
+    ) -> None:
+        self.oai = oai
+        self.id = f"{'chatcmpl' if oai.chat else 'cmpl'}-{request_id}"
+        self.model = model
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.token_text = token_text or str
+        self.prefix = prefix
+        self._offsets: dict[int, int] = {}  # choice -> its text's length so far (streaming)
+
+    def opening(
+        self, n: int, prompt_ids: Sequence[int], prompt_logprobs: Logprobs | None
+    ) -> list[str]:
+        """The events before the first delta: each chat choice's role, or each completion
+        choice's echoed prompt."""
+        if self.oai.chat:
+            return [self._chunk(role="assistant", text="", index=i) for i in range(n)]
+        if not self.prefix:
+            return []
+        return [
+            self._chunk(text=self.prefix, index=i, token_ids=prompt_ids, logprobs=prompt_logprobs)
+            for i in range(n)
+        ]
+
+    def events(self, delta: StreamDelta, completion_tokens: int) -> list[str]:
+        """One delta's events: its text, its choice's end (or error), then the usage after
+        the request's final delta when asked for. `completion_tokens`: the choice's so far."""
+        out = []
+        index = delta.index
+        if delta.text or (delta.logprobs and delta.token_ids):
+            out.append(
+                self._chunk(
+                    text=delta.text,
+                    completion_tokens=completion_tokens,
+                    index=index,
+                    token_ids=delta.token_ids,
+                    logprobs=delta.logprobs,
+                )
+            )
+        if delta.finish_reason == "error":
+            out.append(error_event(GenerationError(f"generation failed: {delta.error}")))
+        elif delta.finish_reason is not None:
+            reason = _finish_reason(delta.finish_reason)
+            out.append(
+                self._chunk(finish_reason=reason, completion_tokens=completion_tokens, index=index)
+            )
+        if delta.finished and self.oai.include_usage:
+            usage = _usage(delta.num_prompt_tokens, delta.num_output_tokens)
+            cls = ChatCompletionChunk if self.oai.chat else CompletionResponse
+            out.append(cls(**self._base(), choices=[], usage=usage).model_dump_json())
+        return out
+
+    def _chunk(
+        self,
+        text: str | None = None,
+        role: str | None = None,
+        finish_reason: str | None = None,
+        completion_tokens: int = 0,
+        index: int = 0,
+        token_ids: Sequence[int] = (),
+        logprobs: Logprobs | None = None,
+    ) -> str:
+        """One `data:` event's JSON; its usage is the running count when asked for."""
+        usage = (
+            _usage(self.prompt_tokens, completion_tokens) if self.oai.continuous_usage else None
+        )
+        want = self.oai.logprobs is not None and logprobs is not None and bool(token_ids)
+        if not self.oai.chat:
+            start = self._offsets.get(index, 0)
+            self._offsets[index] = start + len(text or "")
+            lp = self._completion_logprobs(token_ids, logprobs, start) if want else None
+            choice = CompletionChoice(
+                index=index, text=text or "", logprobs=lp, finish_reason=finish_reason
+            )
+            out = CompletionResponse(**self._base(), choices=[choice], usage=usage)
+            return out.model_dump_json()
+        delta = DeltaMessage(role=role, content=text)
+        lp = self._chat_logprobs(token_ids, logprobs) if want else None
+        chunk = ChatCompletionChunk(
+            **self._base(),
+            choices=[
+                ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish_reason)
+            ],
+            usage=usage,
+        )
+        unset = {k for k, v in (("role", role), ("content", text)) if v is None}
+        return chunk.model_dump_json(exclude={"choices": {0: {"delta": unset}}})
+
+    def response(
+        self,
+        final: StreamDelta,
+        choices: Sequence[Choice],
+        prompt_ids: Sequence[int],
+        prompt_logprobs: Logprobs | None,
+    ) -> dict[str, Any]:
+        """The whole response (index i: choices[i]); usage is the request's final delta's:
+        the prompt once and every choice's output. An echo with logprobs starts each
+        choice's logprobs with the prompt's."""
+        usage = _usage(final.num_prompt_tokens, final.num_output_tokens)
+        want = self.oai.logprobs is not None
+        out: Any
+        if self.oai.chat:
+            chat = [
+                ChatChoice(
+                    index=i,
+                    message=ChatMessageOut(content=c.text),
+                    logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if want else None,
+                    finish_reason=_finish_reason(c.finish_reason or final.finish_reason),
+                )
+                for i, c in enumerate(choices)
+            ]
+            out = ChatCompletionResponse(**self._base(), choices=chat, usage=usage)
+        else:
+            echoed = prompt_logprobs if self.prefix else None
+            completions = [
+                CompletionChoice(
+                    index=i,
+                    text=self.prefix + c.text,
+                    logprobs=self._choice_logprobs(c, prompt_ids, echoed) if want else None,
+                    finish_reason=_finish_reason(c.finish_reason or final.finish_reason),
+                )
+                for i, c in enumerate(choices)
+            ]
+            out = CompletionResponse(**self._base(), choices=completions, usage=usage)
+        return out.model_dump()
+
+    def _base(self) -> dict[str, Any]:
+        return {"id": self.id, "created": self.created, "model": self.model}
+
+    def _choice_logprobs(
+        self, c: Choice, prompt_ids: Sequence[int], prompt_logprobs: Logprobs | None
+    ) -> CompletionLogprobs:
+        """A completion choice's logprobs, after the echoed prompt's when it has them."""
+        if prompt_logprobs is None:
+            return self._completion_logprobs(c.token_ids, c.logprobs, len(self.prefix))
+        return self._completion_logprobs(
+            [*prompt_ids, *c.token_ids], [*prompt_logprobs, *c.logprobs], 0
+        )
+
+    def _completion_logprobs(
+        self, token_ids: Sequence[int], logprobs: Logprobs, start: int
+    ) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        offset = start
+        for token, lp in zip(token_ids, _padded(logprobs, len(token_ids)), strict=True):
+            text = self.token_text(token)
+            out.tokens.append(text)
+            out.token_logprobs.append(None if lp is None else _finite(lp.logprob))
+            out.top_logprobs.append(None if lp is None else self._top_dict(text, lp))
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def _top_dict(self, text: str, lp: TokenLogprob) -> dict[str, float]:
+        """The top k by token text, and the sampled token whether or not among them
+        (vLLM's way; with logprobs=0 it is the only entry)."""
+        top: dict[str, float] = {text: _finite(lp.logprob)}
+        for token, value in lp.top:
+            top.setdefault(self.token_text(token), _finite(value))
+        return top
+
+    def _chat_logprobs(self, token_ids: Sequence[int], logprobs: Logprobs) -> ChatChoiceLogprobs:
+        content = []
+        for token, lp in zip(token_ids, _padded(logprobs, len(token_ids)), strict=True):
+            text = self.token_text(token)
+            top = [] if lp is None else [self._top(t, v) for t, v in lp.top]
+            value = LOGPROB_FLOOR if lp is None else _finite(lp.logprob)
+            content.append(
+                ChatLogprob(token=text, logprob=value, bytes=_bytes(text), top_logprobs=top)
+            )
+        return ChatChoiceLogprobs(content=content)
+
+    def _top(self, token: int, value: float) -> TopLogprob:
+        text = self.token_text(token)
+        return TopLogprob(token=text, logprob=_finite(value), bytes=_bytes(text))
+
+
+def error_body(error: BucketServeError) -> dict[str, Any]:
+    """OpenAI's error object for a BucketServeError."""
+    info = ErrorInfo(message=error.message, type=error.openai_type, code=error.http_status)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_event(error: BucketServeError) -> str:
+    """The error as a stream event, once the response's headers are out."""
+    return json.dumps({"error": error_body(error)["error"]})
+
+
+def _finish_reason(reason: str | None) -> str:
+    return OPENAI_FINISH.get(reason or "", "stop")
+
+
+def _padded(logprobs: Logprobs, n: int) -> list[TokenLogprob | None]:
+    got = list(logprobs)[:n]
+    return got + [None] * (n - len(got))
+
+
+def _finite(value: float) -> float:
+    return LOGPROB_FLOOR if math.isnan(value) else max(value, LOGPROB_FLOOR)
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def _usage(prompt: int, completion: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )

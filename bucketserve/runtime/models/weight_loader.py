@@ -1,0 +1,55 @@
+"""Filling a model's parameters from Hugging Face-named checkpoint tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+
+import torch
+from torch import nn
+
+# checkpoint name fragment -> (the fragment of the parameter it is stacked into, shard index)
+StackedParams = Mapping[str, tuple[str, int]]
+
+
+def load_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked_params: StackedParams,
+    skip: Collection[str] = (),
+) -> None:
+    """Copy each tensor into the parameter of its name, a stacked one's shards (q, k, v
+    into qkv) into their rows (`Linear.shard_rows`); the names in `skip` and rotary tables
+    are passed over. Every parameter, every shard of a stacked one, must be covered."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name or name in skip:
+            continue
+        target, shard = _target(name, stacked_params)
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        dest = params[target].data
+        if shard is not None:
+            dest = dest.narrow(0, *modules[target.rpartition(".")[0]].shard_rows(shard))
+        if dest.shape != tensor.shape:
+            raise ValueError(
+                f"weight for {target!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        loaded.add(f"{target}#{shard}")
+    expected = set()
+    for name in params:
+        shards = [s for fused, s in stacked_params.values() if fused in name]
+        expected |= {f"{name}#{s}" for s in shards or [None]}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint lacks weights for {missing[:5]} ({len(missing)} missing)")
+
+
+def _target(name: str, stacked_params: StackedParams) -> tuple[str, int | None]:
+    for fragment, (fused, shard) in stacked_params.items():
+        if fragment in name:
+            return name.replace(fragment, fused), shard
+    return name, None

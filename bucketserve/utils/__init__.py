@@ -1,0 +1,1 @@
+"""Helpers every layer may import: value checks and the settings base of the config files."""
