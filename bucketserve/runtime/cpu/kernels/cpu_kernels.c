@@ -75,7 +75,7 @@ typedef float vf __attribute__((vector_size(VL * 4), aligned(4), may_alias));
 // Plain dereferences of the unaligned, aliasing vector type: one vector load or store. A
 // 64-byte memcpy is split into two 32-byte moves where GCC prefers 256-bit vectors (Intel
 // -march targets), and the 64-byte reload of a spilled copy then misses store forwarding:
-// prefill attention measured 3.8x slower on a Sapphire Rapids class VM.
+// prefill attention then stalls on every such reload.
 static inline __attribute__((always_inline)) vf vload(const float *p) { return *(const vf *)p; }
 
 static inline __attribute__((always_inline)) void vstore(float *p, vf v) { *(vf *)p = v; }
@@ -152,7 +152,7 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, int6
         // The next block sits anywhere in the pool, out of the hardware prefetcher's
         // stride: key t's loop fetches the next block's key and value t. Spread out, the
         // prefetches never stall on full miss buffers, which one burst per block did. Into
-        // every cache level: non-temporal prefetches made decode attention 1.8x slower on a
+        // every cache level: non-temporal prefetches slowed decode attention down on a
         // Sapphire Rapids class VM (the line was gone again by the time the loop read it).
         const int64_t next = (j + 1) * block_size < ctx
                                  ? (int64_t)kvh * head_stride + table[j + 1] * block_size * dim
