@@ -1,32 +1,48 @@
-"""Paged KV block allocation and per-sequence block tables (torch-free)."""
+"""Paged KV block allocation, per-sequence block tables and the prefix cache (torch-free)."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
+from collections.abc import Sequence as Tokens
 
+from bucketserve.runtime.core.block_hash import BlockHash, block_hashes
 from bucketserve.runtime.core.sequence import Sequence
 
 
 class BlockManager:
-    """Hands out fixed-size KV blocks from a free list and keeps `seq.block_table`.
+    """Hands out fixed-size KV blocks and keeps `seq.block_table`.
 
-    Every block has a reference count: a block sits in the free list exactly
-    when its count is 0, so blocks shared between tables (a forked prefix)
-    are freed by their last holder. Blocks can also be reserved with no
-    sequence yet — the landing place of an incoming KV transfer — and later
-    attached to the sequence that arrives already prefilled.
+    Every block has a reference count, and a block is free exactly when its count is 0, so
+    blocks shared between tables (a forked prefix, a cached prefix) are freed by their last
+    holder. Blocks can also be reserved with no sequence yet — the landing place of an
+    incoming KV transfer — and later attached to the sequence that arrives prefilled.
+
+    With `enable_prefix_caching`, a full block whose K/V is computed is named by its hash
+    (`block_hash`) and stays cached after it is freed: free blocks form an LRU, evicted from
+    the least recently freed end only when a block must be taken. A new sequence (or one
+    resuming after preemption) starts with every leading block already cached, its last
+    token always left to compute so the step samples. A hit is checked against the block's
+    tokens and its parent block, so a hash collision costs a miss, never wrong K/V.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False
+    ) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
-        self._reserved: set[int] = set()
+        self._reserved: Counter[int] = Counter()
+        # the prefix cache: hash -> block, and per cached block its (hash, parent block, tokens)
+        self._cached: dict[BlockHash, int] = {}
+        self._meta: dict[int, tuple[BlockHash, int, tuple[int, ...]]] = {}
+        self.prefix_cache_queries = 0  # prompt tokens looked up, as vLLM counts them
+        self.prefix_cache_hits = 0  # of those, tokens found cached
 
     @property
     def num_total_blocks(self) -> int:
@@ -34,11 +50,16 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks nobody holds, cached ones among them (they are evicted when taken)."""
         return len(self._free)
 
     @property
     def num_reserved_blocks(self) -> int:
         return len(self._reserved)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -49,13 +70,40 @@ class BlockManager:
     # -- sequences ---------------------------------------------------------------------------
 
     def can_allocate(self, seq: Sequence) -> bool:
-        return self.blocks_needed(len(seq)) <= len(self._free)
+        return self.num_blocks_to_allocate(seq) <= len(self._free)
+
+    def num_blocks_to_allocate(self, seq: Sequence) -> int:
+        """Free blocks `allocate(seq)` takes: its blocks less the cached ones others hold."""
+        held = sum(1 for b in self._hits(seq) if self._ref_counts[b] > 0)
+        return self.blocks_needed(len(seq)) - held
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Leading tokens of `seq` `allocate` would find cached (no effect)."""
+        return len(self._hits(seq)) * self.block_size
 
     def allocate(self, seq: Sequence) -> None:
-        """A fresh table covering every token of `seq`."""
+        """A table covering every token of `seq`: its cached leading blocks (which then count
+        as computed) and fresh ones for the rest."""
         if seq.block_table:
             raise ValueError(f"seq {seq.seq_id} already holds {len(seq.block_table)} blocks")
-        self._grow(seq, self.blocks_needed(len(seq)))
+        starts = seq.num_computed_tokens == 0  # new, or resuming after preemption
+        hits = self._hits(seq) if starts else []
+        fresh = self.blocks_needed(len(seq)) - len(hits)
+        shortfall = fresh - len(self._free) + sum(1 for b in hits if self._ref_counts[b] == 0)
+        if shortfall > 0:
+            raise ValueError(
+                f"seq {seq.seq_id} needs {fresh} more blocks, {len(self._free)} are free"
+            )
+        for block in hits:
+            self._hold(block)
+        seq.block_table = hits + self._take(fresh)
+        if self.enable_prefix_caching and starts:
+            cached = len(hits) * self.block_size
+            seq.num_computed_tokens = cached
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = cached
+                self.prefix_cache_queries += seq.num_prompt_tokens
+                self.prefix_cache_hits += min(cached, seq.num_prompt_tokens)
 
     def can_append(self, seq: Sequence) -> bool:
         return self._shortfall(seq) <= len(self._free)
@@ -64,12 +112,39 @@ class BlockManager:
         """Grow the table so it covers every token of `seq`, including the one just appended."""
         self._grow(seq, self._shortfall(seq))
 
+    def cache_computed(self, seq: Sequence) -> None:
+        """Name the full blocks of `seq` whose K/V is now computed, so later sequences with the
+        same prefix reuse them. Call after `num_computed_tokens` grows."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        hashes = block_hashes(seq.token_ids[: full * bs], bs, seq.block_hashes)
+        parent = -1  # the cached block holding the prefix so far, verified
+        for i in range(full):
+            block = seq.block_table[i]
+            if block in self._meta:
+                parent = block
+                continue
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            other = self._cached.get(hashes[i])
+            if other is None:
+                self._meta[block] = (hashes[i], parent, tokens)
+                self._cached[hashes[i]] = block
+                parent = block
+            elif self._meta[other][1:] == (parent, tokens):
+                parent = other  # the same prefix, cached in another block
+            else:
+                return  # a hash collision: what follows would claim another prefix
+
     def free(self, seq: Sequence) -> None:
-        """Drop `seq`'s references; blocks nobody else holds go back to the free list."""
+        """Drop `seq`'s references; blocks nobody else holds become free (cached ones stay
+        cached until evicted)."""
         if not seq.block_table:
             raise ValueError(f"seq {seq.seq_id} holds no blocks (freed twice?)")
         self._check_live(seq.block_table, f"seq {seq.seq_id}")
-        self._decref(seq.block_table)
+        # the tail first: the LRU then evicts a prefix's last blocks before its first ones
+        self._decref(seq.block_table[::-1] if self.enable_prefix_caching else seq.block_table)
         seq.block_table = []
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
@@ -97,18 +172,28 @@ class BlockManager:
 
     def reserve(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` blocks for a transfer that has no sequence yet."""
+        return self.reserve_prefix((), num_blocks)[0]
+
+    def reserve_prefix(self, token_ids: Tokens[int], num_blocks: int) -> tuple[list[int], int]:
+        """Reserve `num_blocks` blocks for a transfer of `token_ids`' K/V: (the blocks, how
+        many leading ones already hold it from this pool's cache, so need no transfer)."""
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-        if num_blocks > len(self._free):
+        hits = self._hits_of(token_ids, [])[:num_blocks]
+        fresh = num_blocks - len(hits)
+        if fresh + sum(1 for b in hits if self._ref_counts[b] == 0) > len(self._free):
             raise ValueError(f"cannot reserve {num_blocks} blocks: {len(self._free)} are free")
-        blocks = self._take(num_blocks)
+        for block in hits:
+            self._hold(block)
+        blocks = hits + self._take(fresh)
         self._reserved.update(blocks)
-        return blocks
+        return blocks, len(hits)
 
     def release(self, block_ids: Iterable[int]) -> None:
         """Give back reserved blocks whose transfer will not be attached."""
         blocks = self._check_reserved(block_ids)
-        self._reserved.difference_update(blocks)
+        self._reserved.subtract(blocks)
+        self._reserved = +self._reserved
         self._decref(blocks)
 
     def attach(self, seq: Sequence, block_ids: Iterable[int]) -> None:
@@ -123,8 +208,18 @@ class BlockManager:
                 f"seq {seq.seq_id} with {seq.num_computed_tokens} computed of {len(seq)} tokens "
                 f"needs {needed} to {self.blocks_needed(len(seq))} blocks, got {len(blocks)}"
             )
-        self._reserved.difference_update(blocks)
+        self._reserved.subtract(blocks)
+        self._reserved = +self._reserved
         seq.block_table = blocks
+        self.cache_computed(seq)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (vLLM's `/reset_prefix_cache`); blocks in use stay
+        with their holders. Returns how many blocks were forgotten."""
+        n = len(self._cached)
+        self._cached.clear()
+        self._meta.clear()
+        return n
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -139,16 +234,53 @@ class BlockManager:
         seq.block_table.extend(self._take(num_blocks))
 
     def _take(self, num_blocks: int) -> list[int]:
-        blocks = [self._free.popleft() for _ in range(num_blocks)]
+        blocks = [self._free.popitem(last=False)[0] for _ in range(num_blocks)]
         for block in blocks:
             self._ref_counts[block] = 1
+            self._evict(block)
         return blocks
+
+    def _evict(self, block: int) -> None:
+        meta = self._meta.pop(block, None)
+        if meta is not None and self._cached.get(meta[0]) == block:
+            del self._cached[meta[0]]
+
+    def _hold(self, block: int) -> None:
+        """One more holder of a cached block (taken off the free LRU if nobody held it)."""
+        if self._ref_counts[block] == 0:
+            del self._free[block]
+        self._ref_counts[block] += 1
 
     def _decref(self, blocks: list[int]) -> None:
         for block in blocks:
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free.append(block)
+                self._free[block] = None
+
+    def _hits(self, seq: Sequence) -> list[int]:
+        if seq.sampling_params.prompt_logprobs is not None:
+            return []  # every prompt position's logits are wanted: compute them all
+        return self._hits_of(seq.token_ids, seq.block_hashes)
+
+    def _hits_of(self, token_ids: Tokens[int], known: list[BlockHash]) -> list[int]:
+        """The cached blocks holding `token_ids`' leading full blocks, all but its last token."""
+        if not self.enable_prefix_caching or not self._cached:
+            return []
+        bs = self.block_size
+        usable = (len(token_ids) - 1) // bs
+        hashes = block_hashes(token_ids[: usable * bs], bs, known)
+        hits: list[int] = []
+        parent = -1
+        for i in range(usable):
+            block = self._cached.get(hashes[i])
+            if block is None:
+                break
+            _, block_parent, tokens = self._meta[block]
+            if block_parent != parent or tokens != tuple(token_ids[i * bs : (i + 1) * bs]):
+                break  # a hash collision: a different prefix
+            hits.append(block)
+            parent = block
+        return hits
 
     def _check_live(self, blocks: list[int], owner: str) -> None:
         counts: dict[int, int] = {}
@@ -162,7 +294,7 @@ class BlockManager:
         blocks = list(block_ids)
         if not blocks or len(set(blocks)) != len(blocks):
             raise ValueError(f"block ids must be a non-empty list without repeats, got {blocks}")
-        stray = [b for b in blocks if b not in self._reserved]
+        stray = [b for b in blocks if self._reserved[b] < blocks.count(b)]
         if stray:
             raise ValueError(f"blocks {stray} are not reserved")
         return blocks

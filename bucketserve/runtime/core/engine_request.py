@@ -60,6 +60,7 @@ class EngineRequest:
             stop_reason=seq.stop_reason,
             num_preemptions=seq.num_preemptions,
             metrics=seq.metrics,
+            num_cached_tokens=seq.num_cached_tokens or 0,
             logprobs=first.logprobs,
             delta_logprobs=first.delta_logprobs,
             outputs=outputs,

@@ -44,7 +44,8 @@ class RequestOutput:
     `outputs` holds one CompletionOutput per sample (`SamplingParams.n` of them, index i at
     position i); the top-level text, token and logprob fields are sample 0's, and
     `finished` says every sample has ended. `prompt_logprobs` (when asked for) has one entry
-    per prompt token, None for the first.
+    per prompt token, None for the first. `num_cached_tokens`: prompt tokens whose K/V came
+    from the prefix cache rather than being computed for this request.
     """
 
     request_id: str
@@ -63,3 +64,4 @@ class RequestOutput:
     delta_logprobs: list[TokenLogprob | None] | None = field(default=None, repr=False)
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = field(default=None, repr=False)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, as vLLM's

@@ -33,6 +33,8 @@ class SchedulerConfig:
     queue place back and is no longer held for running sequences' TPOT (None: it yields
     while any would be made late, and is held), which bounds the TTFT tail of an overload
     at the cost of some of the SLOs the yielding keeps.
+    `enable_prefix_caching`: a prompt whose leading full blocks are cached starts after them
+    (`BlockManager`); the engine builds its block manager with it.
     """
 
     max_num_seqs: int = 64
@@ -42,6 +44,7 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     slo_admission: bool = True
     late_yield_s: float | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         y = self.late_yield_s
@@ -336,7 +339,8 @@ class Scheduler:
                 seq = self.waiting.peek(now, lead, self.config.late_yield_s)
                 if not slo.allows(seq, self.running, now, backlog):
                     return
-            n = seq.num_uncomputed_tokens
+            fresh = not seq.block_table and seq.num_computed_tokens == 0
+            n = seq.num_uncomputed_tokens - (bm.num_cached_tokens(seq) if fresh else 0)
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     return
@@ -347,9 +351,9 @@ class Scheduler:
                 bm.append_slot(seq)
             else:
                 reserve = self._watermark_blocks if self.running else 0
-                if bm.blocks_needed(len(seq)) + reserve > bm.num_free_blocks:
+                if bm.num_blocks_to_allocate(seq) + reserve > bm.num_free_blocks:
                     return
-                bm.allocate(seq)
+                bm.allocate(seq)  # its cached prefix, if any, counts as computed
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -377,6 +381,7 @@ class Scheduler:
             if self._land(seq):
                 continue
             seq.num_computed_tokens += n
+            self.block_manager.cache_computed(seq)
             if self._forks and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self._fork(seq)
             if token is None:

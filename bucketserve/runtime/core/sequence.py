@@ -90,6 +90,8 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token id or stop string matched
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # of its full blocks, extended as they fill
+        self.num_cached_tokens: int | None = None  # found in the prefix cache when first run
         self.num_preemptions = 0
         # output token index -> its logprobs, kept when the request asks for them (tokens
         # generated elsewhere have none here)

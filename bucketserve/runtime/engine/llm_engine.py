@@ -79,7 +79,11 @@ class LLMEngine:
             )
         self.runner = runner or _new_runner(config)
         self.tokenizer = self.runner.tokenizer
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size)
+        self.block_manager = BlockManager(
+            self.runner.num_kv_blocks,
+            self.runner.block_size,
+            enable_prefix_caching=config.scheduler.enable_prefix_caching,
+        )
         self.scheduler = Scheduler(
             config.scheduler,
             self.block_manager,
