@@ -32,13 +32,19 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 # Peer comparison against vLLM's CPU build on this machine (never part of `make test`):
-# builds benchmarks/peers/.venv on first use, then the offline table (float32) and the
-# served sweep (`vllm serve` vs `bucketserve serve` shapes under `vllm bench serve`).
-# More: make bench-peers PEERS_ARGS='--dtype bfloat16' SERVED_ARGS='--rates 1,2'
+# builds benchmarks/peers/.venv on first use, then the offline table (float32) and one
+# served sweep per workload (`vllm serve` vs `bucketserve serve` shapes under
+# `vllm bench serve`, both with their default prefix caching): random prompts, shared
+# prefixes, multi-turn conversations.
+# More: make bench-peers PEERS_ARGS='--dtype bfloat16' SERVED_ARGS='--seeds 0,1'
+#       SERVED_WORKLOADS=prefix
 PEERS_ARGS ?=
 SERVED_ARGS ?=
+SERVED_WORKLOADS ?= random prefix multiturn
 bench-peers: $(STAMP)
 	PYTHON=$(PYTHON) bash benchmarks/peers/setup.sh
 	$(PY) -m benchmarks.peers.offline $(PEERS_ARGS)
-	$(PY) -m benchmarks.peers.served $(SERVED_ARGS)
+	for workload in $(SERVED_WORKLOADS); do \
+	  $(PY) -m benchmarks.peers.served --workload $$workload $(SERVED_ARGS) || exit 1; \
+	done
 	$(PY) -m benchmarks.peers.startup

@@ -80,6 +80,7 @@ class StreamDelta:
     shape_bucket: tuple[int, int, int] | None = None  # (batch, query, blocks) of its prefill
     index: int = 0  # the sample (choice) of an n > 1 request
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0  # of the prompt's, found in a prefix cache (usage, as vLLM's)
 
 
 class ServiceError(Exception):
@@ -203,6 +204,8 @@ class TokenDelta:
     logprobs: list[TokenLogprob | None] | None = None  # one per token, when asked for
     index: int = 0  # the sample (choice) of an n > 1 request
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, when asked for
+    # prompt tokens the worker found in its prefix cache: with the request's first token
+    num_cached_tokens: int | None = None
 
 
 @dataclass
@@ -238,6 +241,8 @@ class WorkerStats:
     graph_compile_s: float = 0.0  # warm-up's compile seconds
     graph_miss_compile_s: float = 0.0  # compile seconds of shapes met while serving
     kv_export: str = ""  # graphs mode: per_layer, or after_graph where a graph runs whole
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 @dataclass
@@ -337,6 +342,7 @@ def deltas_of(out: RequestOutput) -> list[TokenDelta]:
                 logprobs=None if o.delta_logprobs is None else list(o.delta_logprobs),
                 index=o.index,
                 prompt_logprobs=out.prompt_logprobs if first else None,
+                num_cached_tokens=out.num_cached_tokens if first else None,
             )
         )
     return deltas

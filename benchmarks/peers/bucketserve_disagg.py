@@ -7,15 +7,16 @@ background tasks (dispatch, leases) keep running between commands."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 from typing import Any
 
 from benchmarks.disagg_overhead import controller_config, timed_stream
-from benchmarks.peers.harness import Generate, serve_engine
+from benchmarks.peers.harness import Generate, Reset, serve_engine
 
 
-def load(spec: dict[str, Any]) -> tuple[Generate, str]:
+def load(spec: dict[str, Any]) -> tuple[Generate, Reset, str]:
     from bucketserve.controller.controller import Controller
     from bucketserve.messages import ServeRequest
     from bucketserve.runtime.core.sampling_params import SamplingParams
@@ -23,6 +24,10 @@ def load(spec: dict[str, Any]) -> tuple[Generate, str]:
     config = controller_config(
         spec["model"], "ray", spec["max_model_len"], spec["max_num_seqs"],
         spec["max_num_batched_tokens"], spec["dtype"],
+    )
+    caching = spec.get("enable_prefix_caching", True)
+    config = dataclasses.replace(
+        config, scheduler=dataclasses.replace(config.scheduler, enable_prefix_caching=caching)
     )
     controller = Controller(config)
     loop = asyncio.new_event_loop()
@@ -46,7 +51,10 @@ def load(spec: dict[str, Any]) -> tuple[Generate, str]:
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         return call(run(prompts, max_tokens))
 
-    return generate, "bucketserve 1 prefill + 1 decode Ray actors"
+    def reset() -> None:
+        call(controller.reset_prefix_cache())
+
+    return generate, reset, "bucketserve 1 prefill + 1 decode Ray actors"
 
 
 if __name__ == "__main__":

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.peers.harness import Generate, serve_engine
+from benchmarks.peers.harness import Generate, Reset, serve_engine
 
 
-def load(spec: dict[str, Any]) -> tuple[Generate, str]:
+def load(spec: dict[str, Any]) -> tuple[Generate, Reset, str]:
     from bucketserve.runtime.core.sampling_params import SamplingParams
     from bucketserve.runtime.engine.llm import LLM
 
@@ -19,13 +19,17 @@ def load(spec: dict[str, Any]) -> tuple[Generate, str]:
         max_num_batched_tokens=spec["max_num_batched_tokens"],
         max_model_len=spec["max_model_len"],
         execution=spec.get("execution", "eager"),
+        enable_prefix_caching=spec.get("enable_prefix_caching", True),
     )
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
         return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    return generate, "bucketserve"
+    def reset() -> None:
+        llm.engine.block_manager.reset_prefix_cache()
+
+    return generate, reset, "bucketserve"
 
 
 if __name__ == "__main__":

@@ -163,18 +163,22 @@ def hardware_line() -> str:
 
 
 Generate = Callable[[list[list[int]], int], list[list[int]]]  # (prompt ids, max_tokens) -> ids
+Reset = Callable[[], None]  # forget every cached prefix block
 
 
-def serve_engine(load: Callable[[dict[str, Any]], tuple[Generate, str]]) -> None:
-    """A worker's main: `load(spec)` builds the engine and returns its greedy generate and
-    version; it is warmed up, then each command `{prompts, max_tokens}` is timed."""
+def serve_engine(load: Callable[[dict[str, Any]], tuple[Generate, Reset, str]]) -> None:
+    """A worker's main: `load(spec)` builds the engine and returns its greedy generate, its
+    prefix-cache reset and its version; it is warmed up, then each command
+    `{prompts, max_tokens}` is timed from an empty prefix cache, so a repeat reuses nothing
+    of the runs before it (only what its own prompts share)."""
     spec = json.loads(sys.argv[1])
     start = time.perf_counter()
-    generate, version = load(spec)
+    generate, reset, version = load(spec)
     generate(spec["warmup_prompts"], 8)
     load_s = time.perf_counter() - start
 
     def handle(command: dict[str, Any]) -> dict[str, Any]:
+        reset()
         t0 = time.perf_counter()
         tokens = generate(command["prompts"], command["max_tokens"])
         return {"wall_s": time.perf_counter() - t0, "token_ids": tokens}

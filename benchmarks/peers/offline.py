@@ -8,7 +8,10 @@ Same machine, same weights (bucketserve's safetensors copy of the embedded
 SmolLM2), same prompt token ids, greedy, one invocation. Each system is loaded
 once in its own process; repeats interleave the two (alternating which goes
 first) and the ratio is the median of per-repeat ratios. vLLM runs with
-prefix caching off (bucketserve has none) and `VLLM_CPU_NUM_OF_RESERVED_CPU=0`.
+`VLLM_CPU_NUM_OF_RESERVED_CPU=0`. Both systems keep their default automatic prefix
+caching (`--no-prefix-caching` turns it off in both, the setting of the earlier
+comparisons), and every timed run starts from an empty cache, so a repeat reuses only what
+its own prompts share.
 
 Workloads:
 - `chat`: the offline benchmark's 64 chat prompts (half short questions,
@@ -18,9 +21,16 @@ Workloads:
   FLOPs (every GEMM, the LM head once per prompt, causal attention) at the
   float32 GEMM rate measured here before the workers start (a 2048^2 GEMM,
   the better of torch.matmul and the runtime's linear), and each system's
-  share of it.
+  share of it;
+- `prefix`: the prefill benchmark over prompts that share long prefixes (system
+  prompts, documents): `--num-prefixes` random prefixes of `--prefix-len` tokens,
+  `--prefix-prompts` prompts in all, each one of them and its own random
+  `--suffix-len` tokens, shuffled, max_tokens 1 — prompt tok/s over every prompt
+  token, the cached ones included (as a user sees it). No FLOP ceiling: what is
+  computed depends on the cache.
 
     python -m benchmarks.peers.offline [--dtype float32] [--repeats 3] [--systems ...]
+    python -m benchmarks.peers.offline --workloads prefix
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ class Workload:
     prompts: list[list[int]]
     max_tokens: int
     metric: str  # "output" or "prompt" tokens per second
+    ceiling: bool = False  # report the machine's FLOP ceiling for it (every token computed)
 
     def tokens(self, token_ids: list[list[int]]) -> int:
         if self.metric == "prompt":
@@ -79,7 +90,25 @@ def prefill_workload(vocab_size: int, num_prompts: int, seed: int = 0) -> Worklo
     rng = np.random.default_rng(seed)
     lengths = rng.integers(38, 731, size=num_prompts)
     prompts = [rng.integers(256, vocab_size, size=int(n)).tolist() for n in lengths]
-    return Workload("prefill", prompts, 1, "prompt")
+    return Workload("prefill", prompts, 1, "prompt", ceiling=True)
+
+
+def prefix_workload(
+    vocab_size: int, num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: int,
+    seed: int = 0,
+) -> Workload:
+    """`num_prompts` prompts, each one of `num_prefixes` random prefixes (round robin) and
+    its own random suffix, in a seeded random order."""
+    if num_prompts < num_prefixes or min(num_prefixes, prefix_len, suffix_len) < 1:
+        raise ValueError(f"{num_prompts} prompts over {num_prefixes} prefixes of "
+                         f"{prefix_len} + {suffix_len} tokens")
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(256, vocab_size, size=prefix_len).tolist()
+                for _ in range(num_prefixes)]
+    prompts = [prefixes[i % num_prefixes] + rng.integers(256, vocab_size, size=suffix_len).tolist()
+               for i in range(num_prompts)]
+    order = rng.permutation(num_prompts)
+    return Workload("prefix", [prompts[i] for i in order], 1, "prompt")
 
 
 def prefill_flops(config: ModelConfig, prompts: list[list[int]]) -> float:
@@ -115,6 +144,7 @@ def start_workers(args: argparse.Namespace, model: str, warmup: list[list[int]])
         "max_model_len": args.max_model_len,
         "warmup_prompts": warmup,
         "execution": args.execution,
+        "enable_prefix_caching": not args.no_prefix_caching,
     }
     workers = {}
     try:
@@ -171,7 +201,7 @@ def summarize(
             "runs": {s: [{k: v for k, v in r.items() if k != "token_ids"}
                          for r in runs[w.name][s]] for s in workers},
         }
-        if w.metric == "prompt":
+        if w.ceiling:
             row = table[w.name]
             row["ceiling"] = ceiling(prefill_flops(config, w.prompts), row["prompt_tokens"],
                                      gemm_rate, row["tok_s"])
@@ -201,10 +231,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workloads", default="chat,prefill")
+    parser.add_argument("--workloads", default="chat,prefill,prefix")
     parser.add_argument("--num-prompts", type=int, default=64, help="chat workload")
     parser.add_argument("--max-tokens", type=int, default=128, help="chat workload")
     parser.add_argument("--prefill-prompts", type=int, default=48)
+    parser.add_argument("--prefix-prompts", type=int, default=48, help="prefix workload")
+    parser.add_argument("--num-prefixes", type=int, default=4, help="prefix workload")
+    parser.add_argument("--prefix-len", type=int, default=768, help="prefix workload")
+    parser.add_argument("--suffix-len", type=int, default=48, help="prefix workload")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="both systems without automatic prefix caching")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -236,6 +272,10 @@ def main() -> None:
         "chat": lambda: chat_workload(tokenizer, args.num_prompts, args.max_tokens),
         "prefill": lambda: prefill_workload(
             config.vocab_size, args.prefill_prompts
+        ),
+        "prefix": lambda: prefix_workload(
+            config.vocab_size, args.prefix_prompts, args.num_prefixes, args.prefix_len,
+            args.suffix_len,
         ),
     }
     workloads = [every[name]() for name in args.workloads.split(",")]

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.peers.harness import Generate, serve_engine
+from benchmarks.peers.harness import Generate, Reset, serve_engine
 
 
-def load(spec: dict[str, Any]) -> tuple[Generate, str]:
+def load(spec: dict[str, Any]) -> tuple[Generate, Reset, str]:
     import vllm
     from vllm.inputs import TokensPrompt
 
@@ -20,7 +20,7 @@ def load(spec: dict[str, Any]) -> tuple[Generate, str]:
         max_num_seqs=spec["max_num_seqs"],
         max_num_batched_tokens=spec["max_num_batched_tokens"],
         max_model_len=spec["max_model_len"],
-        enable_prefix_caching=False,
+        enable_prefix_caching=spec.get("enable_prefix_caching", True),
         seed=0,
     )
 
@@ -30,7 +30,11 @@ def load(spec: dict[str, Any]) -> tuple[Generate, str]:
         outs = llm.generate(inputs, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    return generate, f"vllm {vllm.__version__}"
+    def reset() -> None:
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache")
+
+    return generate, reset, f"vllm {vllm.__version__}"
 
 
 if __name__ == "__main__":

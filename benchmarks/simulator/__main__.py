@@ -1,13 +1,17 @@
-"""python -m benchmarks.simulator {roofline,calibrate,offline,online,overhead,scale,pipeline,all}
+"""python -m benchmarks.simulator {roofline,calibrate,offline,online,overhead,scale,pipeline,
+prefix,all}
 
 Each command prints its tables and writes DIR/<command>.json and PNG plots. The paper's
 experiments run on 4 simulated A100-40GB (Llama-2-13B, tensor parallel 2: one prefill and
-one decode worker, or two static-batching replicas), K/V over NVLink.
+one decode worker, or two static-batching replicas), K/V over NVLink. `prefix` scales the
+same workers out (`--prefix-prefill`, `--prefix-decode`) for cache-aware placement against
+least-loaded on shared prefixes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +23,7 @@ from benchmarks.simulator.offline import offline_table, run_offline
 from benchmarks.simulator.online import online_table, run_online
 from benchmarks.simulator.overhead import overhead_table, run_overhead
 from benchmarks.simulator.pipeline import pipeline_table, run_pipeline
+from benchmarks.simulator.prefix import PREFIX_CLUSTER, PREFIX_WORKLOAD, prefix_table, run_prefix
 from benchmarks.simulator.report import write_json
 from benchmarks.simulator.roofline_table import roofline_table, run_roofline_table
 from benchmarks.simulator.scale import run_scale, scale_table
@@ -26,7 +31,7 @@ from benchmarks.simulator.scale import run_scale, scale_table
 PAPER_CLUSTER = ClusterConfig(
     model="llama-2-13b", hardware="a100-40gb", link="nvlink3", num_prefill=1, num_decode=1, tp=2
 )
-COMMANDS = ("roofline", "calibrate", "offline", "online", "overhead", "scale", "pipeline")
+COMMANDS = ("roofline", "calibrate", "offline", "online", "overhead", "scale", "pipeline", "prefix")
 
 
 def experiments(args: argparse.Namespace) -> dict[str, tuple[Callable, Callable, Callable]]:
@@ -63,6 +68,22 @@ def experiments(args: argparse.Namespace) -> dict[str, tuple[Callable, Callable,
             pipeline_table,
             lambda result, out: [],
         ),
+        "prefix": (
+            lambda: run_prefix(
+                dataclasses.replace(
+                    PREFIX_CLUSTER, num_prefill=args.prefix_prefill, num_decode=args.prefix_decode
+                ),
+                dataclasses.replace(
+                    PREFIX_WORKLOAD,
+                    num_prefixes=args.prefixes,
+                    prefix_len=args.prefix_len,
+                    zipf=args.zipf,
+                ),
+                duration_s=args.duration,
+            ),
+            prefix_table,
+            lambda result, out: [],
+        ),
     }
 
 
@@ -72,16 +93,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/simulator"))
     parser.add_argument("--rounds", type=int, default=9, help="calibrate: timing rounds")
     parser.add_argument("--seeds", type=int, default=3, help="offline: seeds per point")
-    parser.add_argument("--duration", type=float, default=120.0, help="online: seconds of arrivals")
+    parser.add_argument(
+        "--duration", type=float, default=120.0, help="online, prefix: seconds of arrivals"
+    )
     parser.add_argument("--scale-rate", type=float, default=10_000.0)
     parser.add_argument("--scale-duration", type=float, default=5.0, help="seconds of arrivals")
+    prefix = parser.add_argument_group("prefix: the cluster and the shared prefixes")
+    prefix.add_argument("--prefix-prefill", type=int, default=PREFIX_CLUSTER.num_prefill)
+    prefix.add_argument("--prefix-decode", type=int, default=PREFIX_CLUSTER.num_decode)
+    prefix.add_argument("--prefixes", type=int, default=PREFIX_WORKLOAD.num_prefixes)
+    prefix.add_argument("--prefix-len", type=int, default=PREFIX_WORKLOAD.prefix_len)
+    prefix.add_argument(
+        "--zipf", type=float, default=PREFIX_WORKLOAD.zipf, help="0: uniform over prefixes"
+    )
     args = parser.parse_args(argv)
+    if args.zipf < 0:
+        parser.error(f"--zipf must be >= 0, got {args.zipf}")
     for name, value in (
         ("--rounds", args.rounds),
         ("--seeds", args.seeds),
         ("--duration", args.duration),
         ("--scale-rate", args.scale_rate),
         ("--scale-duration", args.scale_duration),
+        ("--prefix-prefill", args.prefix_prefill),
+        ("--prefix-decode", args.prefix_decode),
+        ("--prefixes", args.prefixes),
+        ("--prefix-len", args.prefix_len),
     ):
         if value <= 0:
             parser.error(f"{name} must be positive, got {value}")

@@ -167,23 +167,34 @@ class CostModel:
         return self.time(self.work(query_lens, context_lens))
 
     def prefill_work(
-        self, prompt_lens: Sequence[int], pad_to: tuple[int, int] | None = None
+        self,
+        prompt_lens: Sequence[int],
+        pad_to: tuple[int, ...] | None = None,
+        context_lens: Sequence[int] | None = None,
     ) -> StepWork:
-        """A prefill batch, run varlen (`pad_to=None`) or padded to (rows, query length)."""
+        """A prefill batch computing `prompt_lens` tokens per row on top of `context_lens`
+        cached ones (default none), run varlen (`pad_to=None`) or padded to (rows, query
+        length) or (rows, query length, context tokens): every row of a padded shape
+        computes the whole query over the whole context."""
         if pad_to is None:
-            return self.work(prompt_lens, [0] * len(prompt_lens))
-        rows, length = pad_to
+            contexts = [0] * len(prompt_lens) if context_lens is None else list(context_lens)
+            return self.work(prompt_lens, contexts)
+        rows, length, *rest = pad_to
+        context = rest[0] if rest else 0
         if rows < len(prompt_lens) or length < max(prompt_lens):
             raise ValueError(
                 f"pad_to {pad_to} cannot hold {len(prompt_lens)} prompts of up to "
                 f"{max(prompt_lens)} tokens"
             )
-        return self.work([length] * rows, [0] * rows)
+        return self.work([length] * rows, [context] * rows)
 
     def prefill_time(
-        self, prompt_lens: Sequence[int], pad_to: tuple[int, int] | None = None
+        self,
+        prompt_lens: Sequence[int],
+        pad_to: tuple[int, ...] | None = None,
+        context_lens: Sequence[int] | None = None,
     ) -> float:
-        return self.time(self.prefill_work(prompt_lens, pad_to))
+        return self.time(self.prefill_work(prompt_lens, pad_to, context_lens))
 
     def decode_time(self, num_rows: int, total_context: int) -> float:
         return self.time(self.decode_work(num_rows, total_context))

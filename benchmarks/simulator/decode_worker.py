@@ -39,6 +39,10 @@ class DecodeWorker:
     up to pp disjoint microbatches of the running batch in flight, the next
     one scheduled as soon as the first stage hands the previous one on (the
     engine loop of the pipeline-parallel RFC).
+
+    With `prefix_caching` the pool caches what its sequences computed; an incoming
+    transfer takes the blocks already cached as they are (`reserve` with the prompts), so
+    only the rest is shipped.
     """
 
     def __init__(
@@ -51,11 +55,13 @@ class DecodeWorker:
         scheduler_config: SchedulerConfig,
         commits_output: bool,
         on_finish: Callable[[Sequence, int, int], None],
+        prefix_caching: bool = False,
     ) -> None:
         self.index = index
         self.loop = loop
         self.cost = cost
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, prefix_caching)
+        self.cached_blocks: dict[str, list[int]] = {}  # lease -> each prompt's cached blocks
         self.leases = LeaseTable(
             f"decode{index}", lambda lease: self.block_manager.release(lease.flat_block_ids)
         )
@@ -102,20 +108,32 @@ class DecodeWorker:
         return sum(bm.blocks_needed(n + 1) for n in prompt_lens) <= bm.num_free_blocks
 
     def reserve(
-        self, request_ids: Sequence_[int], prompt_lens: Sequence_[int], commits: Sequence_[int]
+        self,
+        request_ids: Sequence_[int],
+        prompt_lens: Sequence_[int],
+        commits: Sequence_[int],
+        prompts: Sequence_[list[int]] | None = None,
     ) -> Lease:
         """Hold each prompt's blocks plus its first token's (what `add_prefilled` attaches)
-        under one lease of the service's own lease table, and promise the commitments."""
+        under one lease of the service's own lease table, and promise the commitments. With
+        the `prompts`' tokens, the leading blocks the cache holds are taken as they are
+        (`cached_blocks[lease_id]`: how many, per prompt)."""
         bm = self.block_manager
-        blocks = [bm.reserve(bm.blocks_needed(n + 1)) for n in prompt_lens]
+        prompts = prompts or [()] * len(prompt_lens)
+        taken = [
+            bm.reserve_prefix(tokens, bm.blocks_needed(n + 1))
+            for tokens, n in zip(prompts, prompt_lens, strict=True)
+        ]
         self.committed += sum(commits)
         ids = [str(i) for i in request_ids]
-        lease = self.leases.open(ids, blocks, LEASE_TTL_S, now=self.loop.now)
+        lease = self.leases.open(ids, [b for b, _ in taken], LEASE_TTL_S, now=self.loop.now)
+        self.cached_blocks[lease.lease_id] = [n for _, n in taken]
         self.on_room_change(self)
         return lease
 
     def land(self, lease_id: str) -> tuple[tuple[int, ...], ...]:
         """The batch's K/V arrived: close its lease; its blocks go on to the sequences."""
+        self.cached_blocks.pop(lease_id, None)
         return self.leases.close(lease_id).block_ids
 
     def admit(self, seq: Sequence, block_ids: Sequence_[int], output_len: int, commit: int) -> None:

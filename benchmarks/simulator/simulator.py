@@ -4,6 +4,12 @@ picks, whose blocks are reserved before prefill starts; K/V lands and joins cont
 batching on the real Scheduler. The batcher's and the P/D scheduler's cost is measured
 around each of their calls twice: wall clock (`*_s`) and this thread's CPU time
 (`*_cpu_s`, which a busy shared machine does not inflate).
+
+With `prefix_caching` every worker's pool caches what it computed (the real BlockManager):
+a prefill computes only the prompt tokens its worker's cache lacks, and a transfer ships
+only the blocks the decode worker lacks. Requests are queued with their blocks' hashes and
+the cached length the P/D scheduler's index expects; with `cache_aware` the scheduler also
+places each batch by cache (`PDScheduler.place_decode`, `prefer_cached`).
 """
 
 from __future__ import annotations
@@ -18,14 +24,15 @@ from benchmarks.simulator.decode_worker import EOS, TOKEN, DecodeWorker
 from benchmarks.simulator.event_loop import EventLoop
 from benchmarks.simulator.metrics import RequestRecord, RunResult
 from benchmarks.simulator.prefill_worker import PrefillWorker
-from benchmarks.simulator.workload import SimRequest
+from benchmarks.simulator.workload import SimRequest, prompt_tokens
 from bucketserve.bucket_manager import BucketRequest, PrefillBatch
 from bucketserve.controller.pd_scheduler import PDScheduler
 from bucketserve.kv_transfer.lease import Lease
+from bucketserve.runtime.core.block_hash import block_hashes
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.scheduler import SchedulerConfig
 from bucketserve.runtime.core.sequence import Sequence
-from bucketserve.utils.checks import check_choice
+from bucketserve.utils.checks import check_choice, check_int
 
 PAD_MODES = ("shape", "longest", "none")
 
@@ -43,7 +50,10 @@ class Batcher(Protocol):
 
 class Simulator:
     """`pad`: a prefill batch runs padded to its shape bucket, to its longest prompt, or
-    varlen. `commits_output`: decode room counts prompt + max_tokens per live sequence."""
+    varlen. `commits_output`: decode room counts prompt + max_tokens per live sequence.
+    `prefix_caching`, `cache_aware`: the module's. `max_batches_per_prefill`: batches a
+    prefill worker takes at once, the later ones queued at it (the service's default is 2;
+    1 takes a batch only when the worker is free)."""
 
     def __init__(
         self,
@@ -53,13 +63,20 @@ class Simulator:
         pad: str,
         commits_output: bool,
         tenant: str = "default",
+        prefix_caching: bool = False,
+        cache_aware: bool = False,
+        max_batches_per_prefill: int = 1,
     ) -> None:
         check_choice("pad", pad, PAD_MODES)
+        check_int("max_batches_per_prefill", max_batches_per_prefill, 1)
+        if cache_aware and not prefix_caching:
+            raise ValueError("cache-aware placement needs prefix caching in the workers")
         self.name = name
         self.cluster = cluster
         self.batcher = batcher
         self.pad = pad
         self.tenant = tenant
+        self.prefix_caching = prefix_caching
         self.loop = EventLoop()
         self.cost = cluster.cost_model()
         blocks = cluster.num_kv_blocks()
@@ -78,20 +95,27 @@ class Simulator:
                 config,
                 commits_output,
                 self._finished,
+                prefix_caching,
             )
             for i in range(cluster.num_decode)
         ]
         link = cluster.link_spec
+        pool = blocks if prefix_caching else None
         self.prefill = [
-            PrefillWorker(i, self.loop, self.cost, link) for i in range(cluster.num_prefill)
+            PrefillWorker(i, self.loop, self.cost, link, pool, cluster.block_size)
+            for i in range(cluster.num_prefill)
         ]
-        self._idle = list(reversed(self.prefill))
-        self.pd = PDScheduler(cluster.num_decode, cluster.block_size)  # the service's own
+        self.max_batches_per_prefill = max_batches_per_prefill
+        # a free prefill slot per entry, taken from the end
+        self._idle = list(reversed(self.prefill)) * max_batches_per_prefill
+        # the service's own
+        self.pd = PDScheduler(cluster.num_decode, cluster.block_size, cache_aware=cache_aware)
         for worker in self.decode:
             worker.on_room_change = self._room_changed
             self._room_changed(worker)
         self.records: dict[int, RequestRecord] = {}
         self._requests: dict[int, SimRequest] = {}
+        self._tokens: dict[int, list[int]] = {}  # with prefix caching, until it finishes
         self._params: dict[int, SamplingParams] = {}
         self.cpu = dict.fromkeys(
             ("bucket_manager_s", "pd_scheduler_s", "bucket_manager_cpu_s", "pd_scheduler_cpu_s"),
@@ -102,6 +126,8 @@ class Simulator:
         self.counts["max_buckets"] = 1
         self.counts["failed_reservations"] = 0
         self.counts["max_queued"] = 0
+        self.counts["cached_tokens"] = 0  # prompt tokens a prefill found cached
+        self.counts["unshipped_tokens"] = 0  # prompt tokens a decode worker held already
 
     # -- driving -----------------------------------------------------------------------------
 
@@ -134,17 +160,31 @@ class Simulator:
         self.records[request.request_id] = RequestRecord(
             request.prompt_len, request.output_len, request.arrival
         )
+        start = _stamp()
+        hashes, cached = self._expected_prefix(request)
         item = BucketRequest(
             request.request_id,
             request.prompt_len,
             request.max_tokens,
             tenant=self.tenant,
             arrival_time=request.arrival,
+            cached_len=cached,
+            block_hashes=hashes,
         )
-        start = _stamp()
+        estimated = _stamp()
         self.batcher.add(item)
-        self._charge("bucket_manager", start, _stamp())
+        self._charge("pd_scheduler", start, estimated)
+        self._charge("bucket_manager", estimated, _stamp())
         self._dispatch()
+
+    def _expected_prefix(self, request: SimRequest) -> tuple[tuple[int, ...], int]:
+        """The prompt's block hashes and the prefix a prefill worker is expected to hold,
+        as the service's Dispatcher queues them (none without prefix caching)."""
+        if not self.prefix_caching:
+            return (), 0
+        tokens = self._tokens[request.request_id] = prompt_tokens(request)
+        hashes = tuple(block_hashes(tokens, self.cluster.block_size))
+        return hashes, self.pd.expected_cached(self.pd.prefill_cache, hashes, len(tokens))
 
     def _dispatch(self) -> None:
         while self._idle and len(self.batcher):
@@ -160,6 +200,7 @@ class Simulator:
             self._track_buckets()
             if batch is None:
                 return
+            worker, prefill = self._place(batch, worker)
             # as the service's Handoff: requests that end at their first token reserve nothing
             going = [i for i, r in enumerate(batch.requests) if not self.pd.ends_at_prefill(r)]
             lease = self._reserve(worker, batch, going) if going else None
@@ -170,17 +211,46 @@ class Simulator:
                 self._charge("bucket_manager", reserved, _stamp())
                 self.counts["failed_reservations"] += 1
                 return
-            self._launch(self._idle.pop(), batch, worker, going, lease and lease.lease_id)
+            start = _stamp()
+            self.pd.dispatched(batch, worker.index, self._idle[prefill].index)
+            self._charge("pd_scheduler", start, _stamp())
+            self._launch(self._idle.pop(prefill), batch, worker, going, lease and lease.lease_id)
 
     def pick_decode(self) -> DecodeWorker:
         """The decode worker the next batch reserves on: the service's PDScheduler's choice."""
         return self.decode[self.pd.pick_decode()]
 
+    def _place(self, batch: PrefillBatch, decode: DecodeWorker) -> tuple[DecodeWorker, int]:
+        """The decode worker and the prefill slot (its position in `_idle`) that take
+        `batch`: `decode` and the last slot of a least busy prefill worker, unless the P/D
+        scheduler places by cache."""
+        idle = self._idle
+        last = len(idle) - 1
+        if self.max_batches_per_prefill > 1:
+            fewest = min(w.assigned for w in idle)
+            last = max(i for i, w in enumerate(idle) if w.assigned == fewest)
+        pd = self.pd
+        if not pd.cache_aware:
+            return decode, last
+        controller = getattr(self.batcher, "controller", None)
+        room = controller.room_for(batch.kv_blocks) if controller else batch.kv_blocks
+        decode = self.decode[pd.place_decode(batch, room)]
+        held = pd.holders(pd.prefill_cache, batch)
+        need = sum(pd.blocks(r.prompt_len) for r in batch.requests)
+        queued = pd.prefill_queued
+        loads = {w.index: queued.get(w.index, 0) for w in idle if w.index in held}
+        loads = {w: load for w, load in loads.items() if self.prefill[w].free_blocks >= need}
+        default = idle[last]
+        loads[default.index] = queued.get(default.index, 0)
+        chosen = pd.prefer_cached(pd.prefill_cache, batch, default.index, loads)
+        if chosen == default.index:
+            return decode, last
+        return decode, next(i for i, w in enumerate(idle) if w.index == chosen)
+
     def _room_changed(self, worker: DecodeWorker) -> None:
         self.pd.update(worker.index, worker.room, worker.load)
 
-    @staticmethod
-    def _reserve(worker: DecodeWorker, batch: PrefillBatch, going: list[int]) -> Lease | None:
+    def _reserve(self, worker: DecodeWorker, batch: PrefillBatch, going: list[int]) -> Lease | None:
         """Hold the blocks of the batch's requests at positions `going` on `worker` under one
         lease (kv_transfer's LeaseTable); None when they are not free (prompt-only
         accounting leaves out the first token)."""
@@ -188,7 +258,9 @@ class Simulator:
         if not worker.can_reserve(lens):
             return None
         ids = [batch.requests[i].request_id for i in going]
-        return worker.reserve(ids, lens, [batch.kv_blocks_per_request[i] for i in going])
+        commits = [batch.kv_blocks_per_request[i] for i in going]
+        prompts = [self._tokens[i] for i in ids] if self.prefix_caching else None
+        return worker.reserve(ids, lens, commits, prompts)
 
     def _charge(self, part: str, start: tuple[float, float], end: tuple[float, float]) -> None:
         self.cpu[f"{part}_s"] += end[0] - start[0]
@@ -208,12 +280,11 @@ class Simulator:
         going: list[int],
         lease_id: str | None,
     ) -> None:
-        lens = [r.prompt_len for r in batch.requests]
-        pad_to = {
-            "shape": (batch.shape[0], batch.shape[1]),
-            "longest": (len(lens), max(lens)),
-            "none": None,
-        }[self.pad]
+        prompts = [r.prompt_len for r in batch.requests]
+        tokens = [self._tokens.get(r.request_id, ()) for r in batch.requests]
+        cached = prefill.lookup(tokens) if self.prefix_caching else [0] * len(prompts)
+        lens = [n - c for n, c in zip(prompts, cached, strict=True)]  # tokens computed
+        pad_to = self._pad_to(batch, lens, cached)
         now = self.loop.now
         for request in batch.requests:
             self.records[request.request_id].prefill_start = now
@@ -221,18 +292,47 @@ class Simulator:
         c["batches"] += 1
         c["batched_requests"] += len(lens)
         c["real_tokens"] += sum(lens)
+        c["cached_tokens"] += sum(cached)
         c["padded_tokens"] += pad_to[0] * pad_to[1] if pad_to else sum(lens)
-        c["graph_misses"] += batch.graph_miss
-        prefill.run(
+        c["graph_misses"] += batch.graph_miss or (self.pad == "shape" and pad_to is None)
+        held = decode.cached_blocks.get(lease_id, [0] * len(going)) if lease_id else []
+        unshipped = sum(held) * self.cluster.block_size
+        c["unshipped_tokens"] += unshipped
+        blocks = sum(self.pd.blocks(n) for n in prompts)
+        computed = sum(self.pd.blocks(n) for n in lens)
+        prefill.assigned += 1
+        prefill.pending_blocks += blocks
+        self.pd.prefill_sent(prefill.index, computed)
+        prefill.submit(
             lens,
             pad_to,
-            lambda: self._free(prefill),
+            lambda: self._free(prefill, blocks, computed),
             lambda: self._prefilled(batch),
             lambda: self._landed(batch, going, decode, lease_id),
-            shipped=sum(lens[i] for i in going),
+            shipped=sum(prompts[i] for i in going) - unshipped,
+            context_lens=cached,
         )
 
-    def _free(self, prefill: PrefillWorker) -> None:
+    def _pad_to(
+        self, batch: PrefillBatch, lens: list[int], cached: list[int]
+    ) -> tuple[int, ...] | None:
+        """The padded (rows, query, context tokens) a batch runs at, computing `lens` tokens
+        over `cached` ones; None: varlen. A shape bucket sized for a longer cached prefix
+        than the worker had does not hold the query: the batch runs unpadded (a miss)."""
+        if self.pad == "none":
+            return None
+        if self.pad == "longest":
+            return (len(lens), max(lens), max(cached))
+        rows, query, ctx = batch.shape
+        if rows < len(lens) or query < max(lens):
+            return None
+        shapes = getattr(self.batcher, "shapes", None)
+        return (rows, query, ctx * shapes.config.block_size if shapes else 0)
+
+    def _free(self, prefill: PrefillWorker, blocks: int, computed: int) -> None:
+        prefill.assigned -= 1
+        prefill.pending_blocks -= blocks
+        self.pd.prefill_done(prefill.index, computed)
         self._idle.append(prefill)
         self._dispatch()
 
@@ -252,7 +352,7 @@ class Simulator:
             request = self._requests[item.request_id]
             self.records[request.request_id].decode_start = self.loop.now
             seq = Sequence(
-                [TOKEN] * request.prompt_len,
+                list(self._tokens.get(request.request_id, [TOKEN] * request.prompt_len)),
                 self._sampling(request.max_tokens),
                 seq_id=request.request_id,
                 arrival_time=request.arrival,
@@ -273,6 +373,7 @@ class Simulator:
         record = self.records[request_id]
         if record.finish is not None:
             raise RuntimeError(f"request {request_id} finished twice")
+        self._tokens.pop(request_id, None)
         record.finish = self.loop.now
         record.preemptions = preemptions
         if output_tokens != record.output_len:

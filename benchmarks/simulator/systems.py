@@ -6,6 +6,10 @@
 - `fcfs`: DistServe-like, the same disaggregated cluster with one FCFS queue, batches padded
   to their longest prompt, prompt-only reservations and preemption on the decode side.
 - `static`: UELLM-like static batching on aggregated replicas.
+
+`SystemConfig.prefix_caching` gives the disaggregated systems' workers a prefix cache, and
+`cache_aware` places batches by it (see `simulator.py`); BucketServe's shapes then also
+cover cached context, in steps of `CTX_STEP` shape blocks.
 """
 
 from __future__ import annotations
@@ -32,13 +36,15 @@ from bucketserve.utils.checks import check_choice
 
 SYSTEMS = ("bucketserve", "fcfs", "static")
 SHAPE_BLOCK = 128
+CTX_STEP = 4  # shape blocks: context buckets every 512 tokens
 
 
 @dataclass(frozen=True)
 class SystemConfig:
     """Knobs of the systems beyond the cluster: BucketServe's tenant class and policy, its
     bucket cap and KV accounting; the padding of each disaggregated system (None: its own
-    default, `shape` for bucketserve and `longest` for fcfs)."""
+    default, `shape` for bucketserve and `longest` for fcfs); the workers' prefix caches,
+    cache-aware placement and the batches a prefill worker takes at once."""
 
     offline: bool = False
     policy: str = "sjf"
@@ -46,6 +52,9 @@ class SystemConfig:
     count_output_tokens: bool = True
     pad: str | None = None
     fcfs_max_batched_tokens: int | None = None
+    prefix_caching: bool = False
+    cache_aware: bool = False
+    max_batches_per_prefill: int = 1
 
     def tenant(self) -> TenantConfig:
         if self.offline:
@@ -56,6 +65,7 @@ class SystemConfig:
 def bucket_manager_config(cluster: ClusterConfig, system: SystemConfig) -> BucketManagerConfig:
     max_len = cluster.model_spec.max_len
     n = cluster.max_num_seqs
+    most_ctx = max_len // SHAPE_BLOCK if system.prefix_caching else 0
     shapes = ShapeBucketConfig(
         strategy="linear",
         block_size=SHAPE_BLOCK,
@@ -63,7 +73,7 @@ def bucket_manager_config(cluster: ClusterConfig, system: SystemConfig) -> Bucke
         prompt=PromptShapeConfig(
             bs=BucketRange(1, max(1, n // 32), n),
             query=BucketRange(SHAPE_BLOCK, SHAPE_BLOCK, max_len),
-            ctx=BucketRange(0, 1, 0),
+            ctx=BucketRange(0, CTX_STEP if most_ctx else 1, most_ctx),
         ),
     )
     return BucketManagerConfig(
@@ -90,11 +100,23 @@ def build(name: str, cluster: ClusterConfig, system: SystemConfig | None = None)
             system.pad or "shape",
             system.count_output_tokens,
             tenant=system.tenant().name,
+            prefix_caching=system.prefix_caching,
+            cache_aware=system.cache_aware,
+            max_batches_per_prefill=system.max_batches_per_prefill,
         )
     batcher = FcfsBatcher(
         cluster.max_num_seqs, cluster.model_spec.max_len, system.fcfs_max_batched_tokens
     )
-    return Simulator(name, cluster, batcher, system.pad or "longest", commits_output=False)
+    return Simulator(
+        name,
+        cluster,
+        batcher,
+        system.pad or "longest",
+        commits_output=False,
+        prefix_caching=system.prefix_caching,
+        cache_aware=system.cache_aware,
+        max_batches_per_prefill=system.max_batches_per_prefill,
+    )
 
 
 def simulate(

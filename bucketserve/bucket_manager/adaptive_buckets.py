@@ -13,7 +13,8 @@ from bucketserve.bucket_manager.waste import expected_waste_of_buckets
 
 
 class AdaptiveBuckets:
-    """Contiguous buckets covering `[0, max_len)`.
+    """Contiguous buckets covering `[0, max_len)` of the lengths requests compute (their
+    prompts less the cached prefix expected).
 
     `shape_edges` are the warmed prompt query lengths; with
     `config.shape_edge_snap > 0` a split lands on one of them when it is close
@@ -53,7 +54,7 @@ class AdaptiveBuckets:
         return self.buckets[bisect.bisect_right(self._uppers, length)]
 
     def push(self, key: OrderKey, request: BucketRequest) -> None:
-        self.find(request.prompt_len).push(key, request)
+        self.find(request.effective_len).push(key, request)
 
     def adjust(self, n_max: int) -> int:
         """ADJUSTBUCKETS; returns how many buckets were split (-1 when all merged)."""
@@ -93,7 +94,7 @@ class AdaptiveBuckets:
         self._uppers = [bucket.up]
 
     def expected_waste(self) -> float:
-        """Eq. 3 over the queued prompt lengths and the current boundaries."""
+        """Eq. 3 over the queued effective lengths and the current boundaries."""
         return expected_waste_of_buckets(
             [len(b) for b in self.buckets], [b.total_len for b in self.buckets], self._uppers
         )

@@ -34,6 +34,11 @@ class BatchingController:
         """Eq. 5: M_safe = 0.9 x M_remain, with memory counted in free KV blocks."""
         return int(self._safety * free_blocks)
 
+    def room_for(self, num_blocks: int) -> int:
+        """The fewest free blocks whose safe share (Eq. 5) holds `num_blocks`: the room a
+        decode worker needs to take a batch that needs them."""
+        return ceil_div(num_blocks * self._safety.denominator, self._safety.numerator)
+
     def kv_blocks(self, request: BucketRequest, block_size: int) -> int:
         """Blocks one request takes; n > 1 samples share the prompt's full blocks but the
         one holding its last token, and each grows on its own."""
@@ -46,8 +51,9 @@ class BatchingController:
         return largest_prefix(needs, self.safe_blocks(free_blocks), self.config.max_num_seqs)
 
     def within_token_budget(self, prompt_lens: Sequence[int]) -> int:
-        """How many of these prompts, in order, one forward takes under `max_batched_tokens`
-        (at least the first: a prompt over the budget is not starved)."""
+        """How many of these prompts (the tokens each computes), in order, one forward takes
+        under `max_batched_tokens` (at least the first: a prompt over the budget is not
+        starved)."""
         budget = self.config.max_batched_tokens
         if budget is None:
             return len(prompt_lens)

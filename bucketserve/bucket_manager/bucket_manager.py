@@ -42,6 +42,11 @@ class BucketManager:
     batch, so nothing overtakes it. Padded, the batch then keeps the most of
     them that fill a warmed batch size (`BatchingConfig.fit_batch_buckets`).
 
+    With a prefix cache, a request's length is what its prefill computes
+    (`BucketRequest.effective_len`): buckets, policy order, the token budget,
+    padding and fair shares count those tokens; KV blocks count the whole
+    prompt, which the decode pool holds either way.
+
     `padded=False` serves prefill workers that run each batch at its own
     shape (the CPU's varlen runner): no graph can be missed, so the warmed
     batch sizes cap nothing and a batch's shape is exactly its own.
@@ -84,7 +89,7 @@ class BucketManager:
         entry = self._entries.get(request_id)
         if entry is None:
             return None
-        self._dequeue(self.buckets.find(entry.request.prompt_len), entry)
+        self._dequeue(self.buckets.find(entry.request.effective_len), entry)
         return entry.request
 
     def adjust(self, free_blocks: int, block_size: int) -> int:
@@ -114,7 +119,7 @@ class BucketManager:
                 yield self.controller.kv_blocks(entry.request, block_size)
 
         n = self.controller.admit(needs(), free_blocks)
-        lengths = [e.request.prompt_len for e in chosen[:n]]
+        lengths = [e.request.effective_len for e in chosen[:n]]
         n = self.controller.within_token_budget(lengths)
         if self.padded and self.config.batching.fit_batch_buckets:
             n = self._whole_rows(lengths[:n])
@@ -123,7 +128,7 @@ class BucketManager:
         for entry in chosen[:n]:
             self._dequeue(bucket, entry)
         batch = self._make_batch(tenant, bucket, chosen[:n], block_size)
-        tenant.served_tokens += batch.prompt_tokens
+        tenant.served_tokens += batch.computed_tokens
         self.monitor.record(batch)
         return batch
 
@@ -136,7 +141,7 @@ class BucketManager:
         if len({r.request_id for r in batch.requests}) != len(batch):
             raise ValueError(f"batch {batch.batch_id} holds a request id twice")
         tenant = self.tenants[batch.tenant]
-        tenant.served_tokens = max(0.0, tenant.served_tokens - batch.prompt_tokens)
+        tenant.served_tokens = max(0.0, tenant.served_tokens - batch.computed_tokens)
         for request, key in zip(batch.requests, batch.order_keys, strict=True):
             self._enqueue(request, key[-1], key)
         self.monitor.unrecord(batch)
@@ -167,6 +172,7 @@ class BucketManager:
             graph_misses=monitor.graph_misses,
             prompt_tokens=monitor.prompt_tokens,
             padded_tokens=monitor.padded_tokens,
+            computed_tokens=monitor.computed_tokens,
         )
 
     def _batching_config(self) -> BatchingConfig:
@@ -178,16 +184,16 @@ class BucketManager:
         warmed = max((bs for bs, _, _ in self.shapes.prompt), default=config.max_num_seqs)
         return dataclasses.replace(config, max_num_seqs=min(config.max_num_seqs, warmed))
 
-    def _whole_rows(self, prompt_lens: list[int]) -> int:
-        """The most of these prompts, in order, whose prompt bucket has no empty row; all of
-        them when none does (a batch beyond the buckets, or a bucket file without such a
-        size)."""
-        longest = list(itertools.accumulate(prompt_lens, max))
-        for n in range(len(prompt_lens), 0, -1):
+    def _whole_rows(self, lengths: list[int]) -> int:
+        """The most of these prompts (their lengths to compute), in order, whose prompt
+        bucket has no empty row; all of them when none does (a batch beyond the buckets, or
+        a bucket file without such a size)."""
+        longest = list(itertools.accumulate(lengths, max))
+        for n in range(len(lengths), 0, -1):
             fit = self.shapes.prompt_fit(n, longest[n - 1])
             if fit is not None and fit[0] == n:
                 return n
-        return len(prompt_lens)
+        return len(lengths)
 
     def _check_new(self, request: BucketRequest) -> None:
         if request.tenant not in self.tenants:
@@ -248,7 +254,7 @@ class BucketManager:
         order; without one, the bucket holding the tenant's first request in policy order."""
         if aged is not None:
             first = self._entries[aged.request_id]
-            bucket = self.buckets.find(aged.prompt_len)
+            bucket = self.buckets.find(aged.effective_len)
         else:
             first = None
             bucket = min(
@@ -266,11 +272,18 @@ class BucketManager:
         self, tenant: Tenant, bucket: RequestBucket, entries: list[_Entry], block_size: int
     ) -> PrefillBatch:
         requests = tuple(e.request for e in entries)
-        lengths = [r.prompt_len for r in requests]
+        lengths = [r.effective_len for r in requests]
+        # the cached prefix is context the queries attend to, in the shapes' blocks
+        ctx = -(-max(r.cached_len for r in requests) // self.shapes.config.block_size)
+        need = (len(requests), max(lengths), ctx)
+        if self.padded and ctx and self.shapes.prompt_fit(*need) is None:
+            # no bucket with that context: the whole prompts' rectangle, whose rows compute
+            # their uncached tokens over the cached ones
+            need = (len(requests), max(r.prompt_len for r in requests), 0)
         if self.padded:
-            shape, miss = self.shapes.pad_prompt(len(requests), max(lengths), 0)
+            shape, miss = self.shapes.pad_prompt(*need)
         else:
-            shape, miss = (len(requests), max(lengths), 0), False
+            shape, miss = need, False
         return PrefillBatch(
             batch_id=next(self._batch_ids),
             tenant=tenant.name,

@@ -60,3 +60,11 @@ def linear_range(rng: BucketRange) -> list[int]:
 
 def dimension_values(strategy: str, rng: BucketRange) -> list[int]:
     return exponential_range(rng) if strategy == "exponential" else linear_range(rng)
+
+
+def alpha_range(turning: int, top: int, zero: bool = False) -> list[int]:
+    """The unified strategy's alpha points: the whole, half and quarter of `turning`
+    (max_num_seqs) and of `top`, plus 0 for a block dimension (`zero`); a point that
+    rounds to 0 counts only where 0 does."""
+    points = {turning // d for d in (1, 2, 4)} | {top // d for d in (1, 2, 4)}
+    return sorted(points | {0} if zero else points - {0})

@@ -15,6 +15,7 @@ from bucketserve.bucket_manager.config import (
     ShapeBucketConfig,
 )
 from bucketserve.bucket_manager.shape_buckets import ShapeBuckets
+from bucketserve.runtime.core.scheduler import SchedulerConfig
 
 _RANGE_FLAGS = {
     "prompt_bs": ("--prompt-bs", "prompt", "bs"),
@@ -23,16 +24,25 @@ _RANGE_FLAGS = {
     "decode_bs": ("--decode-bs", "decode", "bs"),
     "decode_block": ("--decode-block", "decode", "blocks"),
 }
+_ENGINE_FLAGS = {  # the unified strategy's sizes
+    "max_num_seqs": ("--max-num-seqs", "sequences in one engine step"),
+    "max_num_batched_tokens": ("--max-num-batched-tokens", "tokens in one engine step"),
+    "num_blocks": ("--num-blocks", "blocks in the KV pool"),
+}
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "buckets",
-        help="print the prompt and decode shape buckets a configuration generates",
+        help="print the shape buckets (prompt, decode; unified) a configuration generates",
         description=(
             "Print the shape-bucket configuration and the generated prompt and decode buckets "
             "in the warm-up log format. Flags override the config file. The 'file' strategy "
-            f"reads --file, the config's `file`, or ${BUCKET_FILE_ENV}."
+            f"reads --file, the config's `file`, or ${BUCKET_FILE_ENV}. The 'unified' "
+            "strategy also prints the (query, shared blocks, unique blocks, is_causal) "
+            "buckets every engine step pads to, from --max-num-seqs, "
+            "--max-num-batched-tokens and --num-blocks (a service YAML: its decode engine's "
+            "limits and kv_cache.num_blocks)."
         ),
     )
     parser.add_argument("--config", type=Path, help="service YAML (its `shape_buckets` section)")
@@ -40,6 +50,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--file", help="bucket file for the 'file' strategy")
+    for dest, (flag, what) in _ENGINE_FLAGS.items():
+        parser.add_argument(flag, dest=dest, type=int, metavar="N", help=f"unified: {what}")
     for dest, (flag, phase, dim) in _RANGE_FLAGS.items():
         parser.add_argument(
             flag,
@@ -60,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print("\n".join(shapes.describe()))
+    if shapes.unified:
+        print(
+            f"Unified buckets shown for a pool of {config.num_blocks} blocks: a decode worker "
+            "sizes them for its engine's limits and its own KV pool",
+            file=sys.stderr,
+        )
     per_seq = -(-config.max_model_len // config.block_size)
     reachable = [b for b in shapes.decode if b[2] <= b[0] * per_seq]
     print(
@@ -79,6 +97,7 @@ def build_config(args: argparse.Namespace) -> ShapeBucketConfig:
         "block_size": args.block_size,
         "max_model_len": args.max_model_len,
         "file": args.file,
+        **{dest: getattr(args, dest) for dest in _ENGINE_FLAGS},
     }
     data.update({k: v for k, v in top.items() if v is not None})
     for dest, (flag, phase, dim) in _RANGE_FLAGS.items():
@@ -110,10 +129,17 @@ def load_section(path: Path) -> dict[str, Any]:
     if "shape_buckets" in section:
         return section["shape_buckets"]
     shapes = {k: section[k] for k in ("strategy", "file", "prompt", "decode") if k in section}
-    block_size = (data.get("kv_cache") or {}).get("block_size")
+    kv_cache = data.get("kv_cache") or {}
+    block_size = kv_cache.get("block_size")
     max_model_len = (data.get("model") or {}).get("max_model_len")
     if block_size is not None:
         shapes["block_size"] = block_size
     if max_model_len is not None:
         shapes["max_model_len"] = max_model_len
+    # the unified buckets' points: the decode engine's step limits and its pool
+    engine = ((data.get("controller") or {}).get("decode")) or {}
+    for key in ("max_num_seqs", "max_num_batched_tokens"):
+        shapes[key] = engine.get(key, getattr(SchedulerConfig, key))
+    if kv_cache.get("num_blocks") is not None:
+        shapes["num_blocks"] = kv_cache["num_blocks"]
     return shapes

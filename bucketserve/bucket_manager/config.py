@@ -8,7 +8,7 @@ mappings of `bucketserve buckets`' flags and files.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from bucketserve import envs
@@ -16,7 +16,7 @@ from bucketserve.bucket_manager.policy import Policy, TenantClass
 from bucketserve.utils.checks import check_choice, check_int, check_number
 
 BUCKET_FILE_ENV = "BUCKETSERVE_BUCKET_FILE"
-STRATEGIES = ("exponential", "linear", "file")
+STRATEGIES = ("exponential", "linear", "file", "unified")
 
 
 def _build(cls: type, data: Any, where: str, nested: dict[str, Any] | None = None) -> Any:
@@ -104,9 +104,16 @@ class DecodeShapeConfig:
 class ShapeBucketConfig:
     """Shape buckets `(batch, query, context blocks)` for prompt and decode.
 
-    The defaults are the bucketing doc's start-up example (36 prompt, 42 decode
-    buckets). `file` may instead come from the environment variable
+    The defaults are the bucketing doc's start-up examples (36 prompt, 42 decode
+    buckets; 375 unified ones). `file` may instead come from the environment variable
     BUCKETSERVE_BUCKET_FILE; it is read only when `strategy == "file"`.
+
+    `strategy == "unified"` adds the doc's unified buckets `(query, shared blocks, unique
+    blocks, is_causal)`, which every step of an engine pads to, prompt chunks and decode
+    rows together: their points come from `max_num_seqs` and `max_num_batched_tokens` (an
+    engine's step limits) and `num_blocks` (its KV pool), which a decode worker sets to
+    its own. The prompt and decode ranges still give the prefill batches' shapes, spaced
+    exponentially.
     """
 
     strategy: str = "exponential"
@@ -115,12 +122,17 @@ class ShapeBucketConfig:
     prompt: PromptShapeConfig = field(default_factory=PromptShapeConfig)
     decode: DecodeShapeConfig = field(default_factory=DecodeShapeConfig)
     file: str | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    num_blocks: int = 5781
 
     def __post_init__(self) -> None:
         check_choice("ShapeBucketConfig.strategy", self.strategy, STRATEGIES)
         check_int("ShapeBucketConfig.block_size", self.block_size, 1)
         check_int("ShapeBucketConfig.max_model_len", self.max_model_len, 1)
-        if self.strategy == "exponential":
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks"):
+            check_int(f"ShapeBucketConfig.{name}", getattr(self, name), 1)
+        if self.strategy in ("exponential", "unified"):
             ranges = (self.prompt.bs, self.prompt.query, self.decode.bs, self.decode.blocks)
             for rng in (*ranges, self.prompt.ctx):
                 if rng is not None and rng.limit is None:
@@ -133,6 +145,20 @@ class ShapeBucketConfig:
 
     def bucket_file(self) -> str | None:
         return self.file or envs.BUCKETSERVE_BUCKET_FILE or None
+
+    def for_engine(
+        self, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int
+    ) -> ShapeBucketConfig:
+        """The unified strategy's points sized for one engine's limits and KV pool (other
+        strategies do not read them: returned unchanged)."""
+        if self.strategy != "unified":
+            return self
+        return replace(
+            self,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_blocks=num_blocks,
+        )
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "shape_buckets") -> ShapeBucketConfig:

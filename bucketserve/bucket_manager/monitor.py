@@ -29,6 +29,7 @@ class BucketMetrics:
     graph_misses: int
     prompt_tokens: int  # of the formed batches
     padded_tokens: int  # their forwards' tokens, padding included
+    computed_tokens: int = 0  # their prompt tokens less the cached prefixes expected
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,6 +45,7 @@ class BucketMonitor:
     last_waste_ratio: float = 0.0
     prompt_tokens: int = 0
     padded_tokens: int = 0
+    computed_tokens: int = 0
     _waste_sum: float = field(default=0.0, repr=False)
     _padded_sum: float = field(default=0.0, repr=False)
     _shape_sum: float = field(default=0.0, repr=False)
@@ -61,6 +63,7 @@ class BucketMonitor:
         self.graph_misses += sign * batch.graph_miss
         self.prompt_tokens += sign * batch.prompt_tokens
         self.padded_tokens += sign * batch.padded_tokens
+        self.computed_tokens += sign * batch.computed_tokens
         self._waste_sum += sign * batch.waste_ratio
         self._padded_sum += sign * batch.padded_waste
         self._shape_sum += sign * batch.shape_waste

@@ -25,9 +25,10 @@ class Policy(str, Enum):
         """Smaller is served first: request priority, then the policy, then arrival.
 
         `seq` (admission order) makes keys unique, so a re-queued request
-        returns to exactly its old place.
+        returns to exactly its old place. A job's length is the tokens it computes: a
+        prompt found in a prefix cache is a short job, however long it is.
         """
         if self is Policy.FCFS:
             return (request.priority, request.arrival_time, seq)
-        length = request.expected_len if self is Policy.SJF else -request.expected_len
+        length = request.expected_work if self is Policy.SJF else -request.expected_work
         return (request.priority, length, request.arrival_time, seq)

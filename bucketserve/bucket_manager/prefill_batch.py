@@ -14,7 +14,8 @@ class PrefillBatch:
     """`kv_blocks_per_request[i]` is what the decode pool must reserve for `requests[i]`.
 
     `shape` is the warmed prompt bucket the batch pads to, or its own unpadded
-    shape on a graph miss. `order_keys` let the manager re-queue the batch
+    shape on a graph miss: (rows, query tokens to compute, context blocks of the cached
+    prefix expected). `order_keys` let the manager re-queue the batch
     exactly where its requests were.
     """
 
@@ -26,10 +27,10 @@ class PrefillBatch:
     graph_miss: bool
     kv_blocks_per_request: tuple[int, ...]
     block_size: int
-    waste_ratio: float  # Eq. 2: padding to the longest prompt
+    waste_ratio: float  # Eq. 2: padding to the longest length to compute
     padded_waste: float  # Eq. 2 against the padded query length
     shape_waste: float  # padding share of the whole padded shape, batch rows included
-    padded_tokens: int  # tokens the forward runs, padding included (unpadded: the prompts')
+    padded_tokens: int  # tokens the forward computes, padding included (unpadded: its own)
     order_keys: tuple[OrderKey, ...] = field(repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -42,6 +43,11 @@ class PrefillBatch:
     @property
     def prompt_tokens(self) -> int:
         return sum(r.prompt_len for r in self.requests)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens the prefill computes: those not expected in a prefix cache."""
+        return sum(r.effective_len for r in self.requests)
 
     @property
     def max_prompt_len(self) -> int:

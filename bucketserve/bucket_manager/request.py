@@ -16,6 +16,12 @@ class BucketRequest:
 
     Lower `priority` is served first within its tenant. `samples` (n > 1) generate from
     one prompt, sharing its KV blocks.
+
+    `cached_len` leading prompt tokens are expected in a worker's prefix cache (an estimate
+    made when queued; the last token is always computed), so a request is bucketed, padded
+    and ordered by the tokens it computes, `effective_len`; its KV still holds the whole
+    prompt. `block_hashes` name its prompt's full blocks (`runtime.core.block_hash`), for
+    placement by cache.
     """
 
     request_id: Hashable
@@ -26,6 +32,8 @@ class BucketRequest:
     priority: int = 0
     payload: Any = field(default=None, compare=False, repr=False)
     samples: int = 1
+    cached_len: int = 0
+    block_hashes: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         where = f"request {self.request_id!r}"
@@ -42,6 +50,22 @@ class BucketRequest:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ValueError(f"{where}: priority must be an integer, got {self.priority!r}")
         check_int(f"{where}: samples", self.samples, 1)
+        check_int(f"{where}: cached_len", self.cached_len, 0)
+        if self.cached_len >= self.prompt_len:
+            raise ValueError(
+                f"{where}: cached_len {self.cached_len} must leave at least one of the "
+                f"{self.prompt_len} prompt tokens to compute"
+            )
+
+    @property
+    def effective_len(self) -> int:
+        """Prompt tokens its prefill computes: those not expected in a prefix cache."""
+        return self.prompt_len - self.cached_len
+
+    @property
+    def expected_work(self) -> int:
+        """Tokens it computes, prefill and decode: SJF's and LJF's job length."""
+        return self.effective_len + (self.max_tokens or 0)
 
     @property
     def expected_len(self) -> int:

@@ -1,4 +1,5 @@
-"""A request bucket: prompt lengths in `[low, up)`, one sorted queue per tenant."""
+"""A request bucket: lengths to compute (`BucketRequest.effective_len`) in `[low, up)`, one
+sorted queue per tenant."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ class RequestBucket:
         self.low = low
         self.up = up
         self.queues: dict[str, RequestQueue] = {}
-        self._lengths: list[int] = []  # sorted prompt lengths, for the split test
+        self._lengths: list[int] = []  # sorted effective lengths, for the split test
         self.total_len = 0
 
     def __len__(self) -> int:
@@ -35,13 +36,13 @@ class RequestBucket:
 
     def push(self, key: OrderKey, request: BucketRequest) -> None:
         self.queues.setdefault(request.tenant, RequestQueue()).push(key, request)
-        bisect.insort(self._lengths, request.prompt_len)
-        self.total_len += request.prompt_len
+        bisect.insort(self._lengths, request.effective_len)
+        self.total_len += request.effective_len
 
     def pop(self, tenant: str, key: OrderKey) -> BucketRequest:
         request = self.queues[tenant].pop(key)
-        del self._lengths[bisect.bisect_left(self._lengths, request.prompt_len)]
-        self.total_len -= request.prompt_len
+        del self._lengths[bisect.bisect_left(self._lengths, request.effective_len)]
+        self.total_len -= request.effective_len
         return request
 
     def split(self, point: int) -> tuple[RequestBucket, RequestBucket]:
@@ -49,7 +50,7 @@ class RequestBucket:
         left, right = RequestBucket(self.low, point), RequestBucket(point, self.up)
         for tenant, queue in self.queues.items():
             left.queues[tenant], right.queues[tenant] = queue.partition(
-                lambda r: r.prompt_len < point
+                lambda r: r.effective_len < point
             )
         cut = self.count_below(point)
         left._lengths, right._lengths = self._lengths[:cut], self._lengths[cut:]

@@ -14,13 +14,19 @@ from bucketserve.bucket_manager.bucket_file import (
 )
 from bucketserve.bucket_manager.bucket_range import dimension_values
 from bucketserve.bucket_manager.config import BucketRange, ShapeBucketConfig
+from bucketserve.bucket_manager.unified_buckets import (
+    UnifiedBucket,
+    UnifiedFit,
+    generate_unified,
+    unified_ranges,
+)
 from bucketserve.utils.checks import check_int
 
 logger = logging.getLogger(__name__)
 
 
 class PaddedShape(NamedTuple):
-    shape: ShapeBucket
+    shape: ShapeBucket | UnifiedBucket
     graph_miss: bool
 
 
@@ -30,7 +36,8 @@ class ShapeBuckets:
     "Smallest" is the least padded volume bs x query x (blocks + 1), ties by
     the tuple; on the generated grids that is the per-dimension smallest fit.
     A batch beyond every bucket runs unpadded: a logged warning and a counted
-    graph miss.
+    graph miss. The unified strategy adds `unified`, the buckets every engine step pads
+    to (`pad_unified`); the prompt and decode buckets stay for prefill batches.
     """
 
     def __init__(self, config: ShapeBucketConfig | None = None, log: bool = True) -> None:
@@ -44,13 +51,16 @@ class ShapeBuckets:
         self.decode: list[ShapeBucket] = decode
         self._prompt_index = _SmallestFit(prompt)
         self._decode_index = _SmallestFit(decode)
+        unified = self.config.strategy == "unified"
+        self.unified: list[UnifiedBucket] = generate_unified(self.config) if unified else []
+        self._unified_index = UnifiedFit(self.unified)
         self.graph_misses = 0
         if log:
             for line in self.describe():
                 logger.info(line)
 
     def _generate_prompt(self) -> list[ShapeBucket]:
-        cfg, strategy = self.config, self.config.strategy
+        cfg, strategy = self.config, self._range_strategy
         bs = dimension_values(strategy, cfg.prompt.bs)
         query = dimension_values(strategy, cfg.prompt.query)
         max_ctx = max((cfg.max_model_len - query[0]) // cfg.block_size, 0)
@@ -63,19 +73,26 @@ class ShapeBuckets:
         )
 
     def _generate_decode(self) -> list[ShapeBucket]:
-        cfg, strategy = self.config, self.config.strategy
+        cfg, strategy = self.config, self._range_strategy
         bs = dimension_values(strategy, cfg.decode.bs)
         blocks = dimension_values(strategy, cfg.decode.blocks)
         return sorted((b, 1, n) for b, n in itertools.product(bs, blocks))
+
+    @property
+    def _range_strategy(self) -> str:
+        """How the prompt and decode ranges are spaced: unified keeps them exponential."""
+        return "exponential" if self.config.strategy == "unified" else self.config.strategy
 
     @property
     def query_edges(self) -> list[int]:
         """The warmed prompt query lengths (context 0): where request buckets may split."""
         return sorted({q for _, q, c in self.prompt if c == 0})
 
-    def prompt_fit(self, batch_size: int, query_len: int) -> ShapeBucket | None:
-        """The prompt bucket (no context) a batch would pad to, or None; counts no miss."""
-        return self._prompt_index.find((batch_size, query_len, 0))
+    def prompt_fit(
+        self, batch_size: int, query_len: int, ctx_blocks: int = 0
+    ) -> ShapeBucket | None:
+        """The prompt bucket a batch would pad to, or None; counts no miss."""
+        return self._prompt_index.find((batch_size, query_len, ctx_blocks))
 
     def pad_prompt(self, batch_size: int, query_len: int, ctx_blocks: int = 0) -> PaddedShape:
         return self._pad(self._prompt_index, "prompt", (batch_size, query_len, ctx_blocks))
@@ -83,9 +100,23 @@ class ShapeBuckets:
     def pad_decode(self, batch_size: int, num_blocks: int) -> PaddedShape:
         return self._pad(self._decode_index, "decode", (batch_size, 1, num_blocks))
 
-    def _pad(self, index: _SmallestFit, phase: str, need: ShapeBucket) -> PaddedShape:
-        names = ("batch_size", "query_len", "blocks")
-        for name, value, minimum in zip(names, need, (1, 1, 0), strict=True):
+    def pad_unified(self, need: UnifiedBucket) -> PaddedShape:
+        """The unified bucket of a step's `(query, shared, unique, is_causal)`
+        (`unified_need`); beyond every bucket: the need itself and a counted miss."""
+        if not self.unified:
+            raise ValueError(f"strategy {self.config.strategy!r} has no unified buckets")
+        names = ("query_len", "shared_blocks", "unique_blocks", "is_causal")
+        return self._pad(self._unified_index, "unified", need, names, (1, 0, 0, 0))
+
+    def _pad(
+        self,
+        index: _SmallestFit | UnifiedFit,
+        phase: str,
+        need: tuple[int, ...],
+        names: tuple[str, ...] = ("batch_size", "query_len", "blocks"),
+        minimums: tuple[int, ...] = (1, 1, 0),
+    ) -> PaddedShape:
+        for name, value, minimum in zip(names, need, minimums, strict=True):
             check_int(f"{phase} {name}", value, minimum)
         bucket = index.find(need)
         if bucket is not None:
@@ -106,7 +137,7 @@ class ShapeBuckets:
         if cfg.strategy == "file":
             head = [f"Bucket file: {cfg.bucket_file()}"]
         else:
-            exp = cfg.strategy == "exponential"
+            exp = self._range_strategy == "exponential"
             params = "(min, step, max_warmup, limit)" if exp else "(min, step, max_warmup)"
             p, d = cfg.prompt, cfg.decode
             head = [
@@ -115,7 +146,18 @@ class ShapeBuckets:
                 f"Decode bucket config {params} bs:{d.bs.as_list(exp)}, "
                 f"block:{d.blocks.as_list(exp)}",
             ]
+        unified = []
+        if cfg.strategy == "unified":
+            query, shared, unique = unified_ranges(cfg)
+            unified = [
+                f"Unified bucket config (max_num_seqs, max_num_batched_tokens, num_blocks) "
+                f"[{cfg.max_num_seqs}, {cfg.max_num_batched_tokens}, {cfg.num_blocks}] "
+                f"query:{query}, shared_blocks:{shared}, unique_blocks:{unique}",
+                f"Generated {len(self.unified)} unified buckets "
+                f"[query, shared_blocks, unique_blocks]: {self.unified}",
+            ]
         return [
+            *unified,
             *head,
             f"Generated {len(self.prompt)} prompt buckets [bs, query, num_blocks]: {self.prompt}",
             f"Generated {len(self.decode)} decode buckets [bs, query, num_blocks]: {self.decode}",

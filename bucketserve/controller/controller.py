@@ -215,6 +215,24 @@ class Controller:
     async def refresh_stats(self) -> None:
         self.judge(await self.pool.refresh())
 
+    async def reset_prefix_cache(self) -> int:
+        """Every live worker forgets its cached prefix blocks (vLLM's `/reset_prefix_cache`);
+        blocks in use stay with their requests. How many blocks were forgotten; a worker
+        that fails the call is judged as any failed call (a restart starts it empty)."""
+        handles = [h for h in self.pool.handles if h.alive]
+        epochs = [h.epoch for h in handles]
+        results = await asyncio.gather(
+            *(h.call("reset_prefix_cache") for h in handles), return_exceptions=True
+        )
+        self.dispatcher.reset_prefix_cache()  # placement no longer expects any prefix cached
+        forgotten = 0
+        for handle, epoch, result in zip(handles, epochs, results, strict=True):
+            if isinstance(result, Exception):
+                self.on_failure(handle, result, epoch)
+            else:
+                forgotten += result
+        return forgotten
+
     async def kill_worker(self, name: str) -> None:
         """Fault drill: kill a worker as a crash would (Ray restarts it, local rebuilds it)."""
         await self.pool.by_name(name).kill()

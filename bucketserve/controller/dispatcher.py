@@ -7,16 +7,22 @@ queuing, putting a batch back, the phase a request is in on its way). Each batch
 is a `Flight`: the outcomes of its way, in order, which the Controller applies to the
 request table, the output streams and its fault policy (`outcomes.py`), as the Handoff
 returns its own outcomes to the Dispatcher.
+
+With prefix caching on, a request is queued with its blocks' hashes and the prefix the best
+worker is expected to hold as its cached length, and each batch goes where its prompts'
+blocks were sent before (the PDScheduler's cache-aware placement).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 from bucketserve.bucket_manager.bucket_manager import BucketManager
 from bucketserve.bucket_manager.prefill_batch import PrefillBatch
+from bucketserve.bucket_manager.request import BucketRequest
 from bucketserve.controller.config import ControllerConfig
 from bucketserve.controller.handoff import Admitted, Handoff
 from bucketserve.controller.outcomes import (
@@ -28,12 +34,14 @@ from bucketserve.controller.outcomes import (
     Requeue,
 )
 from bucketserve.controller.pd_scheduler import PDScheduler, subset
+from bucketserve.controller.prefix_index import PrefixIndex
 from bucketserve.controller.request_state import RequestState
 from bucketserve.controller.service_limits import ServiceLimits
 from bucketserve.controller.service_monitor import ServiceMonitor
 from bucketserve.controller.worker_handle import Failure, WorkerHandle
 from bucketserve.controller.worker_pool import WorkerPool
 from bucketserve.messages import PrefillResult, WorkerRequest
+from bucketserve.runtime.core.block_hash import block_hashes
 
 
 class Dispatcher:
@@ -54,7 +62,9 @@ class Dispatcher:
         self.pool = pool
         self.monitor = monitor
         self.buckets = BucketManager(limits.buckets)
-        self.pd = PDScheduler(config.num_decode, limits.block_size)
+        caching = config.scheduler.enable_prefix_caching
+        self.pd = PDScheduler(config.num_decode, limits.block_size, cache_aware=caching)
+        self._epochs: dict[str, int] = {}  # each worker's life its index entries are from
         self._wake = asyncio.Event()
 
     # -- the queue ---------------------------------------------------------------------------
@@ -66,8 +76,39 @@ class Dispatcher:
         hint = self.limits.max_tokens_hint(left, state.num_tokens)
         if state.n > 1:  # per sample: n samples' growth must fit the pool together
             hint = max(1, hint // state.n)
-        self.buckets.add(state.bucket_request(hint))
+        request = state.bucket_request(hint)
+        if self.pd.cache_aware:
+            request = self._with_prefix(request, state)
+        self.buckets.add(request)
         self.wake()
+
+    def _with_prefix(self, request: BucketRequest, state: RequestState) -> BucketRequest:
+        """`request` with its blocks' hashes, and the prefix the worker that would compute it
+        best holds as its cached length (none for prompt logprobs: every position computes)."""
+        tokens = [*state.request.prompt_token_ids, *state.output_token_ids]
+        hashes = tuple(block_hashes(tokens, self.limits.block_size))
+        index, cached = self._compute_cache(), 0
+        if index is not None and state.request.sampling_params.prompt_logprobs is None:
+            cached = self.pd.expected_cached(index, hashes, request.prompt_len)
+        return dataclasses.replace(request, cached_len=cached, block_hashes=hashes)
+
+    def _compute_cache(self) -> PrefixIndex | None:
+        """The index of the workers that compute prompts, when their caches skip tokens: the
+        decode workers' (colocated), the prefill workers' once each reports lookups. Workers
+        that died since they were last seen hold nothing in it."""
+        if self.config.colocated:
+            decodes = self.pool.role("decode")
+            self._forget_past_lives(decodes, self.pd.decode_cache, lambda i, h: i)
+            return self.pd.decode_cache
+        prefills = self.pool.role("prefill", alive=True)
+        self._forget_past_lives(prefills, self.pd.prefill_cache, lambda i, h: h.name)
+        if prefills and all(getattr(h.stats, "prefix_cache_queries", 0) for h in prefills):
+            return self.pd.prefill_cache
+        return None
+
+    def reset_prefix_cache(self) -> None:
+        """The workers' prefix caches were reset: nothing is believed cached anywhere."""
+        self.pd.reset_prefix_cache()
 
     def put_back(self, batch: PrefillBatch, count: bool) -> list[Outcome]:
         """A batch that never reached prefill goes back where its requests were; those that
@@ -107,26 +148,33 @@ class Dispatcher:
 
     def _dispatch_disaggregated(self) -> list[Flight]:
         pd, flights = self.pd, []
+        limit = self.config.max_batches_per_prefill
         while len(self.buckets):
             prefills = self.pool.role("prefill", alive=True)
-            p = pd.pick_prefill(
-                [h.free_blocks for h in prefills],
-                [h.inflight for h in prefills],
-                self.config.max_batches_per_prefill,
-            )
+            skips_cached = self._compute_cache() is not None  # the prefill workers' caches
+            free = [h.free_blocks for h in prefills]
+            inflight = [h.inflight for h in prefills]
+            p = pd.pick_prefill(free, inflight, limit)
             decode = self.pick_decode()
             if p is None or decode is None:
                 break
-            prefill = prefills[p]
             batch = self._next_batch(decode)
             if batch is None:
                 break
+            decode = self._place_decode(batch, decode)
+            if skips_cached:
+                names = [h.name for h in prefills]
+                p = pd.place_prefill(batch, names, free, inflight, limit)
+            prefill = prefills[p]
             batch, rest = pd.split_for_pool(batch, prefill.free_blocks)
             if rest is not None:
                 self.buckets.requeue(rest)
             if batch is None:  # wait for handoffs to be acknowledged
                 break
             states = self._take(batch, decode, "prefill")
+            queued = pd.uncached_blocks(pd.prefill_cache, prefill.name, batch)
+            pd.prefill_sent(prefill.name, queued)
+            pd.dispatched(batch, self._decode_number(decode), prefill.name)
             handoff = Handoff(
                 prefill,
                 decode,
@@ -135,12 +183,13 @@ class Dispatcher:
                 self.config.lease_ttl_s,
                 pd.fork_blocks(batch),
             )
-            flights.append(self._handoff(handoff, batch, states))
+            flights.append(self._handoff(handoff, batch, states, queued))
         return flights
 
     def _dispatch_colocated(self) -> list[Flight]:
         """Colocated shape: each batch goes straight to the engine of the decode worker with
-        the most room, which prefills it within its decode steps."""
+        the most room (or the one caching its prompts), which prefills it within its decode
+        steps."""
         flights = []
         while len(self.buckets):
             decode = self.pick_decode()
@@ -149,7 +198,9 @@ class Dispatcher:
             batch = self._next_batch(decode)
             if batch is None:
                 break
+            decode = self._place_decode(batch, decode)
             states = self._take(batch, decode, "decode")
+            self.pd.dispatched(batch, self._decode_number(decode))
             blocks = sum(n for _, n in self.pd.need(batch)) + self.pd.fork_blocks(batch)
             flights.append(self._admit_prompts(decode, states, blocks))
         return flights
@@ -158,6 +209,7 @@ class Dispatcher:
         """The decode worker the next batch reserves blocks on: the PDScheduler's choice over
         every live decode worker's room and load as last reported."""
         decodes = self.pool.role("decode")
+        self._forget_past_lives(decodes, self.pd.decode_cache, lambda i, h: i)
         for i, handle in enumerate(decodes):
             if handle.alive:
                 self.pd.update(i, handle.free_blocks, handle.load)
@@ -165,6 +217,31 @@ class Dispatcher:
                 self.pd.remove(i)
         i = self.pd.pick_decode()
         return None if i is None else decodes[i]
+
+    def _place_decode(self, batch: PrefillBatch, decode: WorkerHandle) -> WorkerHandle:
+        """The decode worker `batch` goes to: `decode` (the most room), or one with room for
+        it whose cache holds more of its prompts (the PDScheduler's placement)."""
+        min_room = self.buckets.controller.room_for(batch.kv_blocks)
+        i = self.pd.place_decode(batch, min_room)
+        return decode if i is None else self.pool.role("decode")[i]
+
+    def _decode_number(self, decode: WorkerHandle) -> int:
+        return self.pool.role("decode").index(decode)
+
+    def _forget_past_lives(
+        self,
+        handles: list[WorkerHandle],
+        index: PrefixIndex,
+        key: Callable[[int, WorkerHandle], Hashable],
+    ) -> None:
+        """A worker that died since it was last seen lost its cache; each caches at most its
+        pool's blocks."""
+        for i, handle in enumerate(handles):
+            if self._epochs.get(handle.name, handle.epoch) != handle.epoch:
+                index.clear(key(i, handle))
+            self._epochs[handle.name] = handle.epoch
+            if handle.stats is not None:
+                index.set_capacity(key(i, handle), handle.stats.num_total_blocks)
 
     def _next_batch(self, decode: WorkerHandle) -> PrefillBatch | None:
         return self.buckets.next_batch(decode.free_blocks, self.limits.block_size, time.monotonic())
@@ -219,12 +296,16 @@ class Dispatcher:
     # -- disaggregated: the handoff's outcomes -----------------------------------------------
 
     async def _handoff(
-        self, handoff: Handoff, batch: PrefillBatch, states: list[RequestState]
+        self, handoff: Handoff, batch: PrefillBatch, states: list[RequestState], queued: int
     ) -> Flight:
-        """Drive `handoff`; the outcomes of each step it returns."""
+        """Drive `handoff`; the outcomes of each step it returns. `queued`: the blocks the
+        prefill worker computes for it, queued there until its prefill ends."""
         try:
-            requests = [self._worker_request(s) for s in states]
-            prefilled = await handoff.run_prefill(batch, requests, self.limits.max_seq_len)
+            try:
+                requests = [self._worker_request(s) for s in states]
+                prefilled = await handoff.run_prefill(batch, requests, self.limits.max_seq_len)
+            finally:
+                self.pd.prefill_done(handoff.prefill.name, queued)
             if prefilled.result is None:
                 if prefilled.put_back:
                     for outcome in self.put_back(batch, prefilled.count):

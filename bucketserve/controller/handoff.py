@@ -89,7 +89,7 @@ class Handoff:
         token reserves nothing and ships no KV."""
         decode, prefill = self.decode, self.prefill
         if self.need:
-            refused = await self._reserve()
+            refused = await self._reserve(requests)
             if refused is not None:
                 return refused
         reservation = self.reservation
@@ -115,11 +115,17 @@ class Handoff:
         self.result = result
         return Prefilled(result=result)
 
-    async def _reserve(self) -> Prefilled | None:
-        """Reserve the decode side's blocks (`self.reservation`); the outcome if refused."""
+    async def _reserve(self, requests: list[WorkerRequest]) -> Prefilled | None:
+        """Reserve the decode side's blocks (`self.reservation`); the outcome if refused.
+        Each request's tokens go along, so the blocks the decode worker's prefix cache
+        holds already are reserved as they are and not sent."""
         decode = self.decode
+        by_id = {r.request_id: r for r in requests}
+        token_ids = [
+            [*by_id[rid].prompt_token_ids, *by_id[rid].output_token_ids] for rid, _ in self.need
+        ]
         try:
-            reservation = await decode.call("reserve", self.need, self.lease_ttl_s)
+            reservation = await decode.call("reserve", self.need, self.lease_ttl_s, token_ids)
         except ReservationError as exc:  # its free count moved on since our last report
             logger.info("reservation on %s failed: %s", decode.name, exc)
             return Prefilled(put_back=True, poll=decode)

@@ -40,6 +40,7 @@ class RequestState:
         self.samples: list[list[int]] = [[] for _ in range(n)]  # each sample's output tokens
         self.ended = [False] * n
         self._prompt_logprobs_sent = False
+        self.num_cached_tokens: int | None = None  # the first worker's report
         self.decode_worker: str | None = None
         self.requeues = 0
         self.dispatched_at: float | None = None
@@ -109,6 +110,9 @@ class RequestState:
         if delta.token_offset > have:
             logger.error("request %s: %s skips ahead of %d tokens", self.request_id, delta, have)
             return None
+        if delta.num_cached_tokens is not None and self.num_cached_tokens is None:
+            prompt = len(self.request.prompt_token_ids)
+            self.num_cached_tokens = min(delta.num_cached_tokens, prompt)
         skip = have - delta.token_offset
         tokens = delta.token_ids[skip:]
         reason = (delta.finish_reason or "stop") if delta.finished else None
@@ -181,6 +185,7 @@ class RequestState:
             shape_bucket=self.shape_bucket if last else None,
             index=index,
             prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens or 0,
         )
 
     def finals(self, reason: str, error: str | None = None) -> list[StreamDelta]:

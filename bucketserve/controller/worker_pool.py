@@ -193,6 +193,7 @@ class WorkerPool:
             "torch_threads": c.torch_threads(role),
             "cpus": c.cpus(role),
             "pipeline_parallel_size": c.placement(role).pipeline_parallel_size,
+            "enable_prefix_caching": c.scheduler.enable_prefix_caching,
         }
 
     def _worker_transport(self) -> str:

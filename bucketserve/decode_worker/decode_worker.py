@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from bucketserve.bucket_manager.shape_buckets import ShapeBuckets
+from bucketserve.bucket_manager.unified_buckets import unified_need
 from bucketserve.decode_worker.config import DecodeWorkerConfig
 from bucketserve.decode_worker.pacer import DecodePacer
 from bucketserve.kv_transfer.kv_format import KVBlockHandle
@@ -30,7 +32,7 @@ from bucketserve.messages import (
 from bucketserve.runtime.core.outputs import RequestOutput
 from bucketserve.runtime.core.sequence import Sequence as Seq
 from bucketserve.runtime.engine.llm_engine import LLMEngine
-from bucketserve.runtime.worker.model_runner import ModelRunnerConfig, Shape
+from bucketserve.runtime.worker.model_runner import ModelRunnerConfig, Shape, UnifiedShape
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,9 +100,22 @@ class DecodeWorker(KVWorker):
             config.pipeline_parallel_size,
             config.stage_options,
         )
-        engine_config = dataclasses.replace(config.engine, runner=ModelRunnerConfig())
+        scheduler = dataclasses.replace(
+            config.engine.scheduler,
+            enable_prefix_caching=config.enable_prefix_caching
+            and config.engine.scheduler.enable_prefix_caching,
+        )
+        engine_config = dataclasses.replace(
+            config.engine, runner=ModelRunnerConfig(), scheduler=scheduler
+        )
         self.engine = LLMEngine(engine_config, self.runner, pad_fn=self._pad_to, detokenize=False)
         self.block_manager = self.engine.block_manager
+        if config.shape_buckets.strategy == "unified":  # sized for this engine and its pool
+            limits = engine_config.scheduler
+            shapes = config.shape_buckets.for_engine(
+                limits.max_num_seqs, limits.max_num_batched_tokens, self.runner.num_kv_blocks
+            )
+            self.shapes = ShapeBuckets(shapes, log=False)
         self.leases = LeaseTable(f"{self.name}.{self.boot_id}", self._release_lease)
         self._handles: dict[str, KVBlockHandle] = {}
 
@@ -113,6 +128,9 @@ class DecodeWorker(KVWorker):
         mode = self.config.warmup
 
         def warm() -> dict:
+            if self._unified:  # every step's shape; causal ones where prompts are computed
+                unified = [b for b in self.shapes.unified if self.config.prefills or not b[3]]
+                return self._warmup("unified", mode, unified, lambda b: b)
             if self.config.prefills and self.runner.graphs is not None:
                 self._warmup("prompt", mode, self.shapes.prompt, self.prompt_shape)
             return self._warmup("decode", mode, buckets, lambda b: b)
@@ -137,29 +155,39 @@ class DecodeWorker(KVWorker):
     # -- handoff -----------------------------------------------------------------------------
 
     def reserve(
-        self, requests: Sequence[tuple[str, int]], ttl_s: float | None = None
+        self,
+        requests: Sequence[tuple[str, int]],
+        ttl_s: float | None = None,
+        token_ids: Sequence[Sequence[int]] | None = None,
     ) -> Reservation:
         """Hold `n` blocks for each `(request_id, n)` under one lease; raises ReservationError
-        (reserving nothing) when they are not free."""
+        (reserving nothing) when they are not free. With each request's `token_ids` (prompt
+        and tokens generated so far), its leading blocks this pool's prefix cache holds are
+        taken as they are: the handle's `num_cached_blocks` tells the prefill not to send
+        them."""
         ids, counts = _check_reservation(requests)
+        if token_ids is not None and len(token_ids) != len(ids):
+            raise ValueError(f"{len(ids)} requests to reserve for but {len(token_ids)} token lists")
         ttl = self.config.lease_ttl_s if ttl_s is None else ttl_s
         with self.engine.lock:
             self._check_alive()
             bm = self.block_manager
+            # every block counted as if none were cached: then no request can fall short
             if sum(counts) > bm.num_free_blocks:
                 raise ReservationError(
                     f"{self.name}: {sum(counts)} blocks wanted, {bm.num_free_blocks} of "
                     f"{bm.num_total_blocks} free"
                 )
-            flat = bm.reserve(sum(counts))
-            split, at = [], 0
-            for n in counts:
-                split.append(flat[at : at + n])
-                at += n
+            split, cached = [], []
+            for i, n in enumerate(counts):
+                blocks, hits = bm.reserve_prefix(() if token_ids is None else token_ids[i], n)
+                split.append(blocks)
+                cached.append(min(hits, n - 1))
             lease = self.leases.open(ids, split, ttl)
             handle = KVBlockHandle(
-                self.name, lease.lease_id, tuple(ids), lease.block_ids, self.kv_format
-            )
+                self.name, lease.lease_id, tuple(ids), lease.block_ids, self.kv_format,
+                tuple(cached),
+            )  # fmt: skip
             self._handles[lease.lease_id] = handle
         return Reservation(handle, ttl, self.stats())
 
@@ -167,11 +195,12 @@ class DecodeWorker(KVWorker):
         """One layer of a lease's KV, pushed by a same-process prefill (in-process transport)."""
         with self.engine.lock:
             if layer == 0:
-                lease = self.leases.begin_receive(lease_id)
+                self.leases.begin_receive(lease_id)
             else:
-                lease = self.leases.get(lease_id, LeaseState.RECEIVING)
+                self.leases.get(lease_id, LeaseState.RECEIVING)
+            blocks = self._handles[lease_id].transfer_block_ids
         try:
-            self.runner.kv_cache.import_blocks(layer, lease.flat_block_ids, chunk)
+            self.runner.kv_cache.import_blocks(layer, blocks, chunk)
         except BaseException:
             self.release(lease_id)
             raise
@@ -192,7 +221,7 @@ class DecodeWorker(KVWorker):
             lease = self.leases.begin_receive(lease_id)
             handle = self._handles[lease_id]
         start = time.perf_counter()
-        blocks = lease.flat_block_ids
+        blocks = handle.transfer_block_ids  # the cached ones hold their K/V already
 
         def receive() -> None:
             self.transport.receive(
@@ -216,7 +245,9 @@ class DecodeWorker(KVWorker):
             result = self._add(lease, requests)
         self._wake.set()
         result.receive_s = receive_s
-        result.kv_bytes = handle.format.chunk_bytes(handle.num_blocks) * handle.format.num_layers
+        result.kv_bytes = (
+            handle.format.chunk_bytes(handle.num_transfer_blocks) * handle.format.num_layers
+        )
         result.stats = self.stats()
         return result
 
@@ -304,9 +335,17 @@ class DecodeWorker(KVWorker):
                 reserved_blocks=bm.num_reserved_blocks,
                 blocks_to_come=self._blocks_to_come(),
                 batches=self._steps,
+                prefix_cache_queries=bm.prefix_cache_queries,
+                prefix_cache_hits=bm.prefix_cache_hits,
                 **self.pipeline_stats(),
                 **self.graph_fields(),
             )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (those in use stay with their sequences); how many."""
+        with self.engine.lock:
+            self._check_alive()
+            return self.block_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -399,10 +438,22 @@ class DecodeWorker(KVWorker):
         )
         return waiting + running
 
-    def _pad_to(self, seqs: list[Seq], counts: list[int]) -> Shape | None:
+    @property
+    def _unified(self) -> bool:
+        """Unified buckets: every step pads to one (a stage group pads none)."""
+        return bool(self.shapes.unified) and not self.pipelined
+
+    def _pad_to(self, seqs: list[Seq], counts: list[int]) -> Shape | UnifiedShape | None:
         """The decode bucket of a pure decode microbatch (looked up, and misses counted,
         even when not padding). Recompute chunks after a preemption have no warmed
-        shape here: they run unpadded and count as misses."""
+        shape here: they run unpadded and count as misses. Unified buckets hold every
+        step, prompt chunks and decode rows together."""
+        if self._unified:
+            tables = [s.block_table for s in seqs]
+            computed = [s.num_computed_tokens for s in seqs]
+            need = unified_need(tables, computed, counts, self.block_manager.block_size)
+            shape, miss = self.shapes.pad_unified(need)
+            return shape if self.padding and not miss else None
         if any(n != 1 for n in counts):
             self._unbucketed_steps += 1
             return None
@@ -448,7 +499,8 @@ class DecodeWorker(KVWorker):
             time.sleep(self.config.admit_delay_s)
 
     def _release_lease(self, lease: Lease) -> None:
-        self.block_manager.release(lease.flat_block_ids)
+        for blocks in lease.block_ids:  # per request: requests may share cached blocks
+            self.block_manager.release(blocks)
         self._handles.pop(lease.lease_id, None)
 
     def _check_alive(self) -> None:

@@ -299,6 +299,7 @@ def _controller(s: ServeSettings, runner: ModelRunnerConfig) -> ControllerConfig
                 scheduling_policy=decode.scheduling_policy,
                 slo_admission=decode.slo_admission,
                 late_yield_s=decode.late_yield_s,
+                enable_prefix_caching=s.kv_cache.enable_prefix_caching,
             ),
             pipeline_depth=decode.pipeline_depth,
             prefill_kv_blocks=prefill.kv_blocks,

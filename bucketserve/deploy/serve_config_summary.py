@@ -19,7 +19,8 @@ def summarize(config: ServeConfig, model_len: int | None = None) -> str:
     lines = [
         f"model       {model}  (dtype {runner.dtype}, device {runner.device}, "
         f"max_model_len {length or 'from the model'})",
-        f"kv cache    block size {runner.block_size}, {kv} per decode worker",
+        f"kv cache    block size {runner.block_size}, {kv} per decode worker, prefix caching "
+        + ("on" if c.scheduler.enable_prefix_caching else "off"),
         f"shape       {c.shape}"
         + (": the decode workers prefill in chunks" if c.colocated else ""),
         f"prefill     {c.num_prefill_workers} worker(s)"

@@ -64,6 +64,10 @@ class KVCacheSettings(Settings):
     """A fixed pool size per decode worker instead of memory_fraction."""
     cpu_bytes: int = Field(1 << 30, ge=1)
     """Cap of the pool on CPU workers."""
+    enable_prefix_caching: bool = True
+    """Keep computed full blocks named by their tokens, so a request whose prompt starts
+    like an earlier one's reuses their KV and computes only the rest (every worker, both
+    shapes); false: every prompt is computed whole."""
 
 
 class PlacementSettings(Settings):
@@ -231,8 +235,10 @@ class BatchingSettings(Settings):
 
 
 class BucketsSettings(Settings):
-    strategy: Literal["exponential", "linear", "file"] = "exponential"
-    """Shape buckets: exponential, linear or file."""
+    strategy: Literal["exponential", "linear", "file", "unified"] = "exponential"
+    """Shape buckets: exponential, linear or file; unified: every decode-worker step (prompt
+    chunks and decode rows together) pads to (query, shared blocks, unique blocks,
+    is_causal) buckets from the engine's max_num_seqs, max_num_batched_tokens and pool."""
     file: str | None = None
     """The bucket file of the file strategy (or $BUCKETSERVE_BUCKET_FILE)."""
     prompt: PromptShapes | None = None

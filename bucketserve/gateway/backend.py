@@ -25,6 +25,10 @@ class Backend(Protocol):
 
     def stats(self) -> ServiceStats: ...
 
+    async def reset_prefix_cache(self) -> int:
+        """Every worker forgets its cached prefix blocks; how many were forgotten."""
+        ...
+
     def serving(self) -> bool:
         """A live worker for every phase: health checks answer from it."""
         ...

@@ -162,6 +162,12 @@ def _service_metrics(stats: Any) -> Iterator[Metric]:
         "Microbatches in the worker's stage group now.",
         labels=["worker", "role"],
     )
+    hit_rate = GaugeMetricFamily(
+        P + "prefix_cache_hit_rate",
+        "Share of the prompt tokens the worker looked up that its prefix cache held, since "
+        "it started.",
+        labels=["worker", "role"],
+    )
     compile_s = GaugeMetricFamily(
         P + "graph_compile_seconds",
         "Seconds spent compiling step graphs (graphs mode): at warm-up, and for shapes "
@@ -174,15 +180,28 @@ def _service_metrics(stats: Any) -> Iterator[Metric]:
         misses.add_metric([w.name, w.role], w.graph_misses)
         bubble.add_metric([w.name, w.role], w.bubble_fraction)
         in_flight.add_metric([w.name, w.role], w.microbatches_in_flight)
+        queries = w.prefix_cache_queries
+        hit_rate.add_metric([w.name, w.role], w.prefix_cache_hits / queries if queries else 0.0)
         compile_s.add_metric([w.name, w.role, "warmup"], w.graph_compile_s)
         compile_s.add_metric([w.name, w.role, "miss"], w.graph_miss_compile_s)
     yield usage
     yield misses
     yield bubble
     yield in_flight
+    yield hit_rate
     yield compile_s
     yield counter(
         "num_preemptions", "Sequences preempted.", sum(w.preemptions for w in workers)
+    )
+    yield counter(
+        "prefix_cache_queries",
+        "Prompt tokens looked up in the workers' prefix caches.",
+        sum(w.prefix_cache_queries for w in workers),
+    )
+    yield counter(
+        "prefix_cache_hits",
+        "Prompt tokens found in the workers' prefix caches.",
+        sum(w.prefix_cache_hits for w in workers),
     )
     yield counter(
         "slo_admission_holds",

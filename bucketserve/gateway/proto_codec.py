@@ -107,6 +107,7 @@ def delta_to_response(delta: StreamDelta, cancel_reason: str | None = None) -> p
         final.error = delta.error or (cancel_reason if cancelled else None) or ""
         final.usage.prompt_tokens = delta.num_prompt_tokens
         final.usage.completion_tokens = delta.num_output_tokens
+        final.usage.cached_tokens = delta.num_cached_tokens
         if delta.timings is not None:
             final.timings.CopyFrom(pb.Timings(**dataclasses.asdict(delta.timings)))
         if delta.request_bucket is not None:
@@ -172,6 +173,7 @@ def response_to_chunk(response: pb.GenerateResponse) -> Chunk:
         chunk.error = final.error or None
         chunk.prompt_tokens = final.usage.prompt_tokens
         chunk.completion_tokens = final.usage.completion_tokens
+        chunk.cached_tokens = final.usage.cached_tokens
         if final.HasField("timings"):
             t = final.timings
             chunk.timings = RequestTimings(

@@ -30,6 +30,7 @@ class Chunk:
     index: int = 0  # the sample of an n > 1 request
     # once, when the request asked for prompt_logprobs: one per prompt token, the first None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_tokens: int = 0  # of prompt_tokens, those found in a prefix cache (final chunk)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 NCCL ignores tags and matches a pair's sends to its receives in posting order
 (HCCL too), so nothing here relies on tags: every prefill -> decode pair is one
-ordered stream of batches, each `header, layer 0..L-1, trailer`. The decode side
+ordered stream of batches, each `header, layer 0..L-1, trailer` (the header counts the
+blocks sent: those the decode side does not hold already). The decode side
 claims batches by their place in that stream; a batch it reaches before its
 admission (two batches in flight, admitted out of order) is read off the wire
 and stashed, and one whose lease expired is dropped from the stash after the
@@ -203,7 +204,7 @@ class _CollectiveSender(KVSender):
         self.layers_sent = 0
         out.next_seq += 1
         out.open = True
-        self._post_ints([self.seq, handle.num_blocks, src_format.num_layers])
+        self._post_ints([self.seq, handle.num_transfer_blocks, src_format.num_layers])
 
     def _send(self, layer: int, chunk: torch.Tensor) -> None:
         assert layer == self.layers_sent, "layers go out in order"
@@ -218,7 +219,7 @@ class _CollectiveSender(KVSender):
         """The prefill failed: fill the missing layers so the pair's stream stays in step."""
         if not self.out.open:
             return
-        shape = self.format.chunk_shape(self.handle.num_blocks)
+        shape = self.format.chunk_shape(self.handle.num_transfer_blocks)
         while self.layers_sent < self.format.num_layers:
             self._send(self.layers_sent, torch.zeros(
                 shape, dtype=getattr(torch, self.format.dtype), device=self.transport.device

@@ -74,8 +74,10 @@ class KVFormat:
 class KVBlockHandle:
     """Where one prefill batch's KV lands: a decode worker's lease on reserved blocks.
 
-    `block_ids[i]` are the blocks reserved for `request_ids[i]`; a chunk carries
-    the batch's blocks in that order, so it is imported with `flat_block_ids`.
+    `block_ids[i]` are the blocks reserved for `request_ids[i]`, of which the first
+    `num_cached_blocks[i]` already hold the K/V (the decode worker's prefix cache): only
+    the others travel. A chunk carries the batch's travelling blocks in that order, so it
+    is imported with `transfer_block_ids`.
     """
 
     decode_worker: str
@@ -83,6 +85,7 @@ class KVBlockHandle:
     request_ids: tuple[str, ...]
     block_ids: tuple[tuple[int, ...], ...]
     format: KVFormat
+    num_cached_blocks: tuple[int, ...] = ()  # empty: none cached
 
     def __post_init__(self) -> None:
         if len(self.request_ids) != len(self.block_ids) or not self.request_ids:
@@ -90,6 +93,17 @@ class KVBlockHandle:
                 f"a KV handle needs one block list per request, got {len(self.request_ids)} "
                 f"requests and {len(self.block_ids)} block lists"
             )
+        cached = tuple(self.num_cached_blocks) or (0,) * len(self.block_ids)
+        ok = len(cached) == len(self.block_ids) and all(
+            isinstance(n, int) and 0 <= n < len(blocks)
+            for n, blocks in zip(cached, self.block_ids, strict=True)
+        )
+        if not ok:  # the block holding a request's last token always travels
+            raise ValueError(
+                f"num_cached_blocks {self.num_cached_blocks} must leave each request at "
+                "least one block to send"
+            )
+        object.__setattr__(self, "num_cached_blocks", cached)
 
     @property
     def flat_block_ids(self) -> list[int]:
@@ -98,6 +112,19 @@ class KVBlockHandle:
     @property
     def num_blocks(self) -> int:
         return sum(len(blocks) for blocks in self.block_ids)
+
+    @property
+    def transfer_block_ids(self) -> list[int]:
+        """The blocks whose K/V is sent, in chunk order."""
+        return [
+            b
+            for blocks, cached in zip(self.block_ids, self.num_cached_blocks, strict=True)
+            for b in blocks[cached:]
+        ]
+
+    @property
+    def num_transfer_blocks(self) -> int:
+        return self.num_blocks - sum(self.num_cached_blocks)
 
     def blocks_of(self, request_id: str) -> tuple[int, ...]:
         return self.block_ids[self.request_ids.index(request_id)]

@@ -27,7 +27,8 @@ class KVReceiver(Protocol):
 
 
 class KVSender(ABC):
-    """Ships one prefill batch's KV to `handle`'s decode worker.
+    """Ships one prefill batch's KV to `handle`'s decode worker: each layer's chunk holds
+    the blocks the decode side does not hold yet (`handle.transfer_block_ids`).
 
     `send_layer` is called once per layer, in order, while the prefill's
     later layers still compute; `abort` instead of `finish` when the prefill
@@ -44,7 +45,7 @@ class KVSender(ABC):
 
     def send_layer(self, layer: int, chunk: torch.Tensor) -> None:
         self._send(layer, chunk)
-        self.bytes_sent += self.format.chunk_bytes(self.handle.num_blocks)
+        self.bytes_sent += self.format.chunk_bytes(self.handle.num_transfer_blocks)
 
     @abstractmethod
     def _send(self, layer: int, chunk: torch.Tensor) -> None: ...

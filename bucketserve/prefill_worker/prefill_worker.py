@@ -37,6 +37,13 @@ class PrefillWorker(KVWorker):
     sampled; the blocks stay held under a lease until `release` (the decode
     side acknowledged) or until the lease expires, then are freed.
 
+    With prefix caching a sequence's leading blocks this pool has cached are taken as they
+    are and only its other tokens are computed, over that cached context, within the same
+    padded rectangle (a shorter query fits the bucket chosen for its prompt). Its computed
+    full blocks are cached when the batch ends, and stay cached after they are freed.
+    Blocks the decode worker holds already (`KVBlockHandle.num_cached_blocks`) are not
+    sent.
+
     One thread of its own builds the model, warms up and runs every batch (`_on_torch`),
     whichever of the actor's call threads asks: OpenMP keeps a thread pool per thread
     that starts parallel work, and with more pool threads in the process than cores
@@ -64,7 +71,9 @@ class PrefillWorker(KVWorker):
             config.pipeline_parallel_size,
             config.stage_options,
         ))
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size)
+        self.block_manager = BlockManager(
+            self.runner.num_kv_blocks, self.runner.block_size, config.enable_prefix_caching
+        )
         self.eos_token_ids = self.runner.eos_token_ids
         self.leases = LeaseTable(f"{self.name}.{self.boot_id}", self._free_lease)
         self._held: dict[str, tuple[list[Sequence], KVSender]] = {}
@@ -151,9 +160,16 @@ class PrefillWorker(KVWorker):
                 leases_expired=self.leases.counts.expired,
                 batches=self._batches,
                 kv_bytes_sent=self._kv_bytes,
+                prefix_cache_queries=bm.prefix_cache_queries,
+                prefix_cache_hits=bm.prefix_cache_hits,
                 **self.pipeline_stats(),
                 **self.graph_fields(),
             )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (those held for a handoff stay held); how many."""
+        with self._lock:
+            return self.block_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -186,14 +202,20 @@ class PrefillWorker(KVWorker):
 
     def _allocate(self, seqs: list[Sequence]) -> None:
         bm = self.block_manager
-        need = sum(bm.blocks_needed(len(s)) for s in seqs)
-        if need > bm.num_free_blocks:
-            raise PrefillCapacityError(
-                f"{self.name}: batch needs {need} KV blocks, {bm.num_free_blocks} of "
-                f"{bm.num_total_blocks} are free ({len(self.leases)} handoffs unacknowledged)"
-            )
-        for seq in seqs:
-            bm.allocate(seq)
+        need = sum(bm.num_blocks_to_allocate(s) for s in seqs)
+        if need <= bm.num_free_blocks:
+            try:
+                for seq in seqs:
+                    bm.allocate(seq)
+                return
+            except ValueError:  # an earlier sequence evicted the cached prefix of a later one
+                for seq in seqs:
+                    if seq.block_table:
+                        bm.free(seq)
+        raise PrefillCapacityError(
+            f"{self.name}: batch needs {need} KV blocks, {bm.num_free_blocks} of "
+            f"{bm.num_total_blocks} are free ({len(self.leases)} handoffs unacknowledged)"
+        )
 
     def _run(
         self, task: PrefillTask, seqs: list[Sequence], submitted: Callable[[], None]
@@ -205,8 +227,11 @@ class PrefillWorker(KVWorker):
         for seq, request in zip(seqs, task.requests, strict=True):
             (kept if request.request_id in shipped else ended).append(seq)
         ships = bool(kept)
+        pad_to = self._pad_to(task, seqs)
         sender = self.transport.sender(task.target, self.kv_format) if ships else None
-        src_blocks = [b for seq in kept for b in seq.block_table]
+        # the blocks the decode side lacks (kept is in the handle's order: _target_blocks)
+        cached = task.target.num_cached_blocks if ships else ()
+        src_blocks = [b for seq, n in zip(kept, cached, strict=True) for b in seq.block_table[n:]]
         send_s = [0.0]
 
         def ship(layer: int) -> None:
@@ -214,12 +239,11 @@ class PrefillWorker(KVWorker):
             sender.send_layer(layer, self.runner.kv_cache.export_blocks(layer, src_blocks))
             send_s[0] += time.perf_counter() - start
 
-        pad_to = self._pad_to(task, seqs)
         start = time.perf_counter()
         try:
             pipelined = {"on_submit": submitted} if self.pipelined else {}
             tokens = self.runner.execute(
-                seqs, [len(s) for s in seqs], pad_to=pad_to,
+                seqs, [len(s) - s.num_computed_tokens for s in seqs], pad_to=pad_to,
                 on_layer=ship if ships else None, **pipelined,
             )  # fmt: skip
         except BaseException:
@@ -229,6 +253,9 @@ class PrefillWorker(KVWorker):
         compute_s = time.perf_counter() - start - send_s[0]
         payload = sender.finish() if ships else None
         with self._lock:
+            for seq in seqs:
+                seq.num_computed_tokens = len(seq)
+                self.block_manager.cache_computed(seq)
             lease_id = None
             if ships:
                 lease = self.leases.open(
@@ -240,7 +267,7 @@ class PrefillWorker(KVWorker):
             for seq in ended:
                 self.block_manager.free(seq)
             self._batches += 1
-            self._graph_misses += task.graph_miss
+            self._graph_misses += task.graph_miss or (self.padding and pad_to is None)
         first = [
             self._first_delta(seq, token, task.max_seq_len)
             for seq, token in zip(seqs, tokens, strict=True)
@@ -259,11 +286,22 @@ class PrefillWorker(KVWorker):
         )
 
     def _pad_to(self, task: PrefillTask, seqs: list[Sequence]) -> tuple[int, int, int] | None:
+        """The runner shape of the batch's bucket; None (unpadded, a miss) when the tokens
+        to compute do not fit it: this pool's cache may hold less than the bucket assumed."""
         if not self.padding or task.graph_miss:
             return None
         shape = self.prompt_shape(task.shape)
-        if shape[0] < len(seqs) or shape[1] < max(len(s) for s in seqs):
+        if shape[0] < len(seqs):
             raise ValueError(f"batch {task.batch_id} does not fit its shape bucket {task.shape}")
+        query = max(len(s) - s.num_computed_tokens for s in seqs)
+        tables = [self.block_manager.blocks_needed(len(s)) for s in seqs]
+        blocks = sum(tables) if shape[1] == 1 else max(tables)  # a decode shape: the total
+        if shape[1] < query or shape[2] < blocks:
+            logger.info(
+                "%s: batch %d (query %d, %d blocks) does not fit its shape bucket %s; unpadded",
+                self.name, task.batch_id, query, blocks, task.shape,
+            )  # fmt: skip
+            return None
         return shape
 
     def _first_delta(self, seq: Sequence, token: int | None, max_seq_len: int) -> TokenDelta:
@@ -287,6 +325,7 @@ class PrefillWorker(KVWorker):
             finish_reason=None if reason is None else reason.value,
             logprobs=None if seq.sampling_params.logprobs is None else [logprob],
             prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )
 
     def _free_lease(self, lease: Lease) -> None:

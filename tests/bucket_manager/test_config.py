@@ -16,8 +16,8 @@ from bucketserve.bucket_manager import (
     [
         (
             lambda: ShapeBucketConfig(strategy="cubic"),
-            "ShapeBucketConfig.strategy must be one of 'exponential', 'linear', 'file'; "
-            "got 'cubic'",
+            "ShapeBucketConfig.strategy must be one of 'exponential', 'linear', 'file', "
+            "'unified'; got 'cubic'",
         ),
         (
             lambda: ShapeBucketConfig(prompt=PromptShapeConfig(query=BucketRange(128, 128, 1024))),

@@ -139,6 +139,29 @@ def test_late_prompts_yield_for_8_s_unless_the_yaml_says_otherwise() -> None:
         assert config.controller.scheduler.late_yield_s == value
 
 
+def test_prefix_caching_is_on_in_every_worker_unless_the_yaml_turns_it_off(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bucketserve.bucket_manager.config import BucketManagerConfig
+    from bucketserve.controller.worker_pool import WorkerPool
+
+    for given, want in ((None, True), (True, True), (False, False)):
+        kv = {} if given is None else {"kv_cache": {"enable_prefix_caching": given}}
+        path = write(tmp_path, kv)
+        assert run_check(argparse.Namespace(file=path)) == 0, capsys.readouterr().err
+        assert f"prefix caching {'on' if want else 'off'}" in capsys.readouterr().out
+        controller = ServeConfig.load(path).controller
+        assert controller.scheduler.enable_prefix_caching is want
+        pool = WorkerPool(controller, BucketManagerConfig())
+        assert pool.prefill_config(0).enable_prefix_caching is want
+        decode = pool.decode_config(0)
+        assert decode.engine.scheduler.enable_prefix_caching is want
+    path = write(tmp_path, {"kv_cache": {"enable_prefix_caching": "yes"}})
+    assert run_check(argparse.Namespace(file=path)) == 1
+    err = capsys.readouterr().err
+    assert f"{path}: kv_cache.enable_prefix_caching: must be true or false" in err
+
+
 HPU_CLUSTER = {"cluster": {"resources": {"HPU": 4}}}
 BROKEN = [
     ({"controller": {"prefill": {"num_workers": 0}}},
@@ -185,6 +208,10 @@ BROKEN = [
     ({"kv_cache": {"memory_fraction": 1.5}}, "kv_cache.memory_fraction", "in (0, 1], got 1.5"),
     ({"kv_cache": {"memory_fraction": 0}}, "kv_cache.memory_fraction", "in (0, 1], got 0"),
     ({"kv_cache": {"block_size": -16}}, "kv_cache.block_size", "an integer >= 1, got -16"),
+    ({"kv_cache": {"enable_prefix_caching": 1}}, "kv_cache.enable_prefix_caching",
+     "must be true or false"),
+    ({"kv_cache": {"prefix_caching": False}}, "kv_cache.prefix_caching",
+     "did you mean 'enable_prefix_caching'"),
     ({"gateway": {"grpc_port": -1}}, "gateway.grpc_port", "an integer in [0, 65535], got -1"),
     ({"gateway": {"http_port": 70000}}, "gateway.http_port", "in [0, 65535] or null, got 70000"),
     ({"gateway": {"http_port": 9000, "grpc_port": 9000}}, "gateway.http_port", "must differ"),

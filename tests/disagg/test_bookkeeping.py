@@ -40,6 +40,7 @@ def test_worker_messages_carry_token_ids_and_no_text() -> None:
         "request_id", "token_offset", "token_ids", "finished", "finish_reason", "error",
         "logprobs", "prompt_logprobs",  # numbers that ride with the token ids, never text
         "index",  # the sample of an n > 1 request
+        "num_cached_tokens",  # with the first token: how many prompt tokens were cached
     }
 
 

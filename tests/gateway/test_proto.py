@@ -74,12 +74,12 @@ def test_unset_sampling_fields_stay_unset() -> None:
 
 def test_response_round_trip() -> None:
     delta = StreamDelta("r1", [7, 8], "ab", finished=True, finish_reason="length")
-    delta.num_prompt_tokens, delta.num_output_tokens = 3, 9
+    delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens = 3, 9, 2
     delta.timings = RequestTimings(0.1, 0.2, 0.3, 0.4, 0.5)
     delta.request_bucket, delta.shape_bucket = (0, 512), (4, 128, 2)
     chunk = response_to_chunk(delta_to_response(delta))
     assert (chunk.token_ids, chunk.text, chunk.finish_reason) == ([7, 8], "ab", "length")
-    assert (chunk.prompt_tokens, chunk.completion_tokens) == (3, 9)
+    assert (chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens) == (3, 9, 2)
     assert chunk.timings == RequestTimings(0.1, 0.2, 0.3, 0.4, 0.5)
     assert (chunk.request_bucket, chunk.shape_bucket) == ((0, 512), (4, 128, 2))
     middle = response_to_chunk(delta_to_response(StreamDelta("r1", [1], "a")))

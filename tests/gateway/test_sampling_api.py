@@ -13,7 +13,7 @@ import torch
 from bucketserve import Client
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.engine.llm import LLM
-from tests.gateway.conftest import BLOCK_SIZE, wait_until_idle
+from tests.gateway.conftest import BLOCK_SIZE, http_post, wait_until_idle
 
 PROMPT = "Once upon a time"
 MESSAGES = [{"role": "user", "content": "What is a KV cache?"}]
@@ -83,6 +83,9 @@ def test_chat_logprobs_shape_and_values_streamed_and_whole(
     client = oai(open_server)
     kwargs = dict(model=open_server.model_name, messages=MESSAGES, max_tokens=8, temperature=0,
                   logprobs=True, top_logprobs=4)
+    # each computes its whole prompt: one over a cached prefix rounds its logits otherwise
+    reset = f"{open_server.http_url}/reset_prefix_cache"
+    assert http_post(reset, {})[0] == 200
     whole = client.chat.completions.create(**kwargs)
     content = whole.choices[0].logprobs.content
     assert whole.choices[0].message.content == want.text
@@ -98,6 +101,7 @@ def test_chat_logprobs_shape_and_values_streamed_and_whole(
         assert values == sorted(values, reverse=True)
         assert values == pytest.approx(ref[i].topk(4).values.tolist(), abs=1e-3)
         assert all(t.bytes == list(t.token.encode()) for t in entry.top_logprobs)
+    assert http_post(reset, {})[0] == 200
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
                 for e in c.choices[0].logprobs.content]

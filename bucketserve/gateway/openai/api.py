@@ -1,6 +1,6 @@
 """The OpenAI-compatible routes: `/v1/models`, `/v1/completions` and
-`/v1/chat/completions` (SSE when streamed), and vLLM's `/tokenize`, `/detokenize` and
-`/version`."""
+`/v1/chat/completions` (SSE when streamed), and vLLM's `/tokenize`, `/detokenize`,
+`/version` and `/reset_prefix_cache`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from bucketserve.gateway.openai.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    ResetPrefixCacheResponse,
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
@@ -66,6 +67,7 @@ class OpenAIApi:
             web.post("/tokenize", self.tokenize),
             web.post("/detokenize", self.detokenize),
             web.get("/version", self.version),
+            web.post("/reset_prefix_cache", self.reset_prefix_cache),
         ]
 
     async def models(self, request: web.Request) -> web.Response:
@@ -116,6 +118,14 @@ class OpenAIApi:
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response(VersionResponse(version=package_version()).model_dump())
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """Every worker forgets its cached prefix blocks (requests running keep theirs):
+        the next request with a known prefix computes it again."""
+        self._tenant(request)
+        forgotten = await self.admission.backend.reset_prefix_cache()
+        body = ResetPrefixCacheResponse(forgotten_blocks=forgotten)
+        return web.json_response(body.model_dump())
 
     def _tenant(self, request: web.Request) -> str | None:
         """The request's API key, once it authenticates a tenant."""

@@ -222,10 +222,15 @@ class DetokenizeRequest(_Lenient):
 
 
 # responses
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens whose KV came from a prefix cache")
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # in a request's final usage
 
 
 class _Response(BaseModel):
@@ -347,6 +352,10 @@ class DetokenizeResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
+
+
+class ResetPrefixCacheResponse(BaseModel):
+    forgotten_blocks: int = Field(description="cached blocks the workers forgot")
 
 
 def _is_int(value: Any) -> bool:

@@ -18,6 +18,7 @@ from bucketserve.gateway.openai.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     ModelList,
+    ResetPrefixCacheResponse,
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
@@ -34,6 +35,8 @@ ROUTES: list[tuple[str, str, type[BaseModel] | None, type[BaseModel] | None, str
     ("post", "/tokenize", TokenizeRequest, TokenizeResponse, "Token ids of a prompt"),
     ("post", "/detokenize", DetokenizeRequest, DetokenizeResponse, "Text of token ids"),
     ("get", "/version", None, VersionResponse, "The server's version"),
+    ("post", "/reset_prefix_cache", None, ResetPrefixCacheResponse,
+     "Every worker forgets its cached prefix blocks (vLLM's)"),
     ("get", "/health", None, None, "200 while serving, 503 while draining"),
     ("get", "/metrics", None, None, "Prometheus metrics"),
 ]

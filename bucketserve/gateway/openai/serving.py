@@ -36,6 +36,7 @@ from bucketserve.gateway.openai.protocol import (
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
+    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
@@ -213,7 +214,7 @@ class OpenAIFormat:
                 self._chunk(finish_reason=reason, completion_tokens=completion_tokens, index=index)
             )
         if delta.finished and self.oai.include_usage:
-            usage = _usage(delta.num_prompt_tokens, delta.num_output_tokens)
+            usage = _final_usage(delta)
             cls = ChatCompletionChunk if self.oai.chat else CompletionResponse
             out.append(cls(**self._base(), choices=[], usage=usage).model_dump_json())
         return out
@@ -264,7 +265,7 @@ class OpenAIFormat:
         """The whole response (index i: choices[i]); usage is the request's final delta's:
         the prompt once and every choice's output. An echo with logprobs starts each
         choice's logprobs with the prompt's."""
-        usage = _usage(final.num_prompt_tokens, final.num_output_tokens)
+        usage = _final_usage(final)
         want = self.oai.logprobs is not None
         out: Any
         if self.oai.chat:
@@ -375,3 +376,10 @@ def _usage(prompt: int, completion: int) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )
+
+
+def _final_usage(final: StreamDelta) -> UsageInfo:
+    """The request's usage, with the prompt tokens found cached."""
+    usage = _usage(final.num_prompt_tokens, final.num_output_tokens)
+    usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=final.num_cached_tokens)
+    return usage

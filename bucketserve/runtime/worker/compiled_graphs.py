@@ -15,10 +15,12 @@ from bucketserve.runtime.worker.graph_regions import (
     decode_layer_region,
     head_region,
     layer_region,
+    norm_region,
     tail_region,
+    unified_layer_region,
 )
 from bucketserve.runtime.worker.kv_cache import KVCache
-from bucketserve.runtime.worker.step_inputs import Shape
+from bucketserve.runtime.worker.step_inputs import Shape, UnifiedShape
 
 logger = logging.getLogger(__name__)
 LayerHook = Callable[[int], None]
@@ -29,7 +31,7 @@ class GraphStats:
     """Compile seconds per warmed shape; misses (shapes compiled while serving) and their
     compile seconds, each miss counted once; `kv_export`: when layer-wise KV leaves a step."""
 
-    compile_s: dict[Shape, float] = field(default_factory=dict)
+    compile_s: dict[Shape | UnifiedShape, float] = field(default_factory=dict)
     misses: int = 0
     miss_compile_s: float = 0.0
     kv_export: str = "per_layer"
@@ -54,7 +56,10 @@ class CompiledGraphs:
     and K/V tensors are its inputs, so compiles grow with the buckets, not the depth.
     Where the device captures a whole step (CUDA graphs, HPU graphs in lazy mode) the
     regions run inside one captured graph per shape and layer-wise KV export comes after
-    it; elsewhere each layer's KV is reported as soon as its region returns."""
+    it; elsewhere each layer's KV is reported as soon as its region returns.
+    A unified shape `(tokens, shared blocks, unique blocks, is_causal)` runs the head, the
+    unified layer and the final norm: its graph returns every token's hidden state, and the
+    caller takes the LM head of the rows it samples."""
 
     def __init__(
         self, model: torch.nn.Module, kv_cache: KVCache, device: Device, compiled: bool = True
@@ -73,28 +78,51 @@ class CompiledGraphs:
         self._layer = compile(layer_region)
         self._decode_layer = compile(decode_layer_region)
         self._tail = compile(tail_region)
-        self._steps: dict[Shape, GraphFn] = {}
+        self._unified_layer = compile(unified_layer_region)
+        self._norm = compile(norm_region)
+        self._steps: dict[Shape | UnifiedShape, GraphFn] = {}
         export = "after_graph" if device.captures_whole_step else "per_layer"
         self.stats = GraphStats(kv_export=export)
 
-    def __contains__(self, shape: Shape) -> bool:
+    def __contains__(self, shape: Shape | UnifiedShape) -> bool:
         return shape in self._steps
 
     @property
-    def shapes(self) -> list[Shape]:
+    def shapes(self) -> list[Shape | UnifiedShape]:
         return list(self._steps)
 
-    def fit(self, need: Shape) -> Shape | None:
+    @property
+    def unified(self) -> bool:
+        """Whether unified shapes were compiled: then every step runs as one."""
+        return any(len(s) == 4 for s in self._steps)
+
+    def fit(self, need: Shape | UnifiedShape) -> Shape | UnifiedShape | None:
         """The smallest compiled shape (padded volume) of `need`'s kind (decode: query 1)
-        that holds it in every dimension."""
+        that holds it in every dimension; a unified need: the first in order that holds
+        it, causal if it is (one without prompt chunks takes a causal one only when no
+        other holds it)."""
+        if len(need) == 4:
+            for causal in (0, 1) if need[3] == 0 else (1,):
+                fits = [
+                    s
+                    for s in self._steps
+                    if len(s) == 4
+                    and s[3] == causal
+                    and all(h >= w for h, w in zip(s[:3], need[:3], strict=True))
+                ]
+                if fits:
+                    return min(fits)
+            return None
         fits = [
             s
             for s in self._steps
-            if (s[1] == 1) == (need[1] == 1) and all(h >= w for h, w in zip(s, need, strict=True))
+            if len(s) == 3
+            and (s[1] == 1) == (need[1] == 1)
+            and all(h >= w for h, w in zip(s, need, strict=True))
         ]
         return min(fits, key=lambda s: (s[0] * s[1] * (s[2] + 1), s), default=None)
 
-    def warm(self, shape: Shape, args: tuple[torch.Tensor, ...]) -> float:
+    def warm(self, shape: Shape | UnifiedShape, args: tuple[torch.Tensor, ...]) -> float:
         """Compile (and capture) `shape`'s graph on dummy `args`; returns the seconds."""
         if shape in self._steps:
             return 0.0
@@ -108,9 +136,13 @@ class CompiledGraphs:
         return seconds
 
     def run(
-        self, shape: Shape, args: tuple[torch.Tensor, ...], on_layer: LayerHook | None = None
+        self,
+        shape: Shape | UnifiedShape,
+        args: tuple[torch.Tensor, ...],
+        on_layer: LayerHook | None = None,
     ) -> torch.Tensor:
-        """Replay `shape`'s graph; a shape not warmed compiles here, a counted miss."""
+        """Replay `shape`'s graph (logits; a unified shape: hidden states); a shape not
+        warmed compiles here, a counted miss."""
         if not self.compiled:
             return self._step(shape)(*args, on_layer=on_layer)
         if shape not in self._steps:
@@ -137,8 +169,11 @@ class CompiledGraphs:
             return logits
         return self._step(shape)(*args, on_layer=on_layer)
 
-    def _step(self, shape: Shape) -> Callable[..., torch.Tensor]:
-        """Decode shapes `(batch, 1, blocks)` read a flat block list; the rest rectangles."""
+    def _step(self, shape: Shape | UnifiedShape) -> Callable[..., torch.Tensor]:
+        """Decode shapes `(batch, 1, blocks)` read a flat block list; unified shapes their
+        flat tokens and context blocks; the rest rectangles."""
+        if len(shape) == 4:
+            return self.step_causal if shape[3] else self.step_unified
         return self.step_flat if shape[1] == 1 else self.step
 
     def step(
@@ -186,3 +221,35 @@ class CompiledGraphs:
             if on_layer is not None:
                 on_layer(i)
         return self._tail(self.model, x, rows)
+
+    def step_unified(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        token_rows: torch.Tensor,
+        context_ends: torch.Tensor,
+        shared_blocks: torch.Tensor,
+        shared_starts: torch.Tensor,
+        unique_blocks: torch.Tensor,
+        unique_owners: torch.Tensor,
+        unique_starts: torch.Tensor,
+        on_layer: LayerHook | None = None,
+        causal: bool = False,
+    ) -> torch.Tensor:
+        """A unified step: every token's final hidden state `[T, hidden]`."""
+        x, cos_sin, _ = self._head(self.model, input_ids, positions)
+        index = (
+            positions, slots, token_rows, context_ends, shared_blocks, shared_starts,
+            unique_blocks, unique_owners, unique_starts,
+        )  # fmt: skip
+        for i, layer in enumerate(self.model.model.layers):
+            k, v = self.kv_cache.layer(i)
+            x = self._unified_layer(layer, x, cos_sin, k, v, *index, causal)
+            if on_layer is not None:
+                on_layer(i)
+        return self._norm(self.model, x)
+
+    def step_causal(self, *args: torch.Tensor, on_layer: LayerHook | None = None) -> torch.Tensor:
+        """`step_unified` of a step with prompt chunks (a causal bucket)."""
+        return self.step_unified(*args, on_layer=on_layer, causal=True)

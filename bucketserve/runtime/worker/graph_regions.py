@@ -1,8 +1,9 @@
 """The static-shape regions of a padded step that graphs mode compiles (`CompiledGraphs`):
 the head (embeddings, rope rows, the rectangle's mask), one decoder layer (compiled once
 per shape and reused by every layer: the layer's weights and K/V tensors are inputs, not
-constants) and the tail (final norm, logits). Any decoder whose `model.model` holds
-`embed_tokens`, `rotary_emb`, `layers` and `norm` runs through them."""
+constants) and the tail (final norm, logits; a unified step's tail is the norm alone).
+Any decoder whose `model.model` holds `embed_tokens`, `rotary_emb`, `layers` and `norm`
+runs through them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from bucketserve.runtime.attention.metadata import rect_mask
 from bucketserve.runtime.layers.attention import flat_attend, rect_attend
+from bucketserve.runtime.worker.unified_attention import unified_attend
 
 
 def head_region(
@@ -74,5 +76,37 @@ def decode_layer_region(
     return layer(x, cos_sin, attend)
 
 
+def unified_layer_region(
+    layer: nn.Module,
+    x: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    token_rows: torch.Tensor,
+    context_ends: torch.Tensor,
+    shared_blocks: torch.Tensor,
+    shared_starts: torch.Tensor,
+    unique_blocks: torch.Tensor,
+    unique_owners: torch.Tensor,
+    unique_starts: torch.Tensor,
+    causal: bool,
+) -> torch.Tensor:
+    """One decoder layer of a unified step: flat query tokens over their own K/V and the
+    shared and unique context blocks (`unified_attend`)."""
+    attend = unified_attend(
+        k_cache, v_cache, positions, slots, token_rows, context_ends, shared_blocks,
+        shared_starts, unique_blocks, unique_owners, unique_starts, causal,
+    )  # fmt: skip
+    return layer(x, cos_sin, attend)
+
+
 def tail_region(model: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return model.compute_logits(model.model.norm(x), rows)
+
+
+def norm_region(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A unified step's tail: every token's final norm (its sampled rows, which no bucket
+    dimension fixes, take the LM head after the graph)."""
+    return model.model.norm(x)

@@ -25,7 +25,7 @@ from bucketserve.runtime.worker.prompt_logprobs import (
     record_prompt_logprobs,
 )
 from bucketserve.runtime.worker.sampler import Sampler
-from bucketserve.runtime.worker.step_inputs import InputBuilder, Shape, StepInputs
+from bucketserve.runtime.worker.step_inputs import InputBuilder, Shape, StepInputs, UnifiedShape
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class ModelRunnerConfig:
     comes; "graphs" runs every step padded to a shape bucket, one static-shape
     compiled graph per bucket (`CompiledGraphs`); "auto" is graphs on hpu and
     cuda, eager on cpu (there padding costs more than a compiled graph saves).
+    Once unified shapes `(tokens, shared blocks, unique blocks, is_causal)` are warmed in
+    graphs mode, every step runs as one, prompt chunks and decode rows together.
     """
 
     model: str | None = None
@@ -200,7 +202,7 @@ class ModelRunner:
         self,
         seqs: list[Sequence],
         num_new_tokens: list[int],
-        pad_to: Shape | None = None,
+        pad_to: Shape | UnifiedShape | None = None,
         on_layer: LayerHook | None = None,
     ) -> list[int | None]:
         """Run one step; returns each sequence's sampled token, or None for a partial chunk.
@@ -237,16 +239,19 @@ class ModelRunner:
         self,
         seqs: list[Sequence],
         num_new_tokens: list[int],
-        pad_to: Shape | None = None,
+        pad_to: Shape | UnifiedShape | None = None,
     ) -> torch.Tensor:
         """Like `execute` (K/V are written too) but returns float32 logits of each
         sequence's last new token, `[len(seqs), vocab]`, on the CPU."""
         return self._run(seqs, num_new_tokens, pad_to).cpu()
 
     @torch.inference_mode()
-    def warmup(self, shapes: Iterable[Shape]) -> dict[Shape, float]:
-        """Run every (batch, query_len, num_blocks) shape once on dummy rows; in graphs mode
-        that compiles its graph. Returns the seconds each took."""
+    def warmup(
+        self, shapes: Iterable[Shape | UnifiedShape]
+    ) -> dict[Shape | UnifiedShape, float]:
+        """Run every (batch, query_len, num_blocks) or unified (tokens, shared blocks,
+        unique blocks, is_causal) shape once on dummy rows; in graphs mode that compiles
+        its graph. Returns the seconds each took."""
         seconds = {}
         for shape in shapes:
             shape = self.inputs.check_shape(shape)
@@ -255,7 +260,7 @@ class ModelRunner:
                 seconds[shape] = self.graphs.warm(shape, inputs.graph_args())
                 continue
             start = time.perf_counter()
-            if inputs.flat is not None:
+            if inputs.flat is not None:  # a flat decode or a unified step
                 self._flat.run(shape, inputs.flat)
             else:
                 self._forward(inputs)
@@ -267,12 +272,14 @@ class ModelRunner:
         self,
         seqs: list[Sequence],
         num_new_tokens: list[int],
-        pad_to: Shape | None,
+        pad_to: Shape | UnifiedShape | None,
         on_layer: LayerHook | None = None,
     ) -> torch.Tensor:
         pad_to = None if pad_to is None else self.inputs.check_shape(pad_to)
         if self.graphs is not None:
             return self._run_graphs(seqs, num_new_tokens, pad_to, on_layer)
+        if pad_to is not None and len(pad_to) == 4:
+            return self._run_unified(self._flat, seqs, num_new_tokens, pad_to, on_layer)
         if pad_to is not None and pad_to[1] == 1:
             flat = self._prepare(seqs, num_new_tokens, pad_to)
             return self._flat.run(pad_to, flat.graph_args(), on_layer)[: len(seqs)]
@@ -302,12 +309,18 @@ class ModelRunner:
         self,
         seqs: list[Sequence],
         num_new_tokens: list[int],
-        pad_to: Shape | None,
+        pad_to: Shape | UnifiedShape | None,
         on_layer: LayerHook | None,
     ) -> torch.Tensor:
-        """Every step padded to a shape: `pad_to`, else the smallest warmed one, decode rows
-        apart from prefill rows; a part no warmed shape fits compiles its own (a miss)."""
+        """Every step padded to a shape: `pad_to`, else the smallest warmed one: the whole
+        step as one unified shape once those are warmed, else decode rows apart from
+        prefill rows; a part no warmed shape fits compiles its own (a miss)."""
         assert self.graphs is not None
+        if pad_to is None and self.graphs.unified:
+            need = self.inputs.unified_need(seqs, num_new_tokens)
+            pad_to = self.graphs.fit(need) or self._miss_shape(need)
+        if pad_to is not None and len(pad_to) == 4:
+            return self._run_unified(self.graphs, seqs, num_new_tokens, pad_to, on_layer)
         if pad_to is not None:
             parts = [(np.arange(len(seqs)), pad_to)]
         else:
@@ -341,15 +354,42 @@ class ModelRunner:
             on_layer(layer)
         return logits
 
-    def _prepare(self, seqs: list[Sequence], counts: list[int], shape: Shape) -> StepInputs:
-        """A padded step's inputs: decode shapes `(batch, 1, blocks)` as a flat block list."""
+    def _run_unified(
+        self,
+        graphs: CompiledGraphs,
+        seqs: list[Sequence],
+        counts: list[int],
+        shape: UnifiedShape,
+        on_layer: LayerHook | None,
+    ) -> torch.Tensor:
+        """One unified step (compiled, or the same regions eager): its hidden states, then
+        the LM head of each row's last token."""
+        inputs = self.inputs.build_unified(seqs, counts, shape)
+        prompt = [n for n in counts if n > 1]
+        if graphs.compiled and prompt:  # the step's tokens, padding included, less decode rows
+            graphs.stats.prompt_tokens += sum(prompt)
+            graphs.stats.prompt_padded_tokens += shape[0] - (len(counts) - len(prompt))
+        hidden = graphs.run(shape, inputs.graph_args(), on_layer)
+        return self.model.compute_logits(hidden, inputs.logits_rows)
+
+    def _prepare(
+        self, seqs: list[Sequence], counts: list[int], shape: Shape | UnifiedShape
+    ) -> StepInputs:
+        """A padded step's inputs: decode shapes `(batch, 1, blocks)` as a flat block list,
+        unified shapes as flat tokens with their context blocks."""
+        if len(shape) == 4:
+            return self.inputs.build_unified(seqs, counts, shape)
         if shape[1] == 1:
             return self.inputs.build_flat(seqs, counts, shape)
         return self.inputs.build(seqs, counts, shape)
 
-    def _miss_shape(self, need: Shape) -> Shape:
+    def _miss_shape(self, need: Shape | UnifiedShape) -> Shape | UnifiedShape:
         """The shape a step no warmed graph holds compiles: each dimension rounded up to a
-        power of two (the blocks capped at max_model_len's), so misses stay few."""
+        power of two (the blocks capped at max_model_len's; unified: none left at 0), so
+        misses stay few."""
+        if len(need) == 4:
+            t, s, u = (0 if x == 0 else 1 << (x - 1).bit_length() for x in need[:3])
+            return (t, s, u, need[3])
         cap = -(-self.max_model_len // self.block_size) * (need[0] if need[1] == 1 else 1)
         b, q, nb = (1 << (x - 1).bit_length() for x in need)
         return (b, q, max(min(nb, cap), need[2]))

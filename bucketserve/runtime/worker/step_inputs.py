@@ -13,8 +13,11 @@ import torch
 from bucketserve.runtime.attention.metadata import AttentionGroup, AttentionMetadata
 from bucketserve.runtime.core.sequence import Sequence
 from bucketserve.runtime.worker.prompt_logprobs import PromptSpan, span_rows
+from bucketserve.runtime.worker.unified_attention import NOT_HELD
 
 Shape = tuple[int, int, int]  # (batch, query_len, num_blocks)
+# the unified strategy's (query tokens, shared blocks, unique blocks, is_causal)
+UnifiedShape = tuple[int, int, int, int]
 
 
 @dataclass
@@ -27,7 +30,7 @@ class StepInputs:
     metadata: AttentionMetadata | None
     num_seqs: int
     write_slots: torch.Tensor | None = None  # padded steps: padding writes the null block
-    flat: tuple[torch.Tensor, ...] | None = None  # a flat decode step's graph args
+    flat: tuple[torch.Tensor, ...] | None = None  # a flat decode (or unified) step's graph args
     # a padded rectangle as the CPU's varlen kernel reads it: its real tokens first (token
     # order), their query_start_loc and each row's context length
     varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -69,7 +72,9 @@ class InputBuilder:
         self.max_model_len = max_model_len
         self.device = device
 
-    def check_shape(self, shape: Sequence_[int]) -> Shape:
+    def check_shape(self, shape: Sequence_[int]) -> Shape | UnifiedShape:
+        if isinstance(shape, (tuple, list)) and len(shape) == 4:
+            return self._check_unified(shape)
         ok = (
             isinstance(shape, (tuple, list))
             and len(shape) == 3
@@ -85,6 +90,71 @@ class InputBuilder:
                 f"shape {tuple(shape)} has more blocks than max_model_len {self.max_model_len}"
             )
         return (int(shape[0]), int(shape[1]), int(shape[2]))
+
+    def _check_unified(self, shape: Sequence_[int]) -> UnifiedShape:
+        ints = all(isinstance(x, Integral) and not isinstance(x, bool) for x in shape)
+        if not ints or shape[0] < 1 or min(shape[1:3]) < 0 or shape[3] not in (0, 1):
+            raise ValueError(
+                "a unified shape is (query_len >= 1, shared_blocks >= 0, unique_blocks >= 0, "
+                f"is_causal 0 or 1), got {shape!r}"
+            )
+        return (int(shape[0]), int(shape[1]), int(shape[2]), int(shape[3]))
+
+    def unified_need(self, seqs: list[Sequence], num_new_tokens: list[int]) -> UnifiedShape:
+        """The unified shape a step fills exactly (`bucket_manager.unified_need`'s rules)."""
+        return _Context(seqs, num_new_tokens, self.block_size).need
+
+    def build_unified(
+        self, seqs: list[Sequence], num_new_tokens: list[int], pad_to: UnifiedShape
+    ) -> StepInputs:
+        """A validated step at `pad_to = (T, S, U, causal)`: its new tokens flat, then
+        padding tokens (written to the null block, each seeing itself alone); the shared
+        context blocks with, per token, where its row holds each (`shared_starts`); the
+        unique ones with the token that reads each; every row's last token for logits."""
+        ctx = _Context(seqs, num_new_tokens, self.block_size)
+        if any(have < want for have, want in zip(pad_to, ctx.need, strict=True)):
+            raise ValueError(f"pad_to {pad_to} is smaller than the step {ctx.need}")
+        tokens, num_shared, num_unique, _ = pad_to
+        b = _Batch(seqs, num_new_tokens, self.block_size)
+        bs, n = self.block_size, len(b.pos)
+        tables = np.full((b.n, int(b.nblocks.max(initial=0))), self.null_block, dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            tables[i, : b.nblocks[i]] = seq.block_table[: b.nblocks[i]]
+        input_ids = np.zeros(tokens, dtype=np.int64)
+        input_ids[:n] = b.token_ids()
+        positions = np.zeros(tokens, dtype=np.int64)
+        positions[:n] = b.pos
+        slots = np.full(tokens, self.null_block * bs, dtype=np.int64)
+        slots[:n] = tables[b.seq_idx, b.pos // bs] * bs + b.pos % bs
+        token_rows = np.full(tokens, -1, dtype=np.int64)
+        token_rows[:n] = b.seq_idx
+        context_ends = np.zeros(tokens, dtype=np.int64)
+        context_ends[:n] = b.starts[b.seq_idx]
+
+        shared = np.isin(ctx.blocks, ctx.shared)
+        at = np.searchsorted(ctx.shared, ctx.blocks[shared])
+        row_starts = np.full((b.n, num_shared), NOT_HELD, dtype=np.int64)
+        row_starts[ctx.rows[shared], at] = ctx.indices[shared] * bs
+        shared_blocks = np.full(num_shared, self.null_block, dtype=np.int64)
+        shared_blocks[: len(ctx.shared)] = ctx.shared
+        shared_starts = np.full((tokens, num_shared), NOT_HELD, dtype=np.int64)
+        shared_starts[:n] = row_starts[b.seq_idx]
+        first_token = np.cumsum(b.qlens) - b.qlens
+        at = np.searchsorted(ctx.unique, ctx.blocks[~shared])
+        unique_blocks = np.full(num_unique, self.null_block, dtype=np.int64)
+        unique_blocks[: len(ctx.unique)] = ctx.unique
+        unique_owners = np.zeros(num_unique, dtype=np.int64)
+        unique_owners[at] = first_token[ctx.rows[~shared]]  # a unique block's row: 1 token
+        unique_starts = np.full(num_unique, NOT_HELD, dtype=np.int64)
+        unique_starts[at] = ctx.indices[~shared] * bs
+        t = self.to_device
+        arrays = (
+            input_ids, positions, slots, token_rows, context_ends, shared_blocks, shared_starts,
+            unique_blocks, unique_owners, unique_starts,
+        )  # fmt: skip
+        flat = tuple(t(a) for a in arrays)
+        rows = t(first_token + b.qlens - 1)
+        return StepInputs(flat[0], flat[1], rows, None, b.n, flat[2], flat)
 
     def need(self, seqs: list[Sequence], num_new_tokens: list[int]) -> Shape:
         """The unpadded shape of a step: rows, longest chunk, widest block table (a decode
@@ -279,6 +349,30 @@ class InputBuilder:
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+
+class _Context:
+    """A step's context blocks (those holding a row's tokens before the step): per (row,
+    block index) pair its block, and the blocks two or more of the step's tokens read
+    (`shared`) or one does (`unique`), each sorted."""
+
+    def __init__(self, seqs: list[Sequence], num_new_tokens: list[int], block_size: int):
+        rows, indices, blocks = [], [], []
+        for i, seq in enumerate(seqs):
+            held = -(-seq.num_computed_tokens // block_size)
+            rows.extend([i] * held)
+            indices.extend(range(held))
+            blocks.extend(seq.block_table[:held])
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.blocks = np.asarray(blocks, dtype=np.int64)
+        counts = np.asarray(num_new_tokens, dtype=np.int64)
+        ids, where = np.unique(self.blocks, return_inverse=True)
+        readers = np.bincount(where, weights=counts[self.rows], minlength=len(ids))
+        self.shared = ids[readers > 1]
+        self.unique = ids[readers == 1]
+        causal = int(counts.max(initial=1) > 1)
+        self.need = (int(counts.sum()), len(self.shared), len(self.unique), causal)
 
 
 class _Batch:
