@@ -103,6 +103,18 @@ def test_reserve_prefix_counts_the_blocks_that_need_no_transfer():
     assert bm.num_free_blocks == 16
 
 
+def test_a_prefix_being_computed_is_waited_for_not_computed_twice():
+    bm = BlockManager(16, BS, enable_prefix_caching=True)
+    first = Sequence(list(range(10)))
+    bm.allocate(first)
+    bm.cache_computed(first, 10)  # scheduled, its step not run yet
+    second = Sequence([*range(8), 70, 71])
+    assert bm.waits_for(second) and bm.num_cached_tokens(second) == 0
+    first.num_computed_tokens = 10
+    bm.cache_computed(first)  # the step ran
+    assert not bm.waits_for(second) and bm.num_cached_tokens(second) == 8
+
+
 def test_reset_forgets_every_cached_block():
     bm = BlockManager(8, BS, enable_prefix_caching=True)
     bm.free(computed(bm, list(range(9))))
@@ -128,7 +140,16 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if not self.bm.can_allocate(seq):
             return
         self.bm.allocate(seq)
+        hits = seq.block_table[: seq.num_computed_tokens // BS]
+        assert not set(hits) & self.bm._pending  # never K/V a step has yet to write
         self.live.append(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def schedule(self, data):
+        """Its blocks named for a step that has not run yet (pending)."""
+        seq = data.draw(st.sampled_from(self.live))
+        self.bm.cache_computed(seq, len(seq))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), extra=st.integers(0, 5))

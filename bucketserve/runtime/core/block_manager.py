@@ -41,6 +41,7 @@ class BlockManager:
         # the prefix cache: hash -> block, and per cached block its (hash, parent block, tokens)
         self._cached: dict[BlockHash, int] = {}
         self._meta: dict[int, tuple[BlockHash, int, tuple[int, ...]]] = {}
+        self._pending: set[int] = set()  # named for a step not run yet: no K/V to read
         self.prefix_cache_queries = 0  # prompt tokens looked up, as vLLM counts them
         self.prefix_cache_hits = 0  # of those, tokens found cached
 
@@ -112,13 +113,20 @@ class BlockManager:
         """Grow the table so it covers every token of `seq`, including the one just appended."""
         self._grow(seq, self._shortfall(seq))
 
-    def cache_computed(self, seq: Sequence) -> None:
-        """Name the full blocks of `seq` whose K/V is now computed, so later sequences with the
-        same prefix reuse them. Call after `num_computed_tokens` grows."""
+    def cache_computed(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Name the full blocks of `seq`'s first `num_tokens` tokens (default: those computed),
+        so later sequences with the same prefix reuse them. The scheduler names them when it
+        schedules their step; until that step has run they are pending, and a sequence whose
+        prefix reaches one waits for it (`waits_for`) rather than compute it again."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
+        full = min(num_tokens // bs, len(seq.block_table))
+        done = seq.num_computed_tokens // bs
+        for block in seq.block_table[:min(done, full)]:
+            self._pending.discard(block)
+        self._pending.update(seq.block_table[done:full])
         hashes = block_hashes(seq.token_ids[: full * bs], bs, seq.block_hashes)
         parent = -1  # the cached block holding the prefix so far, verified
         for i in range(full):
@@ -219,7 +227,15 @@ class BlockManager:
         n = len(self._cached)
         self._cached.clear()
         self._meta.clear()
+        self._pending.clear()
         return n
+
+    def waits_for(self, seq: Sequence) -> bool:
+        """Whether `seq`'s cached prefix goes on in blocks a step in flight is computing:
+        admitted later, it finds them cached instead of computing them twice."""
+        return bool(self.enable_prefix_caching and self._pending) and self._walk(
+            seq.token_ids, seq.block_hashes
+        )[1]
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -241,6 +257,7 @@ class BlockManager:
         return blocks
 
     def _evict(self, block: int) -> None:
+        self._pending.discard(block)
         meta = self._meta.pop(block, None)
         if meta is not None and self._cached.get(meta[0]) == block:
             del self._cached[meta[0]]
@@ -256,6 +273,8 @@ class BlockManager:
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
                 self._free[block] = None
+                if block in self._pending:  # its step may never have run
+                    self._evict(block)
 
     def _hits(self, seq: Sequence) -> list[int]:
         if seq.sampling_params.prompt_logprobs is not None:
@@ -264,8 +283,12 @@ class BlockManager:
 
     def _hits_of(self, token_ids: Tokens[int], known: list[BlockHash]) -> list[int]:
         """The cached blocks holding `token_ids`' leading full blocks, all but its last token."""
+        return self._walk(token_ids, known)[0]
+
+    def _walk(self, token_ids: Tokens[int], known: list[BlockHash]) -> tuple[list[int], bool]:
+        """(the leading cached blocks with K/V, whether the walk stopped at a pending one)."""
         if not self.enable_prefix_caching or not self._cached:
-            return []
+            return [], False
         bs = self.block_size
         usable = (len(token_ids) - 1) // bs
         hashes = block_hashes(token_ids[: usable * bs], bs, known)
@@ -275,12 +298,14 @@ class BlockManager:
             block = self._cached.get(hashes[i])
             if block is None:
                 break
+            if block in self._pending:
+                return hits, True
             _, block_parent, tokens = self._meta[block]
             if block_parent != parent or tokens != tuple(token_ids[i * bs : (i + 1) * bs]):
                 break  # a hash collision: a different prefix
             hits.append(block)
             parent = block
-        return hits
+        return hits, False
 
     def _check_live(self, blocks: list[int], owner: str) -> None:
         counts: dict[int, int] = {}

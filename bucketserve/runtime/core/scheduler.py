@@ -340,6 +340,8 @@ class Scheduler:
                 if not slo.allows(seq, self.running, now, backlog):
                     return
             fresh = not seq.block_table and seq.num_computed_tokens == 0
+            if fresh and bm.waits_for(seq):
+                return  # its prefix is being computed: next step it is cached
             n = seq.num_uncomputed_tokens - (bm.num_cached_tokens(seq) if fresh else 0)
             if n > budget:
                 if not self.config.enable_chunked_prefill:
@@ -364,6 +366,7 @@ class Scheduler:
         self, out: SchedulerOutput, seq: Sequence, n: int, scheduled: set[int | str], now: float
     ) -> None:
         out.add(seq, n)
+        self.block_manager.cache_computed(seq, seq.num_computed_tokens + n)
         scheduled.add(seq.seq_id)
         self._in_flight.add(seq.seq_id)
         if seq.metrics.first_scheduled_time is None:
@@ -407,6 +410,7 @@ class Scheduler:
         """The microbatch `out` could not run: end its sequences with an error."""
         now = time.monotonic()
         failed = []
+        self.block_manager.reset_prefix_cache()  # blocks named for this step hold no K/V
         for seq in out.seqs:
             if self._land(seq):
                 continue
