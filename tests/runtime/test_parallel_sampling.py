@@ -76,7 +76,7 @@ def test_prompt_blocks_are_shared_by_reference_count(runner):
     assert len({parent.block_table[2], *tails}) == 3
     used_shared = 64 - engine.block_manager.num_free_blocks
 
-    separate = LLMEngine.from_kwargs(runner=runner)
+    separate = LLMEngine.from_kwargs(runner=runner, enable_prefix_caching=False)
     for _ in range(3):
         separate.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=6))
     separate.step()
