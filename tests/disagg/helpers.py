@@ -118,3 +118,20 @@ async def generate_signalling(controller: Any, work: list, first: asyncio.Event)
     return list(
         await asyncio.gather(watched(requests[0]), *(collect(controller, r) for r in requests[1:]))
     )
+
+
+async def generate_killing(controller: Any, work: list, role: str) -> list:
+    """`work`'s outputs, with worker `{role}-0` killed mid-request: a prefill worker while it
+    holds a batch, a decode worker once request 0 has streamed tokens."""
+    first = asyncio.Event()
+    run = asyncio.ensure_future(generate_signalling(controller, work, first))
+    if role == "prefill":
+        handle = controller.pool.by_name("prefill-0")
+        for _ in range(10_000):  # until it holds a batch
+            if handle.inflight:
+                break
+            await asyncio.sleep(0.001)
+    else:
+        await first.wait()
+    await controller.kill_worker(f"{role}-0")
+    return await run

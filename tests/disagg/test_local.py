@@ -21,7 +21,7 @@ from tests.disagg.helpers import (
     assert_drained,
     controller_config,
     generate,
-    generate_signalling,
+    generate_killing,
     serve_and_drain,
     small_batches,
     tokens,
@@ -163,18 +163,7 @@ def test_a_worker_killed_mid_request_is_restarted_and_nothing_is_lost(
     async def main() -> None:
         controller = await started(tiny_model_dir, buckets=small_batches())
         try:
-            first = asyncio.Event()
-            run = asyncio.ensure_future(generate_signalling(controller, long_work, first))
-            if role == "prefill":
-                handle = controller.pool.by_name("prefill-0")
-                for _ in range(10_000):  # until it holds a batch
-                    if handle.inflight:
-                        break
-                    await asyncio.sleep(0.001)
-            else:
-                await first.wait()
-            await controller.kill_worker(f"{role}-0")
-            assert tokens(await run) == long_reference
+            assert tokens(await generate_killing(controller, long_work, role)) == long_reference
             stats = await controller.drain(30)
         finally:
             await controller.shutdown()

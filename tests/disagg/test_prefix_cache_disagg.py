@@ -36,7 +36,7 @@ from tests.disagg.helpers import (
     assert_drained,
     controller_config,
     generate,
-    generate_signalling,
+    generate_killing,
     small_batches,
     tokens,
 )
@@ -406,18 +406,7 @@ def test_a_killed_worker_with_cached_prefixes_loses_no_token(tiny_model_dir: Pat
         await controller.start()
         try:
             assert tokens(await generate(controller, work, "warm")) == reference
-            first = asyncio.Event()
-            run = asyncio.ensure_future(generate_signalling(controller, work, first))
-            if role == "prefill":
-                handle = controller.pool.by_name("prefill-0")
-                for _ in range(10_000):  # until it holds a batch
-                    if handle.inflight:
-                        break
-                    await asyncio.sleep(0.001)
-            else:
-                await first.wait()
-            await controller.kill_worker(f"{role}-0")
-            assert tokens(await run) == reference
+            assert tokens(await generate_killing(controller, work, role)) == reference
             stats = await controller.drain(30)
         finally:
             await controller.shutdown()
