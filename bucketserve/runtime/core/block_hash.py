@@ -22,13 +22,20 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 
 
 def block_hashes(
-    token_ids: Sequence[int], block_size: int, known: list[BlockHash] | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    known: list[BlockHash] | None = None,
+    num_blocks: int | None = None,
 ) -> list[BlockHash]:
-    """The hashes of every full block of `token_ids`. `known`, the hashes of a leading part
-    computed before, is extended in place rather than recomputed, and returned."""
+    """The hashes of the full blocks of `token_ids` (at most `num_blocks` of them). `known`,
+    the hashes of a leading part computed before, is extended in place rather than
+    recomputed, and returned."""
     hashes = [] if known is None else known
+    full = len(token_ids) // block_size
+    if num_blocks is not None:
+        full = min(full, num_blocks)
     parent = hashes[-1] if hashes else ROOT_HASH
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
+    for i in range(len(hashes), full):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(parent)
     return hashes

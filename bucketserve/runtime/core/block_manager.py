@@ -127,7 +127,7 @@ class BlockManager:
         for block in seq.block_table[:min(done, full)]:
             self._pending.discard(block)
         self._pending.update(seq.block_table[done:full])
-        hashes = block_hashes(seq.token_ids[: full * bs], bs, seq.block_hashes)
+        hashes = block_hashes(seq.token_ids, bs, seq.block_hashes, full)
         parent = -1  # the cached block holding the prefix so far, verified
         for i in range(full):
             block = seq.block_table[i]
@@ -291,7 +291,7 @@ class BlockManager:
             return [], False
         bs = self.block_size
         usable = (len(token_ids) - 1) // bs
-        hashes = block_hashes(token_ids[: usable * bs], bs, known)
+        hashes = block_hashes(token_ids, bs, known, usable)
         hits: list[int] = []
         parent = -1
         for i in range(usable):
