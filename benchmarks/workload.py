@@ -41,7 +41,10 @@ def chat_prompts(n: int) -> list[str]:
 
 
 def encode_chats(tokenizer, messages: list[str]) -> list[list[int]]:
-    """Token ids of each message as a one-turn chat through the model's template."""
+    """Token ids of each message as a one-turn chat through the model's template; a base
+    model without one gets each message as plain text after its BOS."""
+    if not tokenizer.chat_template:
+        return [tokenizer.encode(m) for m in messages]
     return [
         tokenizer.encode(
             tokenizer.apply_chat_template([{"role": "user", "content": m}]),

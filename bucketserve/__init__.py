@@ -26,6 +26,7 @@ _EXPORTS = {
     "Client": "bucketserve.gateway.client",
     "AsyncClient": "bucketserve.gateway.async_client",
     "SamplingParams": "bucketserve.runtime.core.sampling_params",
+    "StructuredOutputsParams": "bucketserve.runtime.core.structured_outputs",
     "RetryPolicy": "bucketserve.gateway.retry_policy",
     "Chunk": "bucketserve.gateway.sdk_types",
     "Completion": "bucketserve.gateway.sdk_types",
@@ -61,6 +62,7 @@ __all__ = [
     "ResourceExhaustedError",
     "RetryPolicy",
     "SamplingParams",
+    "StructuredOutputsParams",
     "UnavailableError",
 ]
 
@@ -83,6 +85,7 @@ if TYPE_CHECKING:
     from bucketserve.gateway.retry_policy import RetryPolicy
     from bucketserve.gateway.sdk_types import Chunk, Completion, ModelInfo
     from bucketserve.runtime.core.sampling_params import SamplingParams
+    from bucketserve.runtime.core.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

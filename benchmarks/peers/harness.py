@@ -82,6 +82,7 @@ class Worker:
             text=True,
         )
         self.info = self._read()  # the worker answers once it is loaded
+        self.info["pss_mib"] = tree_pss_mib(self.proc.pid)
 
     def run(self, command: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None
@@ -105,6 +106,23 @@ class Worker:
 
 
 RESULT_MARK = "@@result "
+
+
+def tree_pss_mib(pid: int) -> float:
+    """Proportional resident memory of `pid` and every process below it (vLLM runs its
+    engine core in a child): shared library pages count once across the tree."""
+    pids, total_kib = [pid], 0
+    while pids:
+        current = pids.pop()
+        try:
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pids += [int(c) for c in (task / "children").read_text().split()]
+            for line in Path(f"/proc/{current}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total_kib += int(line.split()[1])
+        except OSError:
+            continue  # exited while we looked, or not ours to read
+    return total_kib / 1024
 
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]

@@ -29,8 +29,12 @@ Workloads:
   token, the cached ones included (as a user sees it). No FLOP ceiling: what is
   computed depends on the cache.
 
+Each system's resident memory once loaded and warmed up (PSS of its process tree, both
+with a 1 GiB KV pool) is in the table and the JSON.
+
     python -m benchmarks.peers.offline [--dtype float32] [--repeats 3] [--systems ...]
     python -m benchmarks.peers.offline --workloads prefix
+    python -m benchmarks.peers.offline --model <a .gguf or HF dir> --workloads chat,prefill
 """
 
 from __future__ import annotations
@@ -211,7 +215,8 @@ def summarize(
 def print_table(out: dict) -> None:
     print(f"\n{out['hardware']}; {out['args']['dtype']}, medians of {out['args']['repeats']}")
     for name, info in out["systems"].items():
-        print(f"  {name}: {info['version']}, loaded in {info['load_s']:.1f} s")
+        print(f"  {name}: {info['version']}, loaded in {info['load_s']:.1f} s, "
+              f"resident {info['pss_mib']:.0f} MiB")
     header = (f"{'workload':<9} {'metric':<15} {'system':<17} {'tok/s':>8} {'vs vLLM':>8} "
               f"{'identical':>10}")
     print(header + "\n" + "-" * len(header))
@@ -229,6 +234,9 @@ def print_table(out: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None,
+                        help="a .gguf or HF model dir (default: the embedded SmolLM2); both "
+                             "systems load bucketserve's safetensors conversion of it")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workloads", default="chat,prefill,prefix")
@@ -265,7 +273,7 @@ def main() -> None:
     from bucketserve.runtime.io.tokenizer import Tokenizer
     from bucketserve.runtime.io.weights import resolve_model
 
-    model_dir = resolve_model(None)
+    model_dir = resolve_model(args.model)
     config = ModelConfig.from_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     every = {

@@ -1,5 +1,5 @@
 """python -m benchmarks.simulator {roofline,calibrate,offline,online,overhead,scale,pipeline,
-prefix,all}
+prefix,tp,all}
 
 Each command prints its tables and writes DIR/<command>.json and PNG plots. The paper's
 experiments run on 4 simulated A100-40GB (Llama-2-13B, tensor parallel 2: one prefill and
@@ -27,11 +27,14 @@ from benchmarks.simulator.prefix import PREFIX_CLUSTER, PREFIX_WORKLOAD, prefix_
 from benchmarks.simulator.report import write_json
 from benchmarks.simulator.roofline_table import roofline_table, run_roofline_table
 from benchmarks.simulator.scale import run_scale, scale_table
+from benchmarks.simulator.tensor_parallel import run_tp, tp_table
 
 PAPER_CLUSTER = ClusterConfig(
     model="llama-2-13b", hardware="a100-40gb", link="nvlink3", num_prefill=1, num_decode=1, tp=2
 )
-COMMANDS = ("roofline", "calibrate", "offline", "online", "overhead", "scale", "pipeline", "prefix")
+COMMANDS = (
+    "roofline", "calibrate", "offline", "online", "overhead", "scale", "pipeline", "prefix", "tp"
+)  # fmt: skip
 
 
 def experiments(args: argparse.Namespace) -> dict[str, tuple[Callable, Callable, Callable]]:
@@ -84,6 +87,7 @@ def experiments(args: argparse.Namespace) -> dict[str, tuple[Callable, Callable,
             prefix_table,
             lambda result, out: [],
         ),
+        "tp": (lambda: run_tp(duration_s=args.duration), tp_table, lambda result, out: []),
     }
 
 

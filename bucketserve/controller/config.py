@@ -31,6 +31,9 @@ class PlacementConfig:
     actors, one card each, packed by a Ray placement group with `stage_packing` ("PACK":
     on one node where possible; "STRICT_PACK": only on one node) next to the worker's own
     actor, which holds the scheduler and no card.
+    `tensor_parallel_size` > 1 shards each layer of a worker over that many ranks, one card
+    (or `num_cpus`) each: a placement group of a bundle per rank (packed by
+    `stage_packing`), the worker's actor rank 0 in bundle 0, rank r a RankActor in bundle r.
     `execution` ("eager" | "graphs" | "auto") overrides the model runner's for this role.
     The config file's `controller.prefill` / `controller.decode` sections check the values.
     """
@@ -41,6 +44,7 @@ class PlacementConfig:
     torch_threads: int | None = None
     cpus: list[int] | None = None
     pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
     stage_packing: str = "PACK"
     execution: str | None = None
 
@@ -128,6 +132,18 @@ class ControllerConfig:
                 "stage i hands the KV of its layers to decode stage i, which must hold the "
                 "same layers"
             )
+        for role in ("decode",) if self.colocated else ("prefill", "decode"):
+            tp = self.placement(role).tensor_parallel_size
+            if tp > 1 and self.placement(role).pipeline_parallel_size > 1:
+                raise ValueError(
+                    f"controller.{role}: tensor_parallel_size and pipeline_parallel_size > 1 "
+                    "together are not supported yet; set one of them to 1"
+                )
+            if tp > 1 and not self.colocated:
+                raise ValueError(
+                    f"controller.{role}.tensor_parallel_size {tp} needs the sharded P->D "
+                    "handoff, not built yet; use shape 'colocated'"
+                )
         if self.transport == "collective" and max(prefill, decode) > 1:
             raise ValueError(
                 "transport 'collective' pairs whole workers on their devices; stage groups "

@@ -120,7 +120,7 @@ def describe_model(config: ControllerConfig) -> tuple[ModelInfo, BucketManagerCo
         max_model_len = ServiceLimits.max_model_len(config, model_config)
     except ValueError as exc:
         raise ValueError(f"max_model_len {exc}") from None
-    tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir, config.runner.chat_template)
     eos = {*model_config.eos_token_ids, tokenizer.eos_token_id} - {None}
     info = ModelInfo(
         name=config.runner.model or DEFAULT_MODEL,

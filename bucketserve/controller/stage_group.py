@@ -1,5 +1,6 @@
-"""Ray placement of one worker's stage group: a placement group of the worker's own bundle
-(its scheduler, no card) and one bundle per stage (one card each)."""
+"""Ray placement of one worker's stage group (a placement group of the worker's own bundle,
+its scheduler and no card, and one bundle per stage, one card each) or of its
+tensor-parallel ranks (one bundle per rank, one card each, the worker's actor rank 0)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,44 @@ class StageGroupPlacement:
             stage["runtime_env"] = self.options["runtime_env"]
         stage["placement_group"] = pg
         return pg, head, stage
+
+
+@dataclasses.dataclass
+class RankGroupPlacement:
+    """One worker's tensor-parallel ranks: `options` (`WorkerPool.actor_options`) are one
+    rank's; the worker's actor (rank 0) takes bundle 0, rank r's RankActor bundle r."""
+
+    options: dict[str, Any]
+    placement: PlacementConfig
+
+    @property
+    def size(self) -> int:
+        return self.placement.tensor_parallel_size
+
+    def rank_resources(self) -> dict[str, Any]:
+        return {k: v for k, v in self.options.items() if k in ("num_cpus", "num_gpus", "resources")}
+
+    def bundles(self) -> list[dict[str, float]]:
+        return [_bundle(self.rank_resources()) for _ in range(self.size)]
+
+    def feasibility_options(self) -> list[dict[str, Any]]:
+        return [self.rank_resources()] * self.size
+
+    def create(self) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """(placement group, the worker actor's options, each other rank's options)."""
+        from ray.util import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        pg = placement_group(self.bundles(), strategy=self.placement.stage_packing)
+        head = dict(self.options)
+        head["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0
+        )
+        rank = self.rank_resources()
+        if "runtime_env" in self.options:
+            rank["runtime_env"] = self.options["runtime_env"]
+        rank["placement_group"] = pg
+        return pg, head, rank
 
 
 def _bundle(resources: dict[str, Any]) -> dict[str, float]:

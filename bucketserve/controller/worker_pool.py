@@ -11,7 +11,8 @@ from typing import Any
 
 from bucketserve.bucket_manager.config import BucketManagerConfig
 from bucketserve.controller.config import ControllerConfig, PlacementConfig
-from bucketserve.controller.stage_group import StageGroupPlacement
+from bucketserve.controller.local_ray import start_local_ray
+from bucketserve.controller.stage_group import RankGroupPlacement, StageGroupPlacement
 from bucketserve.controller.worker_handle import (
     Failure,
     LocalWorkerHandle,
@@ -173,7 +174,12 @@ class WorkerPool:
     def decode_config(self, index: int) -> DecodeWorkerConfig:
         c = self.config
         return DecodeWorkerConfig(
-            engine=EngineConfig(c.role_runner("decode"), c.scheduler, c.pipeline_depth),
+            engine=EngineConfig(
+                c.role_runner("decode"),
+                c.scheduler,
+                c.pipeline_depth,
+                tensor_parallel_size=c.decode_placement.tensor_parallel_size,
+            ),
             **self._shared("decode", index),
             stall_timeout_s=c.worker_timeout_s,
             prefills=c.colocated,
@@ -239,16 +245,19 @@ class WorkerPool:
         from bucketserve.prefill_worker.prefill_worker import PrefillWorker
 
         if not ray.is_initialized():
-            kwargs = {"include_dashboard": False, **self.config.ray_init_kwargs}
             # A Ray this process starts runs its workers at nice 0, not Ray's 15: the
             # engine is the workload, and at 15 the gateway and Ray's daemons preempt it.
             # Cluster recipes set it on `ray start`.
             os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(address=self.config.ray_address, **kwargs)
+            if self.config.ray_address is None:
+                start_local_ray(**self.config.ray_init_kwargs)
+            else:
+                kwargs = {"include_dashboard": False, **self.config.ray_init_kwargs}
+                ray.init(address=self.config.ray_address, **kwargs)
             self._started_ray = True
         c = self.config
         groups = {
-            role: StageGroupPlacement(self.actor_options(role, placement), placement)
+            role: _group_placement(self.actor_options(role, placement), placement)
             for role, placement in (
                 ("prefill", c.prefill_placement), ("decode", c.decode_placement)
             )
@@ -259,7 +268,7 @@ class WorkerPool:
                 opts
                 for role, group in groups.items()
                 for opts in (
-                    group.feasibility_options() if group.num_stages > 1 else [group.options]
+                    group.feasibility_options() if _placement_group(group) else [group.options]
                 ) * counts[role]
             ]
             _check_feasible(wanted, ray.cluster_resources())
@@ -270,7 +279,7 @@ class WorkerPool:
             group = groups[role]
             for i in range(counts[role]):
                 config, options = configs[role](i), group.options
-                if group.num_stages > 1:  # one placement group per worker: head + stages
+                if _placement_group(group):  # one per worker: head + stages, or the ranks
                     pg, options, stage_options = group.create()
                     self._placement_groups.append(pg)
                     config = dataclasses.replace(config, stage_options=stage_options)
@@ -286,19 +295,12 @@ class WorkerPool:
         if accelerator == "auto":
             cluster = ray.cluster_resources()
             accelerator = "hpu" if cluster.get("HPU") else "gpu" if cluster.get("GPU") else "none"
-        resources = dict(placement.resources)
         options: dict[str, Any] = {
-            "num_cpus": placement.num_cpus,
+            **worker_resources(placement, accelerator),
             "max_restarts": self.config.max_restarts,
             "max_task_retries": 0,  # a crashed call is retried by the controller, not re-run
             "max_concurrency": ACTOR_CONCURRENCY,
         }
-        if accelerator == "hpu":
-            resources["HPU"] = 1
-        elif accelerator == "gpu":
-            options["num_gpus"] = 1
-        if resources:
-            options["resources"] = resources
         threads = self.config.torch_threads(role)
         if threads:
             options["runtime_env"] = {"env_vars": omp_env(threads, self.config.omp_spins(role))}
@@ -370,6 +372,36 @@ class WorkerPool:
             by_name[name].call("init_collective", host, port, specs, timeout_s)
             for name, specs in pairs.items()
         ))
+
+
+def _group_placement(
+    options: dict[str, Any], placement: PlacementConfig
+) -> StageGroupPlacement | RankGroupPlacement:
+    if placement.tensor_parallel_size > 1:
+        return RankGroupPlacement(options, placement)
+    return StageGroupPlacement(options, placement)
+
+
+def _placement_group(group: StageGroupPlacement | RankGroupPlacement) -> bool:
+    """Whether each worker of the group gets a placement group of its own."""
+    if isinstance(group, RankGroupPlacement):
+        return True
+    return group.num_stages > 1
+
+
+def worker_resources(placement: PlacementConfig, accelerator: str) -> dict[str, Any]:
+    """What one worker's actor (or one tensor-parallel rank's: the worker's placement group
+    has a bundle of these per rank, `RankGroupPlacement`) asks Ray for: a card
+    (`accelerator` "hpu" or "gpu", resolved) and `num_cpus`."""
+    out: dict[str, Any] = {"num_cpus": placement.num_cpus}
+    resources = dict(placement.resources)
+    if accelerator == "hpu":
+        resources["HPU"] = 1
+    elif accelerator == "gpu":
+        out["num_gpus"] = 1
+    if resources:
+        out["resources"] = resources
+    return out
 
 
 def _check_feasible(options: list[dict[str, Any]], cluster: dict[str, float]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -19,7 +20,7 @@ from bucketserve.kv_transfer.kv_format import KVBlockHandle
 from bucketserve.kv_transfer.lease import Lease, LeaseState, LeaseTable
 from bucketserve.kv_transfer.transport import KVTransport, TransferError
 from bucketserve.kv_worker.kv_worker import KVWorker
-from bucketserve.kv_worker.worker_env import pin_cpus
+from bucketserve.kv_worker.worker_env import in_ray_actor, pin_cpus
 from bucketserve.messages import (
     AdmitResult,
     Reservation,
@@ -33,6 +34,10 @@ from bucketserve.runtime.core.outputs import RequestOutput
 from bucketserve.runtime.core.sequence import Sequence as Seq
 from bucketserve.runtime.engine.llm_engine import LLMEngine
 from bucketserve.runtime.worker.model_runner import ModelRunnerConfig, Shape, UnifiedShape
+from bucketserve.runtime.worker.tensor_parallel.tp_runner import (
+    RankDeadError,
+    TensorParallelRunner,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,6 +104,7 @@ class DecodeWorker(KVWorker):
             config.cpus,
             config.pipeline_parallel_size,
             config.stage_options,
+            config.engine.tensor_parallel_size,
         )
         scheduler = dataclasses.replace(
             config.engine.scheduler,
@@ -106,7 +112,7 @@ class DecodeWorker(KVWorker):
             and config.engine.scheduler.enable_prefix_caching,
         )
         engine_config = dataclasses.replace(
-            config.engine, runner=ModelRunnerConfig(), scheduler=scheduler
+            config.engine, runner=ModelRunnerConfig(), scheduler=scheduler, tensor_parallel_size=1
         )
         self.engine = LLMEngine(engine_config, self.runner, pad_fn=self._pad_to, detokenize=False)
         self.block_manager = self.engine.block_manager
@@ -352,6 +358,8 @@ class DecodeWorker(KVWorker):
         self._wake.set()
         self._thread.join(timeout=30)
         self.engine.close()
+        if isinstance(self.runner, TensorParallelRunner):  # the engine does not own it
+            self.runner.shutdown()
         with self.engine.lock:
             self.leases.release_all()
 
@@ -393,6 +401,7 @@ class DecodeWorker(KVWorker):
                 self._step_started = time.monotonic()
                 outputs = self.engine.step()
                 self._step_started = None
+                self._check_ranks(outputs)
                 if outputs:
                     self._publish(outputs)
                 elif not self.engine.executor.num_in_flight:
@@ -400,6 +409,25 @@ class DecodeWorker(KVWorker):
         except Exception as exc:
             logger.exception("%s: decode loop failed", self.name)
             self._failure = f"{self.name}: decode loop failed: {exc!r}"
+
+    def _check_ranks(self, outputs: list[RequestOutput]) -> None:
+        """A step that failed on a tensor-parallel group fails the worker instead of its
+        requests: a dead rank (or ranks out of step after an error) cannot run another,
+        and the controller re-prefills the requests on the revived worker with every rank.
+        In a Ray actor the process exits, as a stage group's head does, so Ray's restart
+        is under way before the controller next calls it."""
+        if not isinstance(self.runner, TensorParallelRunner):
+            return
+        failed = any(c.finish_reason == "error" for o in outputs for c in o.outputs or [o])
+        if self.runner.alive() and not failed:
+            return
+        gone = "a rank is gone" if not self.runner.alive() else "the ranks are out of step"
+        error = RankDeadError(f"a tensor-parallel step failed: {gone}")
+        if in_ray_actor():
+            logger.error("%s: %s; the worker goes down with it", self.name, error)
+            logging.shutdown()
+            os._exit(1)
+        raise error
 
     def _hold(self) -> bool:
         """Wait (up to 50 ms, or until called) while pacing lets the next step wait;

@@ -26,6 +26,17 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--http-port", type=int, help=f"HTTP port ({DEFAULT_HTTP_PORT})")
     serve.add_argument("--host", help="address to bind (127.0.0.1; 0.0.0.0 for a network)")
     serve.add_argument("--model", help="HF model dir or .gguf file (default: embedded SmolLM2)")
+    serve.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template for chat requests (default: the model's own; a base model "
+        "has none)",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        help="read tool calls out of the model's text for tool_choice auto (default: none)",
+    )
     serve.add_argument("--ray-address", help="join this Ray cluster ('auto' finds it)")
     serve.add_argument(
         "--local", action="store_true", help="all workers in this process, without Ray"

@@ -42,6 +42,7 @@ from bucketserve.deploy.serve_settings import (
 from bucketserve.gateway.gateway_config import GatewayConfig
 from bucketserve.gateway.tenant_registry import TenantRegistry
 from bucketserve.runtime.core.scheduler import SchedulerConfig
+from bucketserve.runtime.io.tokenizer import load_chat_template
 from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 from bucketserve.utils.settings import SettingsError
 
@@ -106,7 +107,9 @@ class ServeConfig:
         runner = _runner(s)
         config = cls(
             source=source,
-            gateway=GatewayConfig(**s.gateway.model_dump()),
+            gateway=GatewayConfig(
+                **s.gateway.model_dump(), tool_call_parser=s.model.tool_call_parser
+            ),
             tenants=tenants,
             controller=_controller(s, runner),
             request_buckets=RequestBucketConfig(
@@ -167,18 +170,20 @@ class ServeConfig:
         return c.prefill_placement if role == "prefill" else c.decode_placement
 
     def actor_resources(self, role: str) -> dict[str, float]:
-        """What one actor of `role` asks Ray for, as Launcher.actor_options does; `auto` picks
-        the card kind cluster.resources names (HPU before GPU)."""
+        """What one worker of `role` asks Ray for (its tensor-parallel ranks together), as
+        WorkerPool.actor_options does; `auto` picks the card kind cluster.resources names
+        (HPU before GPU)."""
         placement = self.placement(role)
         accelerator = placement.accelerator
         if accelerator == "auto":
             have = self.cluster_resources
             accelerator = "hpu" if have.get("HPU") else "gpu" if have.get("GPU") else "none"
-        asks: dict[str, float] = {"CPU": placement.num_cpus, **placement.resources}
+        ranks = placement.tensor_parallel_size
+        asks: dict[str, float] = {"CPU": placement.num_cpus * ranks, **placement.resources}
         if accelerator == "hpu":
-            asks["HPU"] = 1
+            asks["HPU"] = ranks
         elif accelerator == "gpu":
-            asks["GPU"] = 1
+            asks["GPU"] = ranks
         return {k: v for k, v in asks.items() if v}
 
     def model_is_local(self) -> bool:
@@ -214,11 +219,24 @@ class ServeConfig:
             model = _model_config(self.controller.runner.model, convert)
         except ValueError as exc:
             raise self._error("model.path", str(exc)) from None
+        self._check_tensor_parallel(model)
         try:
             return ServiceLimits.max_model_len(self.controller, model)
         except ValueError as exc:
             key = "buckets.max_len" if self.max_len is not None else "model.max_model_len"
             raise self._error(key, str(exc)) from None
+
+    def _check_tensor_parallel(self, model: Any) -> None:
+        """The runtime's refusal of a model whose heads do not split over a role's ranks,
+        at start rather than in each worker's model load."""
+        from bucketserve.runtime.models.causal_lm import check_tensor_parallel
+
+        roles = ("decode",) if self.controller.colocated else ("prefill", "decode")
+        for role in roles:
+            try:
+                check_tensor_parallel(model, self.placement(role).tensor_parallel_size)
+            except ValueError as exc:
+                raise self._error(f"controller.{role}.tensor_parallel_size", str(exc)) from None
 
     def _error(self, path: str, message: str) -> ServeConfigError:
         return ServeConfigError(path, message, self.flags.get(path, self.source))
@@ -283,6 +301,7 @@ def _runner(s: ServeSettings) -> ModelRunnerConfig:
         max_model_len=s.buckets.max_len or m.max_model_len,  # L_max bounds the longest request
         seed=m.seed,
         execution=m.execution,
+        chat_template=m.chat_template and load_chat_template(m.chat_template),
     )
 
 

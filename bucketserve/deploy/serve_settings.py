@@ -17,6 +17,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from bucketserve.gateway.gateway_config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
 from bucketserve.gateway.tenant_spec import TenantSettings
+from bucketserve.runtime.core.sampling_params import MAX_LOGPROBS, MAX_N
 from bucketserve.utils.settings import Settings, SettingsError
 
 DEVICES = ("auto", "cpu", "cuda", "cuda:<i>", "hpu")
@@ -36,6 +37,14 @@ def _core_ids(cpus: list[int] | None) -> list[int] | None:
     return cpus
 
 
+def _chat_template(template: str | None) -> str | None:
+    if template is None or "{{" in template or "{%" in template:
+        return template
+    if not Path(template).expanduser().is_file():
+        raise ValueError(f"{template} is not a file (nor a Jinja template)")
+    return template
+
+
 class ModelSettings(Settings):
     path: str | None = None
     """HF model directory or .gguf file (on the head node); null: the embedded
@@ -53,6 +62,13 @@ class ModelSettings(Settings):
     execution: Execution = "auto"
     """eager: each step as it comes; graphs: one compiled graph per shape bucket, compiled
     at warm-up; auto: graphs on hpu and cuda, eager on cpu."""
+    chat_template: Annotated[str | None, AfterValidator(_chat_template)] = None
+    """Jinja chat template file (or the template itself) for chat requests, replacing the
+    model's; null: the model's own. A base model has none: its chat requests get a 400."""
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    """How tool calls are read out of the model's text for tool_choice auto: hermes
+    (<tool_call>{...}</tool_call>, Qwen / Hermes templates), llama3_json (a bare
+    {"name", "parameters"} object); null: no parser, and tool_choice auto gets a 400."""
 
 
 class KVCacheSettings(Settings):
@@ -89,9 +105,13 @@ class PlacementSettings(Settings):
     machine."""
     pipeline_parallel_size: int = Field(1, ge=1)
     """Pipeline stages per worker: a group of that many stage actors, one card each."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Ranks per worker, each layer sharded over them: a Ray actor per rank, one card each,
+    in one placement group (packed as stage_packing says); > 1 needs the colocated shape
+    and pipeline_parallel_size 1."""
     stage_packing: Literal["PACK", "STRICT_PACK"] = "PACK"
-    """How a worker's stage actors are placed: PACK (one node where possible) or
-    STRICT_PACK (only on one node)."""
+    """How a worker's stage actors (or tensor-parallel ranks) are placed: PACK (one node
+    where possible) or STRICT_PACK (only on one node)."""
     execution: Execution | None = None
     """eager, graphs or auto for this role; null: model.execution."""
 
@@ -175,6 +195,27 @@ class ControllerSettings(Settings):
                 "mode 'local' runs every worker in this process without Ray; remove "
                 "ray_address or set controller.mode to 'ray'",
             )
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel(self) -> ControllerSettings:
+        roles = ("decode",) if self.shape == "colocated" else ("prefill", "decode")
+        for role in roles:
+            settings = getattr(self, role)
+            tp, pp = settings.tensor_parallel_size, settings.pipeline_parallel_size
+            if tp > 1 and pp > 1:
+                raise SettingsError(
+                    f"{role}.tensor_parallel_size",
+                    f"tensor_parallel_size {tp} with pipeline_parallel_size {pp}: one worker "
+                    "runs either ranks or stages, not both yet; set one of them to 1",
+                )
+            if tp > 1 and self.shape == "disaggregated":
+                raise SettingsError(
+                    f"{role}.tensor_parallel_size",
+                    f"controller.{role}.tensor_parallel_size {tp} needs the sharded P->D "
+                    "handoff (each rank's KV to the matching decode rank), not built yet; "
+                    "use controller.shape: colocated, or tensor_parallel_size 1",
+                )
         return self
 
 
@@ -270,8 +311,9 @@ class GatewaySettings(Settings):
     """PEM certificate; TLS when given with tls_key_file."""
     tls_key_file: str | None = None
     """PEM private key."""
-    max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024)
-    """Largest gRPC message."""
+    max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    """Largest gRPC message or HTTP body, refused before it is parsed (gRPC
+    RESOURCE_EXHAUSTED, HTTP 413)."""
     keepalive_time_s: float = Field(30.0, ge=1)
     """gRPC keepalive ping interval."""
     keepalive_timeout_s: float = Field(10.0, ge=0.1)
@@ -286,6 +328,27 @@ class GatewaySettings(Settings):
     """Total length of a request's stop strings, in characters."""
     max_stop_token_ids: int = Field(256, ge=0)
     """Stop token ids per request."""
+    max_prompt_chars: int = Field(1_000_000, ge=1)
+    """Characters of text one request has tokenized (a prompt, a chat's message contents
+    together, a /tokenize input), refused before tokenizing."""
+    max_chat_messages: int = Field(4096, ge=1)
+    """Messages of one chat request (and text parts of one message's content)."""
+    max_logit_bias: int = Field(1024, ge=0)
+    """Entries of one request's logit_bias."""
+    max_logprobs: int = Field(MAX_LOGPROBS, ge=0, le=MAX_LOGPROBS)
+    """Top logprobs per token a request may ask for (logprobs, top_logprobs,
+    prompt_logprobs; vLLM's max_logprobs)."""
+    max_n: int = Field(MAX_N, ge=1, le=MAX_N)
+    """Samples (choices) of one request."""
+    grpc_stream_idle_timeout_s: float | None = Field(60.0, gt=0)
+    """A gRPC response the client has not taken after this long (it stopped reading) ends
+    the stream and aborts the request, freeing its tenant's concurrency slot, deadline or
+    not; null: a stalled client may hold it forever."""
+    metrics_auth: bool = False
+    """/metrics needs one of the tenants' keys (`authorization: Bearer <key>`), as
+    generation does. Off by default: the keyless embedded default has no key to give. With
+    tenants configured /metrics names them and their usage: turn it on once the HTTP port
+    is reachable beyond the machine (the gateway warns at start when it is not)."""
     tokenizer_threads: int = Field(2, ge=1)
     """Threads that tokenize and render chat templates, off the event loop."""
     log_prompts: bool = False

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from typing import Any
 
 from bucketserve.controller.config import ControllerConfig
 from bucketserve.controller.controller import Controller
+from bucketserve.deploy.listener_audit import ListenerAudit
 from bucketserve.deploy.serve_config import ServeConfig
 from bucketserve.gateway.gateway_config import GatewayConfig
 from bucketserve.gateway.server import GatewayServer
@@ -47,6 +49,7 @@ class ServiceRunner:
         except BaseException:
             await controller.shutdown()
             raise
+        await asyncio.to_thread(self.audit_listeners, server)
         print(banner(server), flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -65,6 +68,14 @@ class ServiceRunner:
         say(f"stopped: {running - cancelled} running requests finished, {cancelled} cancelled")
         return 0
 
+    def audit_listeners(self, server: GatewayServer) -> None:
+        """Log what listens beyond loopback that the config did not ask for (the gateway's
+        two ports are asked for, whatever host they bind)."""
+        pid = os.getpid()
+        ports = [server.grpc.port] + ([server.http.port] if server.http is not None else [])
+        cluster = self.controller_config.ray_address is not None
+        ListenerAudit((pid, port) for port in ports).report(cluster)
+
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
     """{config key path: (value, flag)} for the `serve` flags given."""
@@ -73,12 +84,14 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
         "http_port": ("gateway.http_port", "--http-port"),
         "host": ("gateway.host", "--host"),
         "model": ("model.path", "--model"),
+        "chat_template": ("model.chat_template", "--chat-template"),
+        "tool_call_parser": ("model.tool_call_parser", "--tool-call-parser"),
         "ray_address": ("controller.ray_address", "--ray-address"),
     }
     overrides = {
         path: (getattr(args, name), flag)
         for name, (path, flag) in flags.items()
-        if getattr(args, name) is not None
+        if getattr(args, name, None) is not None
     }
     if args.local:
         overrides["controller.mode"] = ("local", "--local")

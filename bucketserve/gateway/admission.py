@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -24,24 +25,29 @@ from bucketserve.gateway.gateway_config import GatewayConfig
 from bucketserve.gateway.generate_input import GenerateInput
 from bucketserve.gateway.generation import Generation
 from bucketserve.gateway.metrics import GatewayMetrics
+from bucketserve.gateway.request_limits import RequestLimits, priority
 from bucketserve.gateway.tenant_registry import TenantRegistry
 from bucketserve.gateway.tenant_spec import TenantSpec
 from bucketserve.messages import ServeRequest
+from bucketserve.runtime.core.grammar_compiler import validate_structured_outputs
 from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.core.structured_outputs import StructuredOutputsParams
 
 T = TypeVar("T")
 Prompt = tuple[list[int], str | None]  # token ids, and the text they came from
 MAX_REQUEST_ID_LEN = 128
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_STRUCTURED_FIELD = re.compile(r"^structured_outputs(\.\w+)?")
 
 
 class Admission:
     """Authenticates, validates, tokenizes, checks limits and the tenant's quota, then
     submits to the backend. Every refusal raises a BucketServeError and leaves no state:
     no quota taken, nothing queued. `running` maps request ids to their Generation.
-    Tokenization and chat templates run in a thread pool, so a huge prompt never stalls
-    the event loop every stream shares."""
+    Every list a request carries is counted against `limits` before any element is looked
+    at, and a text is measured before it is tokenized; tokenization and chat templates run
+    in a thread pool, so a long prompt never stalls the event loop every stream shares."""
 
     def __init__(
         self,
@@ -69,6 +75,9 @@ class Admission:
         needs no tokenizer: it is admitted without leaving the event loop."""
         try:
             self._open(api_key)
+            priority(inp.priority)  # cheap checks before any tokenizing
+            if inp.sampling.get("structured_outputs") is not None:
+                await self._structured(inp)
             if inp.prompt_token_ids is not None and inp.prompt is None and inp.messages is None:
                 prompt = self._prompt(inp)
             else:
@@ -77,6 +86,31 @@ class Admission:
         except BucketServeError as exc:
             self.metrics.record_rejection(exc.code.name)
             raise
+
+    async def _structured(self, inp: GenerateInput) -> None:
+        """The request's output constraint, compiled in the pool (cached by spec); a
+        schema, regex or grammar that does not compile is a 400 naming the field it came
+        in."""
+        spec = inp.sampling["structured_outputs"]
+        try:
+            if isinstance(spec, dict):
+                spec = StructuredOutputsParams(**spec)
+            elif not isinstance(spec, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be an object, got {spec!r}")
+            await self.off_loop(validate_structured_outputs, spec)
+        except (TypeError, ValueError) as exc:
+            message, name = str(exc), inp.structured_name
+            if name != "structured_outputs":  # named as the request named it
+                message = _STRUCTURED_FIELD.sub(name, message, count=1)
+            if not message.startswith(name):
+                message = f"{name}: {message}"
+            raise InvalidArgumentError(message) from None
+        inp.sampling["structured_outputs"] = spec
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What one request may carry, as of now (the longest prompt is the model's)."""
+        return RequestLimits(self.config, self.model.max_prompt_len, self.max_model_len)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` in the tokenizer pool."""
@@ -158,7 +192,7 @@ class Admission:
     def _build(self, inp: GenerateInput, prompt: Prompt, tenant: TenantSpec) -> ServeRequest:
         token_ids, text = prompt
         n = len(token_ids)
-        self._check_prompt_len(n)
+        self.limits.prompt_tokens(n)
         params = self._sampling(inp.sampling, self.max_model_len - n)
         if n + params.max_tokens > self.max_model_len:
             raise InvalidArgumentError(
@@ -171,19 +205,11 @@ class Admission:
             prompt_token_ids=token_ids,
             sampling_params=params,
             tenant=tenant.name,
-            priority=_integer("priority", inp.priority),
+            priority=priority(inp.priority),
             prompt_text=text,
             slo_ttft_s=_positive("ttft_slo_s", inp.slo_ttft_s),
             slo_tpot_s=_positive("tpot_slo_s", inp.slo_tpot_s),
         )
-
-    def _check_prompt_len(self, n: int) -> None:
-        longest = self.model.max_prompt_len
-        if n > longest:
-            raise InvalidArgumentError(
-                f"the prompt has {n} tokens but this service admits at most {longest} "
-                f"(the model's max_model_len is {self.max_model_len}); shorten the prompt"
-            )
 
     def _prompt(self, inp: GenerateInput) -> Prompt:
         given = [x is not None for x in (inp.prompt, inp.prompt_token_ids, inp.messages)]
@@ -193,28 +219,36 @@ class Admission:
             )
         if inp.prompt_token_ids is not None:
             if isinstance(inp.prompt_token_ids, (list, tuple)):  # the count before each id
-                self._check_prompt_len(len(inp.prompt_token_ids))
+                self.limits.prompt_tokens(len(inp.prompt_token_ids))
             return self.token_ids("prompt token ids", inp.prompt_token_ids), None
         if inp.messages is not None:
-            text = self.chat_prompt(inp.messages)
+            text = self.chat_prompt(inp.messages, inp.tools)
             return self.tokenizer.encode(text, add_special_tokens=False), text
         if not isinstance(inp.prompt, str) or not inp.prompt:
             raise InvalidArgumentError("the prompt is empty; send some text")
+        self.limits.prompt_chars("prompt", len(inp.prompt))
         token_ids = self.tokenizer.encode(inp.prompt)
         if not token_ids:
             raise InvalidArgumentError("the prompt encodes to no tokens; send some text")
         return token_ids, inp.prompt
 
-    def chat_prompt(self, messages: Any) -> str:
+    def chat_prompt(self, messages: Any, tools: list[dict[str, Any]] | None = None) -> str:
         if not isinstance(messages, list) or not messages:
             raise InvalidArgumentError("messages is empty; send at least one message")
+        self.limits.chat_messages(len(messages))
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
                 raise InvalidArgumentError(f"messages[{i}].role must be one of {CHAT_ROLES}")
-            if not isinstance(m.get("content"), str):
+            calls = m.get("role") == "assistant" and m.get("tool_calls")
+            content = m.get("content")
+            if not isinstance(content, str) and not (calls and content is None):
                 raise InvalidArgumentError(f"messages[{i}].content must be a string")
+        self.limits.chat_contents(messages)
+        extra = {} if tools is None else {"tools": tools}
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, **extra
+            )
         except ValueError as exc:
             raise InvalidArgumentError(f"messages: {exc}") from exc
 
@@ -236,12 +270,7 @@ class Admission:
             )
         kwargs = {k: v for k, v in sampling.items() if v is not None}
         kwargs.setdefault("max_tokens", room)
-        stop_ids, most = kwargs.get("stop_token_ids"), self.config.max_stop_token_ids
-        if isinstance(stop_ids, (list, tuple)) and len(stop_ids) > most:  # before each id
-            raise InvalidArgumentError(
-                f"stop_token_ids has {len(stop_ids)} ids; this server takes at most {most} "
-                "(gateway.max_stop_token_ids)"
-            )
+        self.limits.sampling(kwargs)  # every list counted before any element is checked
         for name in ("temperature", "top_p"):
             if name in kwargs and not _is_real(kwargs[name]):
                 raise InvalidArgumentError(f"{name} must be a number, got {kwargs[name]!r}")
@@ -251,22 +280,13 @@ class Admission:
             raise InvalidArgumentError(str(exc)) from exc
         if params.stop_token_ids:
             self.token_ids("stop_token_ids", params.stop_token_ids)
-        self._check_stop(params.stop)
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise InvalidArgumentError(
+                f"logit_bias names token {max(params.logit_bias)}, outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
+        self.limits.stop(params.stop)  # a lone string became a list
         return params
-
-    def _check_stop(self, stop: list[str]) -> None:
-        """Matching costs work per output token in proportion to the stop strings."""
-        most, chars = self.config.max_stop_strings, sum(len(s) for s in stop)
-        if len(stop) > most:
-            raise InvalidArgumentError(
-                f"stop has {len(stop)} strings; this server takes at most {most} "
-                "(gateway.max_stop_strings)"
-            )
-        if chars > self.config.max_stop_chars:
-            raise InvalidArgumentError(
-                f"stop strings are {chars} characters in all; this server takes at most "
-                f"{self.config.max_stop_chars} (gateway.max_stop_chars)"
-            )
 
     def _request_id(self, request_id: str | None) -> str:
         if not request_id:
@@ -293,12 +313,6 @@ def _is_int(value: Any) -> bool:
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _integer(name: str, value: Any) -> int:
-    if not _is_int(value):
-        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
-    return int(value)
 
 
 def _positive(name: str, value: Any) -> float | None:

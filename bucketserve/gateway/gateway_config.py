@@ -26,6 +26,15 @@ class GatewayConfig:
     None: no bound); gRPC callers set their own deadline. `max_stop_strings` and
     `max_stop_chars` bound a request's stop strings, whose matching costs work on every
     token, and `max_stop_token_ids` its stop token ids, checked on every token too.
+    `max_prompt_chars` bounds the text tokenized for one request (a prompt, a chat's
+    contents, a /tokenize input), `max_chat_messages` a chat's messages, `max_logit_bias`
+    the entries of a logit_bias, `max_logprobs` the top logprobs per token and `max_n` the
+    samples of one request; every list is counted
+    before any of its elements is looked at (`RequestLimits`).
+    `grpc_stream_idle_timeout_s`: a gRPC response the client has not taken after this long
+    (it stopped reading) ends its stream and aborts the request, so a stalled client holds no
+    concurrency slot (None: it may wait forever). `metrics_auth`: /metrics needs a tenant's
+    key, as generation does.
     `tokenizer_threads` tokenize and render chat templates off the event loop.
     `log_prompts` puts prompt text in the access log (off: it may be private).
     Built from the config file's `gateway` section, which checks the values
@@ -38,7 +47,7 @@ class GatewayConfig:
     served_model_name: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
-    max_message_bytes: int = 16 * 1024 * 1024
+    max_message_bytes: int = 4 * 1024 * 1024
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
     drain_timeout_s: float = 30.0
@@ -46,8 +55,16 @@ class GatewayConfig:
     max_stop_strings: int = 64
     max_stop_chars: int = 4096
     max_stop_token_ids: int = 256
+    max_prompt_chars: int = 1_000_000
+    max_chat_messages: int = 4096
+    max_logit_bias: int = 1024
+    max_logprobs: int = 20
+    max_n: int = 16
+    grpc_stream_idle_timeout_s: float | None = 60.0
+    metrics_auth: bool = False
     tokenizer_threads: int = 2
     log_prompts: bool = False
+    tool_call_parser: str | None = None  # model.tool_call_parser: reads calls for tool_choice auto
 
     @property
     def tls(self) -> bool:

@@ -20,3 +20,5 @@ class GenerateInput:
     priority: int = 0
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    tools: list[dict[str, Any]] | None = None  # chat: rendered by the template (HF's `tools`)
+    structured_name: str = "structured_outputs"  # the field a constraint came in, for errors

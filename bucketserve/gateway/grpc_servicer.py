@@ -22,11 +22,13 @@ from bucketserve.gateway.generation import Generation
 from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2 as pb
 from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2_grpc as pb_grpc
 from bucketserve.gateway.proto_codec import delta_to_response, request_to_input, unknown_fields
+from bucketserve.gateway.request_limits import RequestLimits
 from bucketserve.gateway.rich_status import status_trailers
 from bucketserve.gateway.tenant_registry import parse_bearer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+STATUS_WAIT_S = 1.0  # how long an error status may wait to go out before the handler ends
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -50,6 +52,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.access_log.record("grpc Generate", status, started, tenant, gen)
 
     async def _run(self, gen: Generation, stream: bool, context: Any) -> None:
+        """The request's responses within the client's deadline; the request is closed
+        before any error status goes out (a status waits behind the responses a stalled
+        client has not taken)."""
         try:
             await asyncio.wait_for(self._stream(gen, stream, context), context.time_remaining())
         except TimeoutError:
@@ -57,6 +62,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 f"the deadline passed after {gen.num_output_tokens} tokens and the request "
                 "was aborted; raise the client's timeout or lower max_tokens"
             ) from None
+        finally:
+            await gen.close()
 
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
         async def abort() -> pb.AbortResponse:
@@ -83,11 +90,32 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return await _guard(context, info)
 
     async def _admit(self, request: pb.GenerateRequest, context: Any) -> Generation:
-        _check_known(request)
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             raise DeadlineExceededError("the deadline passed before the request was admitted")
-        return await self.admission.admit(request_to_input(request), _api_key(context))
+        api_key = _api_key(context)
+        self.admission.tenant(api_key)  # who asks, before their request is looked at
+        try:
+            _check_sizes(request, self.admission.limits)
+        except BucketServeError as exc:
+            self.admission.metrics.record_rejection(exc.code.name)
+            raise
+        _check_known(request)
+        return await self.admission.admit(request_to_input(request), api_key)
+
+    async def _write(self, gen: Generation, response: pb.GenerateResponse, context: Any) -> None:
+        """One response, which the client must take within gateway.grpc_stream_idle_timeout_s
+        (HTTP/2 flow control holds it back while the client reads nothing)."""
+        idle_s = self.admission.config.grpc_stream_idle_timeout_s
+        try:
+            async with asyncio.timeout(idle_s):
+                await context.write(response)
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"the client read nothing for {idle_s:g}s (gateway.grpc_stream_idle_timeout_s) "
+                f"and the request was aborted after {gen.num_output_tokens} tokens; read the "
+                "stream as it comes"
+            ) from None
 
     async def _stream(self, gen: Generation, stream: bool, context: Any) -> None:
         """Each delta as it comes, or (stream=false) one message per sample with its whole
@@ -99,7 +127,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         async for delta in gen:
             response = delta_to_response(delta, gen.cancel_reason)
             if stream:
-                await context.write(response)
+                await self._write(gen, response, context)
                 continue
             whole = wholes[delta.index]
             whole.token_ids.extend(response.token_ids)
@@ -111,14 +139,28 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if response.HasField("final"):
                 last = wholes.pop(delta.index)
                 for other in wholes:
-                    await context.write(other)
+                    await self._write(gen, other, context)
                 last.final.CopyFrom(response.final)
-                await context.write(last)
+                await self._write(gen, last, context)
 
 
 def _api_key(context: Any) -> str | None:
     metadata = dict(context.invocation_metadata() or ())
     return parse_bearer(metadata.get("authorization"))
+
+
+def _check_sizes(request: pb.GenerateRequest, limits: RequestLimits) -> None:
+    """Every list the request carries, counted before any element is read."""
+    kind = request.WhichOneof("prompt")
+    if kind == "token_ids":
+        limits.prompt_tokens(len(request.token_ids.ids))
+    elif kind == "text":
+        limits.prompt_chars("prompt", len(request.text))
+    elif kind == "chat":
+        limits.chat_messages(len(request.chat.messages))
+    params = request.sampling_params
+    limits.stop_token_ids(len(params.stop_token_ids))
+    limits.stop_count(len(params.stop))
 
 
 def _check_known(request: Any) -> None:
@@ -142,4 +184,12 @@ async def _guard(context: Any, call: Callable[[], Awaitable[T]]) -> T:
 
 
 async def _fail(context: Any, error: BucketServeError) -> NoReturn:
-    await context.abort(error.code, error.message, trailing_metadata=status_trailers(error))
+    try:
+        async with asyncio.timeout(STATUS_WAIT_S):
+            await context.abort(
+                error.code, error.message, trailing_metadata=status_trailers(error)
+            )
+    except TimeoutError:
+        # queued behind responses a stalled client has not read: it gets the status when it
+        # reads on, and this handler need not wait for that
+        raise asyncio.CancelledError from None

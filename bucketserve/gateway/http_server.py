@@ -28,6 +28,7 @@ from bucketserve.gateway.metrics import GatewayMetrics
 from bucketserve.gateway.openai.api import OpenAIApi, package_version
 from bucketserve.gateway.openai.schema import openapi_document
 from bucketserve.gateway.openai.serving import error_body
+from bucketserve.gateway.tenant_registry import parse_bearer
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -82,6 +83,11 @@ class HttpServer:
         await self.runner.cleanup()
 
     async def scrape(self, request: web.Request) -> web.Response:
+        """Prometheus text; with gateway.metrics_auth, only for a tenant's key (it names the
+        tenants and their usage)."""
+        if self.config.metrics_auth:
+            api_key = parse_bearer(request.headers.get("Authorization"))
+            request[TENANT] = self.admission.tenant(api_key).name
         return web.Response(
             body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )

@@ -149,6 +149,10 @@ def _service_metrics(stats: Any) -> Iterator[Metric]:
     usage = GaugeMetricFamily(
         P + "kv_cache_usage_perc", "KV-cache usage, 1 = full.", labels=["worker", "role"]
     )
+    blocks_used = GaugeMetricFamily(
+        P + "kv_cache_blocks_used", "KV blocks not free (0 once drained).",
+        labels=["worker", "role"],
+    )
     misses = CounterMetricFamily(
         P + "graph_misses", "Batches beyond the largest warmed shape.", labels=["worker", "role"]
     )
@@ -177,6 +181,7 @@ def _service_metrics(stats: Any) -> Iterator[Metric]:
     for w in workers:
         used = 1.0 - w.num_free_blocks / w.num_total_blocks if w.num_total_blocks else 0.0
         usage.add_metric([w.name, w.role], used)
+        blocks_used.add_metric([w.name, w.role], w.num_total_blocks - w.num_free_blocks)
         misses.add_metric([w.name, w.role], w.graph_misses)
         bubble.add_metric([w.name, w.role], w.bubble_fraction)
         in_flight.add_metric([w.name, w.role], w.microbatches_in_flight)
@@ -185,6 +190,7 @@ def _service_metrics(stats: Any) -> Iterator[Metric]:
         compile_s.add_metric([w.name, w.role, "warmup"], w.graph_compile_s)
         compile_s.add_metric([w.name, w.role, "miss"], w.graph_miss_compile_s)
     yield usage
+    yield blocks_used
     yield misses
     yield bubble
     yield in_flight

@@ -7,6 +7,7 @@ as GenerateResponses; the SDK does the reverse, so the two never disagree.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from google.protobuf.message import Message
@@ -41,6 +42,9 @@ _OPTIONAL_SAMPLING = (
     "prompt_logprobs",
 )
 _PROMPT_KINDS = ("text", "token_ids", "chat")
+# StructuredOutputs' oneof <-> StructuredOutputsParams' fields
+_STRUCTURED = {"json_schema": "json", "regex": "regex", "choice": "choice",
+               "grammar": "grammar", "json_object": "json_object"}
 
 
 def unknown_fields(message: Message, path: str = "") -> list[str]:
@@ -69,6 +73,9 @@ def request_to_input(request: pb.GenerateRequest) -> GenerateInput:
         slo_tpot_s=request.tpot_slo_s if request.HasField("tpot_slo_s") else None,
         sampling=_sampling_from(request.sampling_params),
     )
+    if request.sampling_params.HasField("structured_outputs"):
+        kind = request.sampling_params.structured_outputs.WhichOneof("kind")
+        inp.structured_name = "sampling_params.structured_outputs" + (f".{kind}" if kind else "")
     kind = request.WhichOneof("prompt")
     if kind == "text":
         inp.prompt = request.text
@@ -87,7 +94,21 @@ def _sampling_from(params: pb.SamplingParams) -> dict[str, Any]:
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
     )
+    if params.logit_bias:
+        sampling["logit_bias"] = dict(params.logit_bias)
+    if params.HasField("structured_outputs"):
+        sampling["structured_outputs"] = _structured_from(params.structured_outputs)
     return sampling
+
+
+def _structured_from(so: pb.StructuredOutputs) -> dict[str, Any]:
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        return {}  # admission names the missing kind
+    value: Any = getattr(so, kind)
+    if kind == "choice":
+        value = list(value.choices)
+    return {_STRUCTURED[kind]: value, "disable_any_whitespace": so.disable_any_whitespace}
 
 
 def delta_to_response(delta: StreamDelta, cancel_reason: str | None = None) -> pb.GenerateResponse:
@@ -151,9 +172,29 @@ def input_to_request(inp: GenerateInput, stream: bool) -> pb.GenerateRequest:
             continue
         if name in ("stop", "stop_token_ids"):
             getattr(params, name).extend(value)
+        elif name == "logit_bias":
+            params.logit_bias.update({int(k): float(v) for k, v in value.items()})
+        elif name == "structured_outputs":
+            _write_structured(params.structured_outputs, value)
         else:
             setattr(params, name, value)
     return request
+
+
+def _write_structured(out: pb.StructuredOutputs, spec: Any) -> None:
+    """`spec`: a StructuredOutputsParams or its fields as a dict."""
+    fields = spec if isinstance(spec, dict) else dataclasses.asdict(spec)
+    out.disable_any_whitespace = bool(fields.get("disable_any_whitespace"))
+    for kind, name in _STRUCTURED.items():
+        value = fields.get(name)
+        if value is None or value is False:
+            continue
+        if kind == "json_schema":
+            out.json_schema = value if isinstance(value, str) else json.dumps(value)
+        elif kind == "choice":
+            out.choice.choices.extend(value)
+        else:
+            setattr(out, kind, value)
 
 
 def response_to_chunk(response: pb.GenerateResponse) -> Chunk:

@@ -70,6 +70,8 @@ class GatewayServer:
                     self.http_url)
         for warning in exposure_warnings(self.config, self.tenants):
             logger.warning("%s", warning)
+        for warning in demo_key_warnings(self.tenants):
+            logger.warning("%s", warning)
 
     async def stop(self, grace_s: float | None = None) -> int:
         """Refuse new requests, let running ones finish for `grace_s` (default the config's
@@ -104,7 +106,25 @@ def exposure_warnings(config: GatewayConfig, tenants: TenantRegistry) -> list[st
             f"serving {config.host} without TLS: prompts, outputs and API keys cross the "
             "network in clear text; set gateway.tls_cert_file and gateway.tls_key_file"
         )
+    if tenants.auth_required and not config.metrics_auth and config.http_port is not None:
+        out.append(
+            f"serving /metrics on {config.host} without a key: it names the tenants and "
+            "their usage; set gateway.metrics_auth to true to require a tenant's key"
+        )
     return out
+
+
+def demo_key_warnings(tenants: TenantRegistry) -> list[str]:
+    """One line per tenant that accepts a key whose plaintext ships with the project."""
+    return [
+        f"tenant {spec.name!r} accepts the demo API key {key!r}, whose plaintext ships in "
+        "bucketserve/deploy/serve.yaml: anyone who reaches this server can use it. Replace "
+        "the tenant's api_key_sha256 with the digest of a key of your own, e.g. from "
+        "python -c \"import hashlib, secrets; k = secrets.token_urlsafe(32); "
+        "print(k, hashlib.sha256(k.encode()).hexdigest())\""
+        for spec in tenants.specs.values()
+        for key in spec.demo_keys
+    ]
 
 
 def _is_loopback(host: str) -> bool:

@@ -14,6 +14,8 @@ from bucketserve.utils.settings import Settings
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 BURST_SECONDS = 10.0  # default token_burst: this many seconds of token_rate_limit
+# keys whose plaintext ships with the project (bucketserve/deploy/serve.yaml): anyone has them
+DEMO_API_KEYS = ("interactive-demo-key", "batch-demo-key")
 
 
 def hash_api_key(api_key: str) -> str:
@@ -43,6 +45,11 @@ class TenantSpec:
 
     def has_key(self, key_hash: str) -> bool:
         return key_hash in self.api_key_hashes
+
+    @property
+    def demo_keys(self) -> list[str]:
+        """The published demo keys this tenant accepts."""
+        return [key for key in DEMO_API_KEYS if hash_api_key(key) in self.api_key_hashes]
 
 
 def _digest(value: str) -> str:

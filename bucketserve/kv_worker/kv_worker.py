@@ -52,13 +52,15 @@ class KVWorker:
         cpus: list[int] | None = None,
         pipeline_parallel_size: int = 1,
         stage_options: dict[str, Any] | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.name = name
         self.boot_id = new_boot_id()
         pin_cpus(cpus)
         apply_torch_threads(torch_threads)
         self.runner = new_runner(
-            runner_config, pipeline_parallel_size, stage_options, torch_threads, name
+            runner_config, pipeline_parallel_size, stage_options, torch_threads, name,
+            tensor_parallel_size,
         )
         self.tokenizer = self.runner.tokenizer
         self.shapes = ShapeBuckets(shape_config, log=False)
@@ -101,6 +103,7 @@ class KVWorker:
             "num_kv_blocks": self.runner.num_kv_blocks,
             "max_model_len": self.runner.max_model_len,
             "stages": list(getattr(self.runner, "stage_infos", [])),
+            "rank_pids": list(getattr(self.runner, "rank_pids", [])),  # tensor-parallel ranks
         }
 
     @property

@@ -6,12 +6,14 @@ import logging
 import os
 from typing import Any
 
+from bucketserve.kv_worker.rank_actor import RayTensorParallelRunner
 from bucketserve.kv_worker.stage_actor import CONCURRENCY_GROUPS, StageActor
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig, Shape
 from bucketserve.runtime.worker.pipeline.pipeline_runner import PipelineRunner
 from bucketserve.runtime.worker.pipeline.stage_clock import StageSpan
 from bucketserve.runtime.worker.pipeline.stage_spec import StageSpec
 from bucketserve.runtime.worker.pipeline.stage_step import StageStep
+from bucketserve.runtime.worker.tensor_parallel.tp_runner import TensorParallelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -22,9 +24,20 @@ def new_runner(
     stage_options: dict[str, Any] | None,
     torch_threads: int | None,
     name: str,
+    tensor_parallel_size: int = 1,
 ) -> ModelRunner | PipelineRunner:
     """One runner (1 stage), stages on threads (no Ray placement: local mode) or one
-    StageActor per stage (`stage_options`: the Ray options of each, see RayStage)."""
+    StageActor per stage (`stage_options`: the Ray options of each, see RayStage); with
+    `tensor_parallel_size` > 1 (one stage), the head rank of a tensor-parallel group whose
+    other ranks are RankActors (`stage_options`: the Ray options of each) or, without
+    them (local mode), this process's children sharing out its `torch_threads`."""
+    if tensor_parallel_size > 1 and stage_options is not None:
+        return RayTensorParallelRunner(
+            config, tensor_parallel_size, stage_options, torch_threads, name
+        )
+    if tensor_parallel_size > 1:
+        threads = torch_threads and max(1, torch_threads // tensor_parallel_size)
+        return TensorParallelRunner(config, tensor_parallel_size, threads)
     if num_stages == 1:
         return ModelRunner(config)
     if stage_options is None:

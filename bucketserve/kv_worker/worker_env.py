@@ -80,6 +80,13 @@ def accelerator_ids() -> dict[str, list[str]]:
     return {kind: list(v) for kind, v in ids.items() if v}
 
 
+def in_ray_actor() -> bool:
+    """Whether this process is a Ray actor (a local-mode worker is the service's process)."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
 def new_boot_id() -> str:
     """Tells a restarted worker from its previous life (leases do not survive a restart)."""
     return uuid.uuid4().hex[:8]

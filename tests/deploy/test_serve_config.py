@@ -91,11 +91,16 @@ def test_the_yaml_lands_in_the_typed_configs(tmp_path: Path, tiny_model_dir: Pat
 def test_flags_override_the_file(tmp_path: Path, tiny_model_dir: Path) -> None:
     path = write(tmp_path, {"controller": {"ray_address": "10.0.0.1:6379"},
                             "gateway": {"grpc_port": 6000}})
+    template = tmp_path / "turns.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     args = argparse.Namespace(config=path, grpc_port=7000, http_port=None, host="0.0.0.0",
-                              model=str(tiny_model_dir), ray_address=None, local=True)
+                              model=str(tiny_model_dir), chat_template=str(template),
+                              ray_address=None, local=True)
     config = ServeConfig.load(path, flag_overrides(args))
     assert (config.gateway.grpc_port, config.gateway.host) == (7000, "0.0.0.0")
     assert config.controller.runner.model == str(tiny_model_dir)
+    # the text travels to the workers, which may not see the file
+    assert config.controller.runner.chat_template == template.read_text()
     assert (config.controller.mode, config.controller.ray_address) == ("local", None)
     args.local, args.grpc_port = False, -5
     with pytest.raises(ServeConfigError, match=r"^--grpc-port: gateway\.grpc_port: must be"):
@@ -205,6 +210,8 @@ BROKEN = [
     ({"model": {"device": "tpu"}}, "model.device", "'cpu', 'cuda'"),
     ({"model": {"dtype": "int4"}}, "model.dtype", "'bfloat16'"),
     ({"model": {"max_model_len": 0}}, "model.max_model_len", ">= 1"),
+    ({"model": {"chat_template": "/nonexistent/chat.jinja"}}, "model.chat_template",
+     "/nonexistent/chat.jinja is not a file"),
     ({"kv_cache": {"memory_fraction": 1.5}}, "kv_cache.memory_fraction", "in (0, 1], got 1.5"),
     ({"kv_cache": {"memory_fraction": 0}}, "kv_cache.memory_fraction", "in (0, 1], got 0"),
     ({"kv_cache": {"block_size": -16}}, "kv_cache.block_size", "an integer >= 1, got -16"),

@@ -127,3 +127,59 @@ def test_an_explicit_collective_transport_on_a_shared_gpu_is_a_clear_error() -> 
         pool._check_chips_apart()
     pool.infos["decode-0"]["accelerator_ids"] = {"GPU": ["1"]}
     pool._check_chips_apart()  # apart: nothing to say
+
+
+
+# -- tensor parallelism: a card per rank -----------------------------------------------------
+
+
+def test_a_tensor_parallel_worker_gets_a_bundle_with_a_card_per_rank() -> None:
+    from bucketserve.controller.config import PlacementConfig
+    from bucketserve.controller.stage_group import RankGroupPlacement
+    from bucketserve.controller.worker_pool import worker_resources
+
+    tp2 = PlacementConfig(tensor_parallel_size=2, num_cpus=1.5, resources={"node_a": 0.5})
+    hpu = RankGroupPlacement({**worker_resources(tp2, "hpu"), "max_restarts": -1}, tp2)
+    assert hpu.bundles() == [{"CPU": 1.5, "node_a": 0.5, "HPU": 1.0}] * 2
+    assert hpu.feasibility_options() == [
+        {"num_cpus": 1.5, "resources": {"node_a": 0.5, "HPU": 1}}
+    ] * 2
+    gpu = RankGroupPlacement(worker_resources(tp2, "gpu"), tp2)
+    assert gpu.bundles() == [{"CPU": 1.5, "GPU": 1.0, "node_a": 0.5}] * 2
+    cpu4 = PlacementConfig(tensor_parallel_size=4)
+    assert RankGroupPlacement(worker_resources(cpu4, "none"), cpu4).bundles() == [{"CPU": 1.0}] * 4
+
+
+@pytest.mark.slow
+def test_a_tp2_prefill_and_a_tp2_decode_worker_get_four_distinct_cards() -> None:
+    """With four fake Gaudi cards, each worker's placement group (its actor in bundle 0,
+    its other rank's actor in bundle 1, as WorkerPool starts them) holds two; none shared."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from bucketserve.controller.config import PlacementConfig
+    from bucketserve.controller.stage_group import RankGroupPlacement
+    from bucketserve.controller.worker_pool import worker_resources
+
+    @ray.remote
+    class Probe:
+        def cards(self) -> list[str]:
+            return list(ray.get_runtime_context().get_accelerator_ids().get("HPU", []))
+
+    ray.shutdown()
+    ray.init(num_cpus=4, resources={"HPU": 4}, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        tp2 = PlacementConfig(tensor_parallel_size=2, num_cpus=0.5)
+        probes = []
+        for _role in ("prefill", "decode"):
+            pg, head, rank = RankGroupPlacement(worker_resources(tp2, "hpu"), tp2).create()
+            probes.append(Probe.options(**head).remote())
+            opts = {k: v for k, v in rank.items() if k != "placement_group"}
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1)
+            probes.append(Probe.options(**opts, scheduling_strategy=strategy).remote())
+        cards = ray.get([p.cards.remote() for p in probes], timeout=120)
+        assert [len(c) for c in cards] == [1, 1, 1, 1]
+        assert len({c[0] for c in cards}) == 4
+    finally:
+        ray.shutdown()

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,6 @@ from typing import Any
 import pytest
 
 from bucketserve.controller.controller import Controller
-from bucketserve.controller.worker_pool import WorkerPool
-from bucketserve.decode_worker.config import DecodeWorkerConfig
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from tests.disagg.helpers import (
     BLOCK_SIZE,
@@ -26,6 +25,10 @@ from tests.disagg.helpers import (
     small_batches,
     tokens,
 )
+
+LEASE_TTL_S = 3.0  # far above a handoff of the tiny model's KV, however loaded the machine
+HANG_TIMEOUT_S = 5.0  # likewise above any step or batch of it: only the drilled hang trips it
+EVENT_TIMEOUT_S = 120.0  # what a drill waits for at most before it gives up
 
 
 async def started(model_dir: Path, **options: Any) -> Controller:
@@ -112,29 +115,35 @@ def test_padded_to_warmed_shape_buckets_matches_the_engine(
 
 
 def test_expired_lease_frees_the_prefill_blocks_and_the_request_completes(
-    tiny_model_dir: Path, work: list, reference: list, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, work: list, reference: list
 ) -> None:
-    """The decode side acknowledges the first handoff only after both leases ran out."""
-    decode_config = WorkerPool.decode_config
-
-    def delayed(pool: WorkerPool, index: int) -> DecodeWorkerConfig:
-        config = decode_config(pool, index)  # the fault drill: the first admission waits 2 s
-        return dataclasses.replace(config, admit_delay_s=2.0, admit_delay_count=1)
-
-    monkeypatch.setattr(WorkerPool, "decode_config", delayed)
+    """The decode side's first admission is held until both leases of that handoff ran out
+    (an event, not a clock, ends the hold); the batch is prefilled again and completes."""
 
     async def main() -> None:
-        controller = await started(tiny_model_dir, lease_ttl_s=0.5)
+        controller = await started(tiny_model_dir, lease_ttl_s=LEASE_TTL_S)
+        release = threading.Event()
         try:
+            worker = controller.pool.by_name("decode-0").worker
+            admit, calls = worker.admit_prefilled, itertools.count()
+
+            def held(*args: Any) -> Any:
+                if next(calls) == 0:
+                    release.wait(EVENT_TIMEOUT_S)
+                return admit(*args)
+
+            worker.admit_prefilled = held
             run = asyncio.ensure_future(generate(controller, work, "lease"))
             prefill = await _expired(controller, "prefill-0")
             # the admission is still held back, yet the prefill pool is whole again
             assert not run.done()
             assert prefill.num_free_blocks == prefill.num_total_blocks
             assert prefill.leases_open == 0
+            release.set()
             assert tokens(await run) == reference
             stats = await controller.drain(30)
         finally:
+            release.set()
             await controller.shutdown()
         assert_drained(stats)
         assert stats.worker("decode-0").leases_expired >= 1
@@ -144,7 +153,8 @@ def test_expired_lease_frees_the_prefill_blocks_and_the_request_completes(
 
 
 async def _expired(controller: Controller, name: str) -> Any:
-    for _ in range(200):
+    deadline = time.monotonic() + EVENT_TIMEOUT_S
+    while time.monotonic() < deadline:
         await controller.refresh_stats()
         stats = controller.stats().worker(name)
         if stats.leases_expired:
@@ -217,13 +227,17 @@ def test_a_hung_worker_is_detected_and_its_requests_complete(
     tiny_model_dir: Path, long_work: list, long_reference: list, role: str
 ) -> None:
     """A prefill batch or a decode step that does not end in worker_timeout_s (here: one that
-    sleeps 3 s) makes the worker hung: it is restarted, its work is done again on its new
-    life, every request finishes with the engine's tokens and nothing leaks."""
+    hangs until the controller has declared the worker dead) makes the worker hung: it is
+    restarted, its work is done again on its new life, every request finishes with the
+    engine's tokens and nothing leaks."""
 
     async def main() -> None:
-        controller = await started(tiny_model_dir, buckets=small_batches(), worker_timeout_s=1.0)
+        controller = await started(
+            tiny_model_dir, buckets=small_batches(), worker_timeout_s=HANG_TIMEOUT_S
+        )
         try:
-            worker = controller.pool.by_name(f"{role}-0").worker
+            handle = controller.pool.by_name(f"{role}-0")
+            worker = handle.worker
             owner, name = (worker.runner, "execute") if role == "prefill" else (
                 worker.engine, "step"
             )
@@ -231,7 +245,9 @@ def test_a_hung_worker_is_detected_and_its_requests_complete(
 
             def hanging(*args: Any, **kwargs: Any) -> Any:
                 if next(calls) == (0 if role == "prefill" else 5):
-                    time.sleep(3.0)
+                    deadline = time.monotonic() + EVENT_TIMEOUT_S
+                    while handle.alive and time.monotonic() < deadline:
+                        time.sleep(0.02)
                 return real(*args, **kwargs)
 
             setattr(owner, name, hanging)

@@ -24,6 +24,7 @@ from bucketserve import (
 from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2 as pb
 from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2_grpc as pb_grpc
 from bucketserve.runtime.engine.llm import LLM
+from tests.gateway.abort_checks import slow_decode_steps
 from tests.gateway.conftest import BLOCK_SIZE, fresh_stats, wait_until_idle
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -150,13 +151,16 @@ def test_abort_of_another_tenants_request_is_permission_denied(tenant_server: An
 
 
 def test_deadline_exceeded_aborts_and_frees_blocks(
-    loop_thread: Any, backend: Any, client: Client
+    loop_thread: Any, backend: Any, client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Slowed decode steps make LONG take 20 s; its 3 s deadline leaves a loaded machine
+    time to admit it (it runs, then is cancelled)."""
+    slow_decode_steps(backend, monkeypatch)
     cancelled = fresh_stats(loop_thread, backend).finish_reasons.get("cancelled", 0)
     with pytest.raises(DeadlineExceededError):
-        for _ in client.stream("Tell me a long story", LONG, timeout=0.5):
+        for _ in client.stream("Tell me a long story", LONG, timeout=3.0):
             pass
-    stats = wait_until_idle(loop_thread, backend, timeout=10)
+    stats = wait_until_idle(loop_thread, backend, timeout=60)
     assert stats.finish_reasons["cancelled"] == cancelled + 1
     assert all(w.num_free_blocks == w.num_total_blocks for w in stats.workers)
 
@@ -245,13 +249,18 @@ BAD_REQUESTS = [
     (pb.GenerateRequest(text="Hi", sampling_params=sp(min_tokens=5)), "alice",
      "INVALID_ARGUMENT", "min_tokens must be an integer in [0, max_tokens=4], got 5"),
     (pb.GenerateRequest(text="Hi", sampling_params=sp(logprobs=21)), "alice",
-     "INVALID_ARGUMENT", "logprobs must be None or an integer in [0, 20], got 21"),
+     "INVALID_ARGUMENT",
+     "logprobs is 21; this server returns at most 20 top logprobs per token "
+     "(gateway.max_logprobs)"),
     (pb.GenerateRequest(text="Hi", sampling_params=sp(n=0)), "alice",
      "INVALID_ARGUMENT", "n must be an integer in [1, 16], got 0"),
     (pb.GenerateRequest(text="Hi", sampling_params=sp(n=17)), "alice",
-     "INVALID_ARGUMENT", "n must be an integer in [1, 16], got 17"),
+     "INVALID_ARGUMENT",
+     "n is 17; this server samples at most 16 choices per request (gateway.max_n)"),
     (pb.GenerateRequest(text="Hi", sampling_params=sp(prompt_logprobs=21)), "alice",
-     "INVALID_ARGUMENT", "prompt_logprobs must be None or an integer in [0, 20], got 21"),
+     "INVALID_ARGUMENT",
+     "prompt_logprobs is 21; this server returns at most 20 top logprobs per token "
+     "(gateway.max_logprobs)"),
     (pb.GenerateRequest(text="Hi", sampling_params=sp(stop=["s"] * 65)), "alice",
      "INVALID_ARGUMENT",
      "stop has 65 strings; this server takes at most 64 (gateway.max_stop_strings)"),

@@ -112,7 +112,9 @@ def test_openai_errors_have_their_status_and_shape(tenant_server: Any) -> None:
     assert ignored.usage.completion_tokens == 2  # unknown fields are ignored, as vLLM does
     with pytest.raises(openai.BadRequestError) as n:
         alice.completions.create(model=model, prompt="Hi", n=17)
-    assert n.value.body["message"] == "n must be <= 16, got 17"
+    assert n.value.body["message"] == (
+        "n is 17; this server samples at most 16 choices per request (gateway.max_n)"
+    )
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         alice.completions.create(model="gpt-9", prompt="Hi")
     with pytest.raises(openai.BadRequestError, match="max_model_len"):

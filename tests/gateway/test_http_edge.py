@@ -15,6 +15,7 @@ from typing import Any
 import openai
 import pytest
 
+from tests.gateway.abort_checks import slow_decode_steps
 from tests.gateway.conftest import http_post, start_server, wait_until_idle
 
 LIMIT_BYTES = 64 * 1024
@@ -76,23 +77,30 @@ BAD_INPUTS = [
     ("/v1/completions", completion(min_tokens=-1), 400, "min_tokens must be >= 0, got -1"),
     ("/v1/completions", completion(min_tokens=1.5), 400, "min_tokens must be an integer, got 1.5"),
     ("/v1/completions", completion(logprobs=-1), 400, "logprobs must be >= 0, got -1"),
-    ("/v1/chat/completions", chat(top_logprobs=21), 400, "top_logprobs must be <= 20, got 21"),
+    ("/v1/chat/completions", chat(top_logprobs=21), 400,
+     "top_logprobs is 21; this server returns at most 20 top logprobs per token "
+     "(gateway.max_logprobs)"),
     ("/v1/chat/completions", chat(logprobs=1), 400, "logprobs must be true or false, got 1"),
     ("/v1/completions", completion(echo="yes"), 400, "echo must be true or false, got 'yes'"),
-    ("/v1/completions", completion(n=17), 400, "n must be <= 16, got 17"),
+    ("/v1/completions", completion(n=17), 400,
+     "n is 17; this server samples at most 16 choices per request (gateway.max_n)"),
     ("/v1/completions", completion(n=2.0), 400, "n must be an integer, got 2.0"),
     ("/v1/completions", completion(min_p="0.1"), 400, "min_p must be a number, got '0.1'"),
-    ("/v1/completions", completion(logprobs=21), 400, "logprobs must be <= 20, got 21"),
+    ("/v1/completions", completion(logprobs=21), 400,
+     "logprobs is 21; this server returns at most 20 top logprobs per token "
+     "(gateway.max_logprobs)"),
     ("/v1/completions", completion(min_tokens=3), 400,
      "min_tokens must be an integer in [0, max_tokens=2], got 3"),
     ("/v1/chat/completions", chat(top_logprobs=2), 400, "top_logprobs needs logprobs=true"),
     ("/v1/chat/completions", chat(logprobs=True, top_logprobs=-1), 400,
      "top_logprobs must be >= 0, got -1"),
     ("/v1/completions", completion(echo=True, logprobs=21), 400,
-     "logprobs must be <= 20, got 21"),
+     "logprobs is 21; this server returns at most 20 top logprobs per token "
+     "(gateway.max_logprobs)"),
     ("/v1/completions", completion(echo=True, logprobs=-1), 400,
      "logprobs must be >= 0, got -1"),
-    ("/v1/completions", completion(echo=True, n=17), 400, "n must be <= 16, got 17"),
+    ("/v1/completions", completion(echo=True, n=17), 400,
+     "n is 17; this server samples at most 16 choices per request (gateway.max_n)"),
     ("/v1/completions", completion(best_of=2), 400, not_yet("best_of", "2", "1")),
     ("/v1/completions", completion(stream=True, stream_options={"continuous_usage_stats": 1}),
      400, "stream_options.continuous_usage_stats must be true or false, got 1"),
@@ -103,7 +111,7 @@ BAD_INPUTS = [
      "tokens [49152] are not integers in [0, 49152), the vocabulary"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens must be a list, got 'abc'"),
     ("/detokenize", {"tokens": [10**6] * 600}, 400,
-     "tokens has 600 ids; this server detokenizes at most 512 (the model's max_model_len)"),
+     "tokens has 600 ids; this server detokenizes at most 512 (model.max_model_len)"),
     ("/detokenize", {}, 400, "tokens is required"),
 ]
 
@@ -219,23 +227,27 @@ def test_text_prompts_are_tokenized_off_the_event_loop(
 
 @pytest.fixture(scope="module")
 def hasty_server(loop_thread: Any, backend: Any) -> Any:
-    server = start_server(loop_thread, backend, http_request_timeout_s=0.5)
+    server = start_server(loop_thread, backend, http_request_timeout_s=HTTP_DEADLINE_S)
     yield server
     loop_thread.run(server.stop(0))
 
 
+# With every decode step slowed (tests.gateway.abort_checks), LONG takes 20 s: far past the
+# deadline, which itself leaves a loaded machine seconds for the first tokens.
+HTTP_DEADLINE_S = 3.0
 LONG = {"prompt": "Tell me a long story", "max_tokens": 400, "ignore_eos": True}
 
 
 def test_a_request_past_the_deadline_is_504_and_aborted(
-    loop_thread: Any, backend: Any, hasty_server: Any
+    loop_thread: Any, backend: Any, hasty_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    slow_decode_steps(backend, monkeypatch)
     status, body, _ = http_post(f"{hasty_server.http_url}/v1/completions", LONG)
     assert status == 504
     assert body["error"]["type"] == "timeout_error"
     message = body["error"]["message"]
     assert message.startswith(
-        "the request ran past this server's limit of 0.5s (gateway.http_request_timeout_s) "
+        "the request ran past this server's limit of 3s (gateway.http_request_timeout_s) "
         "and was aborted after "
     )
     assert message.endswith(" tokens; lower max_tokens")
@@ -244,8 +256,9 @@ def test_a_request_past_the_deadline_is_504_and_aborted(
 
 
 def test_a_stream_past_the_deadline_ends_with_an_error_event(
-    loop_thread: Any, backend: Any, hasty_server: Any
+    loop_thread: Any, backend: Any, hasty_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    slow_decode_steps(backend, monkeypatch)
     request = urllib.request.Request(
         f"{hasty_server.http_url}/v1/completions",
         data=json.dumps({**LONG, "stream": True}).encode(),

@@ -122,7 +122,7 @@ def test_binding_a_network_without_tenants_or_tls_warns() -> None:
     tenants = TenantRegistry.from_dict([{"name": "a", "api_keys": ["k"]}])
     assert [w.split(":")[0] for w in exposure_warnings(GatewayConfig(host="10.0.0.5"),
                                                        tenants)] == [
-        "serving 10.0.0.5 without TLS"
+        "serving 10.0.0.5 without TLS", "serving /metrics on 10.0.0.5 without a key"
     ]
     for host in ("127.0.0.1", "::1", "localhost"):
         assert exposure_warnings(GatewayConfig(host=host), TenantRegistry()) == []

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bucketserve import Client, InvalidArgumentError, SamplingParams
-from tests.gateway.conftest import start_server, wait_until_idle
+from tests.gateway.conftest import local_controller_config, start_server, wait_until_idle
 
 
 def scrape(server: Any) -> dict[str, Any]:
@@ -29,17 +31,34 @@ def value(families: dict[str, Any], sample_name: str, **labels: str) -> float:
     return matches[0]
 
 
+@pytest.fixture(scope="module")
+def own_backend(loop_thread: Any, tiny_model_dir: Path, tenant_registry: Any) -> Any:
+    """A controller of its own, so the counters the workers and the bucket manager keep
+    start at zero too; its decode pool (12 blocks of 4) holds one 24-token sample of a
+    short prompt but not three."""
+    from bucketserve.controller.controller import Controller
+
+    config = local_controller_config(tiny_model_dir, tenant_registry.bucket_configs())
+    runner = dataclasses.replace(config.runner, num_kv_blocks=12)
+    config = dataclasses.replace(config, runner=runner)
+    controller = loop_thread.call(lambda: Controller(config))
+    loop_thread.run(controller.start())
+    yield controller
+    loop_thread.run(controller.shutdown())
+
+
 @pytest.fixture
-def fresh_server(loop_thread: Any, backend: Any, tenant_registry: Any) -> Any:
+def fresh_server(loop_thread: Any, own_backend: Any, tenant_registry: Any) -> Any:
     """Its own registry: every counter starts at zero."""
-    server = start_server(loop_thread, backend, tenant_registry)
+    server = start_server(loop_thread, own_backend, tenant_registry)
     yield server
     loop_thread.run(server.stop(0))
 
 
 def test_metrics_parse_and_move_with_traffic(
-    loop_thread: Any, backend: Any, fresh_server: Any
+    loop_thread: Any, own_backend: Any, fresh_server: Any
 ) -> None:
+    backend = own_backend
     before = scrape(fresh_server)
     for name in (
         "bucketserve:time_to_first_token_seconds",
@@ -85,6 +104,11 @@ def test_metrics_parse_and_move_with_traffic(
     usage = after["bucketserve:kv_cache_usage_perc"].samples
     assert {s.labels["role"] for s in usage} >= {"decode"}
     assert all(0.0 <= s.value <= 1.0 for s in usage)
+    used = after["bucketserve:kv_cache_blocks_used"].samples  # drained: every block free
+    assert {s.labels["role"] for s in used} >= {"decode"} and all(s.value == 0 for s in used)
+    # one request at a time: no bucket ever holds more than one, so none splits or merges;
+    # each batch is one unpadded prompt (no waste); 60 s targets hold nothing back; three
+    # short requests fit the pool (no preemption); nothing waits once drained
     for name in (
         "bucketserve:num_preemptions_total",
         "bucketserve:slo_admission_holds_total",
@@ -93,7 +117,16 @@ def test_metrics_parse_and_move_with_traffic(
         "bucketserve:padding_waste_ratio",
         "bucketserve:num_requests_waiting",
     ):
-        assert value(after, name) >= 0
+        assert value(after, name) == 0, name
+    assert value(after, "bucketserve:request_buckets") == 1
+    # three 24-token samples of one prompt outgrow the 12-block pool: the engine preempts
+    with Client(fresh_server.grpc_target, api_key="slo-key") as client:
+        three = client.generate(
+            "Hello", SamplingParams(temperature=1.0, seed=3, max_tokens=24, n=3, ignore_eos=True)
+        )
+    assert [s.finish_reason for s in three.choices] == ["length"] * 3
+    wait_until_idle(loop_thread, backend)
+    assert value(scrape(fresh_server), "bucketserve:num_preemptions_total") > 0
     assert "bucketserve:graph_misses" in after
     assert value(after, "bucketserve:decode_paced_seconds_total") == 0.0  # pacing is off
     bubbles = after["bucketserve:pipeline_bubble_fraction"].samples  # one stage: no bubble

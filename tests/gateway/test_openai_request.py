@@ -70,23 +70,36 @@ def test_prompt_forms() -> None:
 
 BAD_BODIES = [
     # (body, chat, the whole message)
-    ({"prompt": "x", "n": 17}, False, "n must be <= 16, got 17"),
-    ({"prompt": "x", "echo": True, "logprobs": 21}, False, "logprobs must be <= 20, got 21"),
+    ({"prompt": "x", "n": 17}, False,
+     "n is 17; this server samples at most 16 choices per request (gateway.max_n)"),
+    ({"prompt": "x", "echo": True, "logprobs": 21}, False,
+     "logprobs is 21; this server returns at most 20 top logprobs per token "
+     "(gateway.max_logprobs)"),
     ({"prompt": "x", "best_of": 2}, False,
      "best_of=2 is not supported yet by this server; leave it out or send 1"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, True,
-     "tools=[{}] is not supported yet by this server; leave it out or send []"),
+     "tools[0].type is required; tools[0].function is required"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, True,
      "top_logprobs needs logprobs=true"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, True,
+     "tool_choice needs tools; send the functions in tools"),
+    ({"prompt": "x", "response_format": {"type": "json_schema"}}, False,
+     "response_format.json_schema.schema is required with type json_schema"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "pattern": "b"}}, False,
+     "structured_outputs has unknown keys ['pattern']; known: ['json', 'json_object', "
+     "'regex', 'choice', 'grammar', 'disable_any_whitespace']"),
     # out of range, or of the wrong type, before "not supported"
     ({"prompt": "x", "n": 0}, False, "n must be >= 1, got 0"),
     ({"prompt": "x", "presence_penalty": 3}, False, "presence_penalty must be <= 2.0, got 3"),
     ({"prompt": "x", "repetition_penalty": 0}, False, "repetition_penalty must be > 0.0, got 0"),
     ({"prompt": "x", "min_p": -0.5}, False, "min_p must be >= 0.0, got -0.5"),
     ({"prompt": "x", "min_tokens": -1}, False, "min_tokens must be >= 0, got -1"),
-    ({"prompt": "x", "logprobs": 21}, False, "logprobs must be <= 20, got 21"),
+    ({"prompt": "x", "logprobs": 21}, False,
+     "logprobs is 21; this server returns at most 20 top logprobs per token "
+     "(gateway.max_logprobs)"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 99}, True,
-     "top_logprobs must be <= 20, got 99"),
+     "top_logprobs is 99; this server returns at most 20 top logprobs per token "
+     "(gateway.max_logprobs)"),
     ({"prompt": "x", "n": "2"}, False, "n must be an integer, got '2'"),
     ({"prompt": "x", "temperature": "hot"}, False, "temperature must be a number, got 'hot'"),
     ({"prompt": "x", "max_tokens": 2.5}, False, "max_tokens must be an integer, got 2.5"),
@@ -174,3 +187,23 @@ def test_unknown_fields_are_ignored_with_a_debug_log(caplog: pytest.LogCaptureFi
     assert caplog.messages == [
         "CompletionRequest: ignoring unknown fields ['temprature', 'stream_options.chunk_size']"
     ]
+
+
+def test_output_constraints_and_logit_bias_become_sampling_fields() -> None:
+    schema = {"type": "object"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    req = OpenAIRequest.parse({"prompt": "x", "response_format": fmt, "logit_bias": {"7": 5}},
+                              chat=False)
+    assert req.input.sampling["structured_outputs"] == {"json": schema}
+    assert req.input.structured_name == "response_format.json_schema.schema"
+    assert req.input.sampling["logit_bias"] == {"7": 5.0}
+    guided = OpenAIRequest.parse({"prompt": "x", "guided_choice": ["a", "b"]}, chat=False)
+    assert guided.input.sampling["structured_outputs"] == {"choice": ["a", "b"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    named = {"type": "function", "function": {"name": "f"}}
+    chat = OpenAIRequest.parse(
+        {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "tool_choice": named},
+        chat=True,
+    )
+    assert chat.input.sampling["structured_outputs"] == {"json": schema}
+    assert chat.input.tools == [tool]

@@ -19,6 +19,7 @@ from bucketserve.bucket_manager.config import TenantConfig
 from bucketserve.gateway.cli import run_generate
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.engine.llm import LLM
+from tests.gateway.abort_checks import assert_stopped_early, decode_steps, slow_decode_steps
 from tests.gateway.conftest import (
     BLOCK_SIZE,
     local_controller_config,
@@ -27,6 +28,7 @@ from tests.gateway.conftest import (
 )
 
 PROMPT = "Once upon a time there was a paged KV cache that"
+MAX_TOKENS = 200  # 4 samples of it fill most of the 256-block pool: no preemption
 
 
 @pytest.fixture(scope="module")
@@ -141,10 +143,14 @@ def test_a_stop_string_ends_each_sample_on_its_own(
     assert wait_until_idle(loop_thread, backend).kv_blocks_leaked == 0
 
 
-def test_abort_mid_generation_frees_every_block(service: Any, loop_thread: Any) -> None:
+def test_abort_mid_generation_stops_the_samples_on_the_worker(
+    service: Any, loop_thread: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     backend, server = service
+    slow_decode_steps(backend, monkeypatch)
+    before = decode_steps(loop_thread, backend)
     stream = oai(server).completions.create(
-        model=server.model_name, prompt=PROMPT, max_tokens=200, temperature=0.8, n=4,
+        model=server.model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.8, n=4,
         stream=True, extra_body={"ignore_eos": True},
     )
     seen = 0
@@ -153,8 +159,7 @@ def test_abort_mid_generation_frees_every_block(service: Any, loop_thread: Any) 
         if seen >= 12:
             break
     stream.close()
-    stats = wait_until_idle(loop_thread, backend)
-    assert stats.kv_blocks_leaked == 0 and stats.leases_open == 0
+    assert_stopped_early(loop_thread, backend, before, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

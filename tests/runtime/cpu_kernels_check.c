@@ -83,29 +83,30 @@ static void check_norm_silu_rope(void) {
     free(x), free(weight), free(up), free(cos_sin), free(q);
 }
 
-// Causal attention through block tables: sequence s's n queries end at position ctx - 1.
+// Causal attention through block tables: sequence s's n queries end at position ctx - 1;
+// with a sliding `window` (> 0) the query at pos sees keys (pos - window, pos].
 static void reference_attention(const float *q, const float *kc, const float *vc,
                                 const int64_t *table, int ctx, int n, float *out, int heads,
                                 int kv_heads, int dim, int bs, int64_t head_stride,
-                                float scale) {
+                                float scale, int window) {
     float *p = malloc(sizeof(float) * ctx);
     for (int i = 0; i < n; i++) {
-        const int pos = ctx - n + i;
+        const int pos = ctx - n + i, lo = window > 0 && pos >= window ? pos - window + 1 : 0;
         for (int h = 0; h < heads; h++) {
             const int64_t plane = (int64_t)(h / (heads / kv_heads)) * head_stride;
             const float *qv = q + ((int64_t)i * heads + h) * dim;
             float top = -FLT_MAX, sum = 0.0f;
-            for (int t = 0; t <= pos; t++) {
+            for (int t = lo; t <= pos; t++) {
                 const float *k = kc + plane + (table[t / bs] * bs + t % bs) * dim;
                 float s = 0.0f;
                 for (int d = 0; d < dim; d++) s += qv[d] * k[d];
                 p[t] = s * scale;
                 top = p[t] > top ? p[t] : top;
             }
-            for (int t = 0; t <= pos; t++) sum += p[t] = expf(p[t] - top);
+            for (int t = lo; t <= pos; t++) sum += p[t] = expf(p[t] - top);
             for (int d = 0; d < dim; d++) {
                 float o = 0.0f;
-                for (int t = 0; t <= pos; t++) o += p[t] * vc[plane + (table[t / bs] * bs + t % bs) * dim + d];
+                for (int t = lo; t <= pos; t++) o += p[t] * vc[plane + (table[t / bs] * bs + t % bs) * dim + d];
                 out[((int64_t)i * heads + h) * dim + d] = o / sum;
             }
         }
@@ -113,7 +114,7 @@ static void reference_attention(const float *q, const float *kc, const float *vc
     free(p);
 }
 
-static void check_attention(int heads, int kv_heads, int dim, int bs) {
+static void check_attention(int heads, int kv_heads, int dim, int bs, int window) {
     enum { SEQS = 4, MAX_BLOCKS = 24 };
     const int lens[SEQS] = {1, 37, 130, 1}, ctxs[SEQS] = {40, 37, 200, 1};
     const int blocks = SEQS * MAX_BLOCKS + 1;
@@ -129,13 +130,13 @@ static void check_attention(int heads, int kv_heads, int dim, int bs) {
     for (int s = 0; s < SEQS; s++)
         reference_attention(q + starts[s] * width, kc, vc, tables + s * MAX_BLOCKS, ctxs[s],
                             lens[s], want + starts[s] * width, heads, kv_heads, dim, bs,
-                            head_stride, 1.0f / sqrtf(dim));
-    char name[96];
+                            head_stride, 1.0f / sqrtf(dim), window);
+    char name[112];
     const int status = paged_prefill_f32(q, width, kc, vc, tables, starts, context, out, SEQS,
                                          heads, kv_heads, dim, bs, MAX_BLOCKS, head_stride,
-                                         1.0f / sqrtf(dim), 2);
-    snprintf(name, sizeof name, "paged_prefill heads=%d/%d dim=%d block=%d status=%d", heads,
-             kv_heads, dim, bs, status);
+                                         1.0f / sqrtf(dim), window, 2);
+    snprintf(name, sizeof name, "paged_prefill heads=%d/%d dim=%d block=%d window=%d status=%d",
+             heads, kv_heads, dim, bs, window, status);
     expect(name, out, want, tokens * width, status ? -1.0f : 1e-4f);
     // decode rows: each sequence's last query over its whole context
     float *qd = malloc(sizeof(float) * SEQS * width), *wd = malloc(sizeof(float) * SEQS * width);
@@ -145,9 +146,9 @@ static void check_attention(int heads, int kv_heads, int dim, int bs) {
     }
     const int decoded = paged_decode_f32(qd, width, kc, vc, tables, context, out, SEQS, heads,
                                          kv_heads, dim, bs, MAX_BLOCKS, head_stride,
-                                         1.0f / sqrtf(dim), 2);
-    snprintf(name, sizeof name, "paged_decode heads=%d/%d dim=%d block=%d status=%d", heads,
-             kv_heads, dim, bs, decoded);
+                                         1.0f / sqrtf(dim), window, 2);
+    snprintf(name, sizeof name, "paged_decode heads=%d/%d dim=%d block=%d window=%d status=%d",
+             heads, kv_heads, dim, bs, window, decoded);
     expect(name, out, wd, SEQS * width, decoded ? -1.0f : 1e-4f);
     free(kc), free(vc), free(q), free(out), free(want), free(qd), free(wd);
 }
@@ -157,9 +158,12 @@ int main(void) {
     check_gemm(13, 96, 300, 1);
     check_gemm(130, 160, 600, 0);
     check_norm_silu_rope();
-    check_attention(9, 3, 64, 16);
-    check_attention(4, 2, 80, 8);
-    check_attention(8, 1, 128, 32);
+    check_attention(9, 3, 64, 16, 0);
+    check_attention(4, 2, 80, 8, 0);
+    check_attention(8, 1, 128, 32, 0);
+    check_attention(9, 3, 64, 16, 50);  // sliding windows not aligned to blocks or tiles
+    check_attention(4, 2, 80, 8, 7);
+    check_attention(8, 1, 128, 32, 100);
     printf("%d failed\n", failures);
     return failures != 0;
 }

@@ -95,7 +95,7 @@ def test_bad_input_errors(tok):
     with pytest.raises(ValueError, match="must be a str"):
         tok.encode(["not", "a", "string"])
     bare = Tokenizer(tok.backend)
-    with pytest.raises(ValueError, match="no chat_template"):
+    with pytest.raises(ValueError, match=r"has no chat template.*--chat-template FILE"):
         bare.apply_chat_template(CHATS[0])
     strict = Tokenizer(tok.backend, "{{ raise_exception('only user turns') }}")
     with pytest.raises(ValueError, match="chat template error: only user turns"):
@@ -145,3 +145,45 @@ def test_gguf_pre_tokenizer_follows_llama_cpp(tmp_path):
     assert pieces(gpt2, " 12") == ["\u01201", "2"]
     assert pieces(gpt2, "12") == ["12"]
     assert smollm.encode("<|im_start|>1").ids == [0, tokens.index("1")]
+
+
+TURNS = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+
+
+def test_a_given_chat_template_replaces_the_models(smollm_tokenizer_dir, tmp_path):
+    """A file or the template text itself, as vLLM's --chat-template; a model without one
+    (a base model) renders chat only with it."""
+    (tmp_path / "turns.jinja").write_text(TURNS + "{{ bos_token }}")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_bytes((smollm_tokenizer_dir / "tokenizer.json").read_bytes())
+    (bare / "tokenizer_config.json").write_text('{"bos_token": "<|im_start|>"}')
+    with pytest.raises(ValueError, match="has no chat template"):
+        Tokenizer.from_dir(bare).apply_chat_template(CHATS[0])
+    want = "[user] What is 2+2?\n<|im_start|>"
+    assert Tokenizer.from_dir(bare, str(tmp_path / "turns.jinja")).apply_chat_template(
+        CHATS[0]
+    ) == want
+    assert Tokenizer.from_dir(smollm_tokenizer_dir, TURNS).apply_chat_template(
+        CHATS[0]
+    ) == "[user] What is 2+2?\n"
+    own = Tokenizer.from_dir(smollm_tokenizer_dir)
+    assert own.apply_chat_template(CHATS[0], chat_template=TURNS) == "[user] What is 2+2?\n"
+    assert own.apply_chat_template(CHATS[0]).startswith("<|im_start|>")  # its own unchanged
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        Tokenizer.from_dir(bare, str(tmp_path / "missing.jinja"))
+
+
+def test_llm_takes_a_chat_template_as_vllm_does(tiny_model_dir, tmp_path):
+    """LLM(chat_template=...) for every chat, LLM.chat(chat_template=...) for one call."""
+    from bucketserve.runtime.core.sampling_params import SamplingParams
+    from bucketserve.runtime.engine.llm import LLM
+
+    (tmp_path / "turns.jinja").write_text(TURNS)
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    llm = LLM(str(tiny_model_dir), chat_template=str(tmp_path / "turns.jinja"), num_kv_blocks=32)
+    out = llm.chat(CHATS[0], greedy, use_tqdm=False)[0]
+    assert out.prompt == "[user] What is 2+2?\n"
+    assert out.prompt_token_ids == llm.tokenizer.encode(out.prompt, add_special_tokens=False)
+    once = llm.chat(CHATS[0], greedy, use_tqdm=False, chat_template="{{ messages[0].content }}")
+    assert once[0].prompt == "What is 2+2?"

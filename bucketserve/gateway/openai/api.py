@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from typing import TypeVar
 
@@ -41,10 +42,12 @@ from bucketserve.gateway.openai.serving import (
     chat_messages,
     error_event,
 )
+from bucketserve.gateway.openai.tool_parsers import tool_parser
 from bucketserve.gateway.tenant_registry import parse_bearer
 from bucketserve.messages import StreamDelta
 
 T = TypeVar("T")
+OFF_LOOP_CHARS = 256 * 1024  # bodies from this size are parsed off the event loop
 
 
 class OpenAIApi:
@@ -58,6 +61,7 @@ class OpenAIApi:
         self.model_name = model_name
         self.config = config
         self.created = int(time.time())
+        self.tool_parser = tool_parser(config.tool_call_parser)
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -93,25 +97,27 @@ class OpenAIApi:
             special = bool(body.add_special_tokens)  # the template wrote them
         else:
             text, special = body.prompt or "", body.add_special_tokens is not False
-        ids = await self.admission.off_loop(self.tokenizer.encode, text, special)
-        strs = [self.tokenizer.backend.id_to_token(i) for i in ids]
+        ids, strs = await self.admission.off_loop(
+            self._tokens, text, special, body.return_token_strs
+        )
         return web.json_response(
             TokenizeResponse(
                 count=len(ids),
                 max_model_len=self.admission.max_model_len,
                 tokens=ids,
-                token_strs=strs if body.return_token_strs else None,
+                token_strs=strs,
             ).model_dump()
         )
 
+    def _tokens(self, text: str, special: bool, strs: bool) -> tuple[list[int], list[str] | None]:
+        """The ids of `text`, and each id's token string if `strs` (in the pool)."""
+        ids = self.tokenizer.encode(text, special)
+        if not strs:
+            return ids, None
+        return ids, [self.tokenizer.backend.id_to_token(i) for i in ids]
+
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request, DetokenizeRequest)
-        most = self.admission.max_model_len  # no sequence here is longer
-        if isinstance(body.tokens, list) and len(body.tokens) > most:  # before each id
-            raise InvalidArgumentError(
-                f"tokens has {len(body.tokens)} ids; this server detokenizes at most {most} "
-                "(the model's max_model_len)"
-            )
+        body = await self._body(request, DetokenizeRequest)  # counted the ids before each
         ids = self.admission.token_ids("tokens", body.tokens)
         text = await self.admission.off_loop(self.tokenizer.decode, ids, False)
         return web.json_response(DetokenizeResponse(prompt=text).model_dump())
@@ -141,24 +147,46 @@ class OpenAIApi:
 
     async def _body(self, request: web.Request, model: type[M]) -> M:
         self._tenant(request)
-        body = parse_body(model, await read_text(request, self.config.max_message_bytes))
+        text = await read_text(request, self.config.max_message_bytes)
+        body = await self._parse(text, partial(parse_body, model, limits=self.admission.limits))
         self._check_model(getattr(body, "model", None))
         return body
+
+    async def _parse(self, text: str, parse: Callable[[str], T]) -> T:
+        """`parse(text)`, in the tokenizer pool when the body is large: parsing megabytes of
+        JSON would hold up every stream on the event loop."""
+        if len(text) < OFF_LOOP_CHARS:
+            return parse(text)
+        return await self.admission.off_loop(parse, text)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         deadline = _Deadline(self.config.http_request_timeout_s)
         api_key = self._tenant(request)
         text = await read_text(request, self.config.max_message_bytes)
-        oai = OpenAIRequest.parse(text, chat)
+        oai = await self._parse(
+            text, partial(OpenAIRequest.parse, chat=chat, limits=self.admission.limits)
+        )
         self._check_model(oai.model)
+        if oai.tools is not None and oai.tools.mode == "auto" and self.tool_parser is None:
+            raise InvalidArgumentError(
+                "tool_choice 'auto' (the default with tools) needs a tool call parser, and this "
+                "server has none (model.tool_call_parser: hermes or llama3_json); send "
+                "tool_choice 'required', 'none' or a named function"
+            )
         gen = await deadline.run(self.admission.admit(oai.input, api_key), None)
         request[GENERATION] = gen
         prompt_tokens = len(gen.request.prompt_token_ids)
-        prefix = self._prompt_text(gen) if oai.echo else ""
-        fmt = OpenAIFormat(
-            oai, gen.request_id, self.model_name, prompt_tokens, self._token_text, prefix
-        )
         try:
+            prefix = await self.admission.off_loop(self._prompt_text, gen) if oai.echo else ""
+            fmt = OpenAIFormat(
+                oai,
+                gen.request_id,
+                self.model_name,
+                prompt_tokens,
+                self._token_text,
+                prefix,
+                self.tool_parser,
+            )
             if oai.stream:
                 return await _stream(request, gen, fmt, deadline)
             await deadline.run(_drain(gen), gen)

@@ -1,7 +1,7 @@
 """An HTTP request body read into its protocol model. A body over
-gateway.max_message_bytes (413) or not UTF-8 (400) is refused before any parsing work; a
-ValidationError becomes one InvalidArgumentError that names the field and says what to
-send instead."""
+gateway.max_message_bytes (413) or not UTF-8 (400) is refused before any parsing work, a
+list or text over its request limit before its elements are validated; a ValidationError
+becomes one InvalidArgumentError that names the field and says what to send instead."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from bucketserve.gateway.errors import InvalidArgumentError, PayloadTooLargeError
+from bucketserve.gateway.request_limits import RequestLimits
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -42,6 +43,14 @@ MAX_SHOWN = 3  # errors named in one message
 MAX_INPUT_REPR = 60
 
 
+class BodyRefused(Exception):  # not a ValueError, which pydantic would wrap
+    """Raised by a validator to end the parse at once with `error` (a request limit)."""
+
+    def __init__(self, error: InvalidArgumentError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 async def read_text(request: web.Request, limit: int) -> str:
     """The body as text, at most `limit` bytes."""
     length = request.content_length
@@ -60,16 +69,22 @@ async def read_text(request: web.Request, limit: int) -> str:
         ) from None
 
 
-def parse_body(model: type[M], body: str | bytes | Any) -> M:
-    """`body` (JSON text, or already decoded) as `model`; keys it does not know are logged
-    at debug level and ignored."""
+def parse_body(
+    model: type[M], body: str | bytes | Any, limits: RequestLimits | None = None
+) -> M:
+    """`body` (JSON text, or already decoded) as `model`, its lists and texts within
+    `limits` (the defaults if None); keys it does not know are logged at debug level and
+    ignored."""
+    context = {"limits": limits or RequestLimits()}
     try:
         if isinstance(body, (str, bytes)):
-            parsed = model.model_validate_json(body)
+            parsed = model.model_validate_json(body, context=context)
         else:
-            parsed = model.model_validate(body)
+            parsed = model.model_validate(body, context=context)
     except ValidationError as exc:
         raise _invalid(exc) from None
+    except BodyRefused as exc:
+        raise exc.error from None
     unknown = _unknown_fields(parsed)
     if unknown:
         logger.debug("%s: ignoring unknown fields %s", model.__name__, unknown)
@@ -79,6 +94,8 @@ def parse_body(model: type[M], body: str | bytes | Any) -> M:
 def _unknown_fields(value: Any, path: str = "") -> list[str]:
     """The keys of `value` (and the models inside it) that no field declares."""
     if isinstance(value, list):
+        if not value or not isinstance(value[0], BaseModel):  # a list of models or of none
+            return []
         return [u for i, v in enumerate(value) for u in _unknown_fields(v, f"{path}[{i}]")]
     if not isinstance(value, BaseModel):
         return []

@@ -5,10 +5,16 @@ max_model_len, tenants) is admission's to check.
 Unknown request keys are kept aside (`model_extra`) and ignored, as vLLM does. vLLM's
 sampling keys this server does not implement yet are typed and range-checked like vLLM's,
 then accepted only at their neutral value (each request model's NEUTRAL).
+
+Every list and text a body may carry is measured against the request limits (the
+validation context's `limits`, a RequestLimits; its defaults without one) before its
+elements are validated, so an oversized body costs its parse and no more.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -19,16 +25,22 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    ValidationInfo,
     field_validator,
 )
+
+from bucketserve.gateway.errors import InvalidArgumentError
+from bucketserve.gateway.openai.body import BodyRefused
+from bucketserve.gateway.request_limits import RequestLimits
 
 Int = StrictInt
 Bool = StrictBool
 Str = StrictStr
 Float = StrictFloat
 Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
-MAX_N = 16  # bucketserve.runtime.core.sampling_params.MAX_N
+MAX_LOGPROBS = 20  # bucketserve.runtime.core.sampling_params.MAX_LOGPROBS
+MAX_SHOWN_CHARS = 60  # of a refused value, in a message
+MAX_SHOWN_ITEMS = 20
 
 
 class _Lenient(BaseModel):
@@ -49,13 +61,30 @@ class TextPart(_Lenient):
     text: Str
 
 
+class FunctionCall(_Lenient):
+    name: Str
+    arguments: Str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(_Lenient):
+    id: Str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
     role: Str
     content: Str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's earlier calls")
+    tool_call_id: Str | None = Field(None, description="the call a `tool` message answers")
+    name: Str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, content: Any) -> Any:
+    def _text_only(cls, content: Any, info: ValidationInfo) -> Any:
+        if isinstance(content, list):
+            with refusing():
+                limits(info).content_parts(len(content))
         if isinstance(content, list) and not all(
             isinstance(p, dict) and p.get("type") == "text" for p in content
         ):
@@ -65,12 +94,44 @@ class ChatMessage(_Lenient):
         return content
 
 
+class JsonSchemaFormat(_Lenient):
+    name: Str = "response"
+    description: Str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(_Lenient):
+    name: Str = Field(min_length=1)
+    description: Str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: Str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class _GenerateBody(_Lenient):
     """What completions and chat completions share."""
 
     # field -> the values at which a field this server does not implement changes nothing
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "logit_bias": (None, {}),
         "best_of": (None, 1),
         "use_beam_search": (False,),
         "length_penalty": (1.0,),
@@ -79,7 +140,6 @@ class _GenerateBody(_Lenient):
         "allowed_token_ids": (None,),
         "bad_words": (None, []),
         "truncate_prompt_tokens": (None,),
-        "response_format": (None, {"type": "text"}),
     }
 
     model: Str | None = None
@@ -96,12 +156,40 @@ class _GenerateBody(_Lenient):
 
     @field_validator("stop", mode="before")
     @classmethod
-    def _strings(cls, stop: Any) -> Any:
+    def _strings(cls, stop: Any, info: ValidationInfo) -> Any:
         if stop is None or isinstance(stop, str):
             return stop
+        if isinstance(stop, list):
+            with refusing():
+                limits(info).stop_count(len(stop))
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise ValueError("must be a string or a list of strings")
+        with refusing():
+            limits(info).stop(stop)
         return stop
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_ids(cls, ids: Any, info: ValidationInfo) -> Any:
+        if isinstance(ids, list):
+            with refusing():
+                limits(info).stop_token_ids(len(ids))
+        return ids
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _most_n(cls, n: Any, info: ValidationInfo) -> Any:
+        with refusing():
+            limits(info).n(n)
+        return n
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_count(cls, bias: Any, info: ValidationInfo) -> Any:
+        if isinstance(bias, dict):
+            with refusing():
+                limits(info).logit_bias(len(bias))
+        return bias
 
     # bucketserve's scheduling hints
     priority: Int = 0
@@ -116,14 +204,26 @@ class _GenerateBody(_Lenient):
     skip_special_tokens: Bool = True
     spaces_between_special_tokens: Bool = True
     # sampling (bucketserve.runtime.worker.sampler)
-    n: Int = Field(1, ge=1, le=MAX_N, description="choices, each sampled on its own")
+    n: Int = Field(1, ge=1, description="choices, each sampled on its own (gateway.max_n)")
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Float = Field(1.0, gt=0.0, le=2.0)
     min_p: Float = Field(0.0, ge=0.0, le=1.0)
     min_tokens: Int = Field(0, ge=0)
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id -> bias in [-100, 100] added to its logit"
+    )
+    # structured output (bucketserve.runtime.core.structured_outputs): at most one of these
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's: one of json, json_object, regex, choice, grammar"
+    )
+    guided_json: dict[str, Any] | Str | None = None
+    guided_regex: Str | None = None
+    guided_choice: list[Str] | None = None
+    guided_grammar: Str | None = None
+    guided_whitespace_pattern: Str | None = None
     # not implemented yet: neutral values only (NEUTRAL)
-    logit_bias: dict[str, float] | None = None
     best_of: Int | None = Field(None, ge=1)
     use_beam_search: Bool = False
     length_penalty: Float = 1.0
@@ -132,7 +232,6 @@ class _GenerateBody(_Lenient):
     allowed_token_ids: list[Int] | None = None
     bad_words: list[Str] | None = None
     truncate_prompt_tokens: Int | None = Field(None, ge=1)
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_GenerateBody):
@@ -147,20 +246,34 @@ class CompletionRequest(_GenerateBody):
     prompt: Str | list[Int] | list[Str] | list[list[Int]] = Field(
         description="a string, token ids, or a one-element list of either"
     )
-    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Int | None = Field(
+        None, ge=0, description="top logprobs per token, at most gateway.max_logprobs"
+    )
     echo: Bool = False
     suffix: Str | None = None
     add_special_tokens: Bool = True
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _most_logprobs(cls, k: Any, info: ValidationInfo) -> Any:
+        with refusing():
+            limits(info).logprobs("logprobs", k)
+        return k
+
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> Any:
+    def _one_prompt(cls, prompt: Any, info: ValidationInfo) -> Any:
         one = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else None
         if isinstance(one, (str, list)):
             prompt = one
-        if isinstance(prompt, str) or (
-            isinstance(prompt, list) and all(_is_int(t) for t in prompt)
-        ):
+        if isinstance(prompt, str):
+            with refusing():
+                limits(info).prompt_chars("prompt", len(prompt))
+            return prompt
+        if isinstance(prompt, list) and prompt and _is_int(prompt[0]):
+            with refusing():
+                limits(info).prompt_tokens(len(prompt))  # the count before each id
+        if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
             return prompt
         raise ValueError(
             "must be a string or a list of token ids; send one prompt per request"
@@ -172,8 +285,6 @@ class ChatCompletionRequest(_GenerateBody):
 
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_GenerateBody.NEUTRAL,
-        "tools": (None, []),
-        "tool_choice": (None, "none", "auto"),  # without tools, "auto" calls none
         "functions": (None,),
         "function_call": (None,),
         "modalities": (None, ["text"]),
@@ -188,9 +299,9 @@ class ChatCompletionRequest(_GenerateBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: Bool = False
-    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    top_logprobs: Int | None = Field(None, ge=0, description="at most gateway.max_logprobs")
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
@@ -201,6 +312,18 @@ class ChatCompletionRequest(_GenerateBody):
     web_search_options: dict[str, Any] | None = None
     add_generation_prompt: Bool = True
     add_special_tokens: Bool = False
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _count(cls, messages: Any, info: ValidationInfo) -> Any:
+        return _counted_messages(messages, info)
+
+    @field_validator("top_logprobs", mode="before")
+    @classmethod
+    def _top(cls, k: Any, info: ValidationInfo) -> Any:
+        with refusing():
+            limits(info).logprobs("top_logprobs", k)
+        return k
 
 
 class TokenizeRequest(_Lenient):
@@ -213,12 +336,33 @@ class TokenizeRequest(_Lenient):
     add_generation_prompt: Bool = True
     return_token_strs: Bool = False
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _chars(cls, prompt: Any, info: ValidationInfo) -> Any:
+        if isinstance(prompt, str):
+            with refusing():
+                limits(info).prompt_chars("prompt", len(prompt))
+        return prompt
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _count(cls, messages: Any, info: ValidationInfo) -> Any:
+        return _counted_messages(messages, info)
+
 
 class DetokenizeRequest(_Lenient):
     """`POST /detokenize` (vLLM's)."""
 
     model: Str | None = None
     tokens: list[Int]
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _count(cls, tokens: Any, info: ValidationInfo) -> Any:
+        if isinstance(tokens, list):
+            with refusing():
+                limits(info).detokenize(len(tokens))
+        return tokens
 
 
 # responses
@@ -276,9 +420,21 @@ class CompletionResponse(_Response):
     usage: UsageInfo | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -294,9 +450,22 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -356,6 +525,45 @@ class VersionResponse(BaseModel):
 
 class ResetPrefixCacheResponse(BaseModel):
     forgotten_blocks: int = Field(description="cached blocks the workers forgot")
+
+
+def limits(info: ValidationInfo) -> RequestLimits:
+    """The limits the body is parsed under (`parse_body`'s context), else the defaults."""
+    context = info.context or {}
+    return context.get("limits") or RequestLimits()
+
+
+@contextmanager
+def refusing() -> Iterator[None]:
+    """A limit's refusal as BodyRefused, which pydantic passes on at once: no other field
+    is validated and no error list (with a copy of the oversized input) is built."""
+    try:
+        yield
+    except InvalidArgumentError as exc:
+        raise BodyRefused(exc) from None
+
+
+def not_supported(name: str, value: Any, neutral: tuple[Any, ...]) -> InvalidArgumentError:
+    """`name` holds `value` where this server serves only its `neutral` values."""
+    return InvalidArgumentError(
+        f"{name}={_shown(value)} is not supported yet by this server; leave it out or send "
+        f"{neutral[-1]!r}"
+    )
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, (list, dict)) and len(value) > MAX_SHOWN_ITEMS:
+        return f"<{len(value)} items>"
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else f"{text[:MAX_SHOWN_CHARS]}..."
+
+
+def _counted_messages(messages: Any, info: ValidationInfo) -> Any:
+    """Messages counted before each is validated; their text is measured at admission."""
+    if isinstance(messages, list):
+        with refusing():
+            limits(info).chat_messages(len(messages))
+    return messages
 
 
 def _is_int(value: Any) -> bool:

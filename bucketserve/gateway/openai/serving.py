@@ -34,12 +34,17 @@ from bucketserve.gateway.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DeltaToolCall,
     ErrorInfo,
     ErrorResponse,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
+    not_supported,
 )
+from bucketserve.gateway.openai.tool_calls import ToolChoice, ToolStream, tool_calls_out
+from bucketserve.gateway.openai.tool_parsers import ToolParser
+from bucketserve.gateway.request_limits import RequestLimits
 from bucketserve.messages import StreamDelta
 from bucketserve.runtime.core.logprobs import TokenLogprob
 
@@ -48,6 +53,9 @@ SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop
             "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
             "min_p", "min_tokens")
 OPENAI_FINISH = {"stop": "stop", "length": "length", "cancelled": "abort"}  # vLLM's "abort"
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}  # vLLM's older names -> StructuredOutputsParams'
+STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace")
 LOGPROB_FLOOR = -9999.0  # -inf (a token excluded) as JSON can carry it, as vLLM writes it
 Body = CompletionRequest | ChatCompletionRequest
 TokenText = Callable[[int], str]
@@ -65,11 +73,16 @@ class OpenAIRequest:
     n: int = 1  # choices: samples of the prompt, prefilled once (SamplingParams.n)
     logprobs: int | None = None  # top logprobs per token (0: the sampled token's only)
     echo: bool = False  # completions: the prompt's text (and logprobs) before the output
+    tools: ToolChoice | None = None  # chat: the request's tools and tool_choice
 
     @classmethod
-    def parse(cls, body: str | bytes | Any, chat: bool) -> OpenAIRequest:
-        """`body` as JSON text or decoded JSON; InvalidArgumentError naming the field."""
-        req: Body = parse_body(ChatCompletionRequest if chat else CompletionRequest, body)
+    def parse(
+        cls, body: str | bytes | Any, chat: bool, limits: RequestLimits | None = None
+    ) -> OpenAIRequest:
+        """`body` as JSON text or decoded JSON, its lists and texts within `limits` (the
+        defaults if None); InvalidArgumentError naming the field."""
+        model = ChatCompletionRequest if chat else CompletionRequest
+        req: Body = parse_body(model, body, limits)
         _check_neutral(req)
         options = req.stream_options
         if options is not None and not req.stream:
@@ -84,8 +97,20 @@ class OpenAIRequest:
             inp.sampling["prompt_logprobs"] = logprobs
         if req.n != 1:
             inp.sampling["n"] = req.n
+        if req.logit_bias:
+            inp.sampling["logit_bias"] = dict(req.logit_bias)
+        tools = None
+        if isinstance(req, ChatCompletionRequest):
+            try:
+                tools = ToolChoice.of(req)
+            except ValueError as exc:
+                raise InvalidArgumentError(str(exc)) from None
+            if tools is not None:
+                inp.tools = tools.tools
+        _structured(req, inp, tools)
         return cls(
             input=inp,
+            tools=tools,
             n=req.n,
             logprobs=logprobs,
             echo=echo,
@@ -102,10 +127,42 @@ def _check_neutral(req: Body) -> None:
     for name, neutral in type(req).NEUTRAL.items():
         value = getattr(req, name)
         if value not in neutral:
+            raise not_supported(name, value, neutral)
+
+
+def _structured(req: Body, inp: GenerateInput, tools: ToolChoice | None) -> None:
+    """The one output constraint the body asks for, if any, into `inp.sampling` (compiled,
+    and so checked, at admission); `inp.structured_name` is the field it came from."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise InvalidArgumentError(
-                f"{name}={value!r} is not supported yet by this server; leave it out or "
-                f"send {neutral[-1]!r}"
+                "response_format.json_schema.schema is required with type json_schema"
             )
+        given.append(("response_format.json_schema.schema", {"json": fmt.json_schema.schema_}))
+    if req.structured_outputs is not None:
+        unknown = sorted(set(req.structured_outputs) - set(STRUCTURED_KEYS))
+        if unknown:
+            raise InvalidArgumentError(
+                f"structured_outputs has unknown keys {unknown}; known: {list(STRUCTURED_KEYS)}"
+            )
+        given.append(("structured_outputs", dict(req.structured_outputs)))
+    for name, kind in GUIDED.items():
+        value = getattr(req, name)
+        if value is not None:
+            given.append((name, {kind: value}))
+    if tools is not None and tools.forced:
+        given.append(("tools", {"json": tools.schema()}))
+    if len(given) > 1:
+        raise InvalidArgumentError(
+            "give at most one output constraint (response_format, structured_outputs, "
+            f"guided_*, or tool_choice required / a named function); got {[n for n, _ in given]}"
+        )
+    if given:
+        inp.structured_name, inp.sampling["structured_outputs"] = given[0]
 
 
 def _logprobs(req: Body) -> int | None:
@@ -142,16 +199,23 @@ def _input(req: Body) -> GenerateInput:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Text parts joined; OpenAI's `developer` role is the template's `system`."""
-    return [
-        {
+    """Text parts joined; OpenAI's `developer` role is the template's `system`; an
+    assistant's tool calls and a tool message's call id and name kept for the template."""
+    out = []
+    for m in messages:
+        message: dict[str, Any] = {
             "role": "system" if m.role == "developer" else m.role,
             "content": "".join(p.text for p in m.content)
             if isinstance(m.content, list)
             else m.content,
         }
-        for m in messages
-    ]
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        out.append(message)
+    return out
 
 
 class OpenAIFormat:
@@ -167,6 +231,7 @@ class OpenAIFormat:
         prompt_tokens: int = 0,
         token_text: TokenText | None = None,
         prefix: str = "",
+        tool_parser: ToolParser | None = None,
     ) -> None:
         self.oai = oai
         self.id = f"{'chatcmpl' if oai.chat else 'cmpl'}-{request_id}"
@@ -176,6 +241,12 @@ class OpenAIFormat:
         self.token_text = token_text or str
         self.prefix = prefix
         self._offsets: dict[int, int] = {}  # choice -> its text's length so far (streaming)
+        self.tool_parser = tool_parser
+        tools = oai.tools
+        self._calls = tools is not None and (
+            tools.forced or (tools.mode == "auto" and tool_parser is not None)
+        )
+        self._tool_streams: dict[int, ToolStream] = {}
 
     def opening(
         self, n: int, prompt_ids: Sequence[int], prompt_logprobs: Logprobs | None
@@ -196,6 +267,8 @@ class OpenAIFormat:
         the request's final delta when asked for. `completion_tokens`: the choice's so far."""
         out = []
         index = delta.index
+        if self._calls:
+            return self._tool_events(delta, completion_tokens)
         if delta.text or (delta.logprobs and delta.token_ids):
             out.append(
                 self._chunk(
@@ -206,10 +279,39 @@ class OpenAIFormat:
                     logprobs=delta.logprobs,
                 )
             )
+        out += self._ending(delta, completion_tokens)
+        return out
+
+    def _tool_events(self, delta: StreamDelta, completion_tokens: int) -> list[str]:
+        """A choice that may call tools: its content as it is sure not to be a call, its
+        calls when it ends."""
+        index = delta.index
+        assert self.oai.tools is not None
+        stream = self._tool_streams.setdefault(
+            index, ToolStream(self.oai.tools, self.tool_parser)
+        )
+        out = []
+        text = stream.feed(delta.text) if delta.text else ""
+        calls: list[DeltaToolCall] = []
+        if delta.finish_reason is not None and delta.finish_reason != "error":
+            rest, calls = stream.finish()
+            text += rest
+        if text:
+            out.append(self._chunk(text=text, completion_tokens=completion_tokens, index=index))
+        for call in calls:
+            out.append(
+                self._chunk(tool_calls=[call], completion_tokens=completion_tokens, index=index)
+            )
+        return out + self._ending(delta, completion_tokens, bool(calls))
+
+    def _ending(self, delta: StreamDelta, completion_tokens: int, calls: bool = False) -> list[str]:
+        """A choice's end (or error), then the usage after the request's final delta."""
+        out = []
+        index = delta.index
         if delta.finish_reason == "error":
             out.append(error_event(GenerationError(f"generation failed: {delta.error}")))
         elif delta.finish_reason is not None:
-            reason = _finish_reason(delta.finish_reason)
+            reason = _finish_reason(delta.finish_reason, calls)
             out.append(
                 self._chunk(finish_reason=reason, completion_tokens=completion_tokens, index=index)
             )
@@ -228,6 +330,7 @@ class OpenAIFormat:
         index: int = 0,
         token_ids: Sequence[int] = (),
         logprobs: Logprobs | None = None,
+        tool_calls: list[DeltaToolCall] | None = None,
     ) -> str:
         """One `data:` event's JSON; its usage is the running count when asked for."""
         usage = (
@@ -243,7 +346,7 @@ class OpenAIFormat:
             )
             out = CompletionResponse(**self._base(), choices=[choice], usage=usage)
             return out.model_dump_json()
-        delta = DeltaMessage(role=role, content=text)
+        delta = DeltaMessage(role=role, content=text, tool_calls=tool_calls)
         lp = self._chat_logprobs(token_ids, logprobs) if want else None
         chunk = ChatCompletionChunk(
             **self._base(),
@@ -252,7 +355,8 @@ class OpenAIFormat:
             ],
             usage=usage,
         )
-        unset = {k for k, v in (("role", role), ("content", text)) if v is None}
+        given = (("role", role), ("content", text), ("tool_calls", tool_calls))
+        unset = {k for k, v in given if v is None}
         return chunk.model_dump_json(exclude={"choices": {0: {"delta": unset}}})
 
     def response(
@@ -270,13 +374,7 @@ class OpenAIFormat:
         out: Any
         if self.oai.chat:
             chat = [
-                ChatChoice(
-                    index=i,
-                    message=ChatMessageOut(content=c.text),
-                    logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if want else None,
-                    finish_reason=_finish_reason(c.finish_reason or final.finish_reason),
-                )
-                for i, c in enumerate(choices)
+                self._chat_choice(i, c, final.finish_reason, want) for i, c in enumerate(choices)
             ]
             out = ChatCompletionResponse(**self._base(), choices=chat, usage=usage)
         else:
@@ -292,6 +390,18 @@ class OpenAIFormat:
             ]
             out = CompletionResponse(**self._base(), choices=completions, usage=usage)
         return out.model_dump()
+
+    def _chat_choice(self, i: int, c: Choice, final_reason: str | None, want: bool) -> ChatChoice:
+        content: str | None = c.text
+        calls: list = []
+        if self._calls and self.oai.tools is not None:
+            content, calls = self.oai.tools.calls(c.text, self.tool_parser)
+        return ChatChoice(
+            index=i,
+            message=ChatMessageOut(content=content, tool_calls=tool_calls_out(calls)),
+            logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if want else None,
+            finish_reason=_finish_reason(c.finish_reason or final_reason, bool(calls)),
+        )
 
     def _base(self) -> dict[str, Any]:
         return {"id": self.id, "created": self.created, "model": self.model}
@@ -355,8 +465,10 @@ def error_event(error: BucketServeError) -> str:
     return json.dumps({"error": error_body(error)["error"]})
 
 
-def _finish_reason(reason: str | None) -> str:
-    return OPENAI_FINISH.get(reason or "", "stop")
+def _finish_reason(reason: str | None, calls: bool = False) -> str:
+    """OpenAI's name; a choice that ends in tool calls ends with "tool_calls"."""
+    out = OPENAI_FINISH.get(reason or "", "stop")
+    return "tool_calls" if calls and out == "stop" else out
 
 
 def _padded(logprobs: Logprobs, n: int) -> list[TokenLogprob | None]:

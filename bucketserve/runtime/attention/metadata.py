@@ -28,6 +28,8 @@ class AttentionGroup:
     tokens: torch.Tensor | None = None  # [n] long
     attn_mask: torch.Tensor | None = None  # set by prepare() for the rectangle path
     context_lens: torch.Tensor | None = None  # [R] int32, set by prepare() for the kernel
+    # attn_mask narrowed to a sliding window, per window (layers may differ), made once a step
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def prepare(
         self, block_size: int, num_queries_per_kv: int, head_dim: int, dtype: torch.dtype
@@ -46,16 +48,37 @@ class AttentionGroup:
         num_keys = self.block_tables.shape[1] * block_size
         self.attn_mask = rect_mask(self.query_positions, num_keys, num_queries_per_kv, dtype)
 
+    def window_mask(self, sliding_window: int) -> torch.Tensor:
+        """The rectangle's mask with each query seeing its last `sliding_window` keys alone."""
+        mask = self.window_masks.get(sliding_window)
+        if mask is None:
+            assert self.attn_mask is not None
+            _, _, rows, num_keys = self.attn_mask.shape
+            per_kv = rows // self.query_positions.shape[1]
+            mask = rect_mask(
+                self.query_positions, num_keys, per_kv, self.attn_mask.dtype, sliding_window
+            )
+            self.window_masks[sliding_window] = mask
+        return mask
+
 
 def rect_mask(
-    query_positions: torch.Tensor, num_keys: int, num_queries_per_kv: int, dtype: torch.dtype
+    query_positions: torch.Tensor,
+    num_keys: int,
+    num_queries_per_kv: int,
+    dtype: torch.dtype,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The additive mask `[R, 1, per_kv * Q, keys]` of a padded rectangle: query i of row r
-    sees keys 0..query_positions[r, i]."""
+    at position p = query_positions[r, i] sees keys 0..p, or with a sliding window w the
+    keys p - w + 1..p (transformers' sliding-window semantics)."""
     keys = torch.arange(num_keys, device=query_positions.device)
     # Row order matches the query layout in attend_rect: group-major.
-    positions = query_positions.repeat(1, num_queries_per_kv)
-    allowed = (keys <= positions.unsqueeze(-1)).unsqueeze(1)
+    positions = query_positions.repeat(1, num_queries_per_kv).unsqueeze(-1)
+    allowed = keys <= positions
+    if sliding_window:
+        allowed = allowed & (keys > positions - sliding_window)
+    allowed = allowed.unsqueeze(1)
     # Additive float mask: SDPA's CPU kernel is faster with it than with a bool one.
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill(~allowed, float("-inf"))
@@ -88,6 +111,24 @@ class AttentionMetadata:
     padded: bool = False  # rows and queries padded to a shape bucket
     write_slots: torch.Tensor | None = None  # set by prepare()
     varlen: bool = False  # set by prepare(): the C varlen kernel attends the whole step
+    # causal masks of sliding windows over a prompt chunk, per (length, window, dtype)
+    span_masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(
+        default_factory=dict, repr=False
+    )
+
+    def span_mask(self, length: int, sliding_window: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive `[length, length]` mask of a prompt chunk with no earlier context
+        under a sliding window: token i sees tokens i - w + 1..i."""
+        key = (length, sliding_window, dtype)
+        mask = self.span_masks.get(key)
+        if mask is None:
+            at = torch.arange(length, device=self.slot_mapping.device)
+            back = at.unsqueeze(1) - at
+            allowed = (back >= 0) & (back < sliding_window)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            mask = mask.masked_fill(~allowed, float("-inf"))
+            self.span_masks[key] = mask
+        return mask
 
     def prepare(self, num_queries_per_kv: int, head_dim: int, dtype: torch.dtype) -> None:
         """Derive what the CPU path needs, once per step (graph-capturable: no host sync)."""

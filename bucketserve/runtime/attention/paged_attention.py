@@ -47,23 +47,30 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's queries `[T, heads, head_dim]` over each row's context;
-    `k`, `v` `[T, kv_heads, head_dim]` are the step's own (already written to the pool)."""
+    `k`, `v` `[T, kv_heads, head_dim]` are the step's own (already written to the pool).
+    With `sliding_window` w the query at position p sees keys p - w + 1..p alone."""
     if metadata.varlen:
         kernel = kernels.load()
         return kernel.paged_prefill(
             q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
-            metadata.context_lens, scale,
+            metadata.context_lens, scale, sliding_window,
         )  # fmt: skip
     groups = metadata.groups
     if len(groups) == 1 and groups[0].gather_index is None and not metadata.causal_spans:
-        return _attend(q, k_cache, v_cache, groups[0], scale)
+        return _attend(q, k_cache, v_cache, groups[0], scale, sliding_window)
     out = torch.empty_like(q)
     for start, end in metadata.causal_spans:
-        out[start:end] = _attend_causal(q[start:end], k[start:end], v[start:end], scale)
+        mask = None
+        if sliding_window and end - start > sliding_window:
+            mask = metadata.span_mask(end - start, sliding_window, q.dtype)
+        out[start:end] = _attend_causal(q[start:end], k[start:end], v[start:end], scale, mask)
     for group in groups:
-        o = _attend(q.index_select(0, group.gather_index), k_cache, v_cache, group, scale)
+        o = _attend(
+            q.index_select(0, group.gather_index), k_cache, v_cache, group, scale, sliding_window
+        )
         if group.valid_slots is not None:
             o = o.index_select(0, group.valid_slots)
         out.index_copy_(0, group.tokens, o)
@@ -76,6 +83,7 @@ def _attend(
     v_cache: torch.Tensor,
     group: AttentionGroup,
     scale: float,
+    sliding_window: int | None,
 ) -> torch.Tensor:
     """One rectangle: gather each row's blocks (one index_select per tensor, each head's
     keys contiguous), then SDPA with the queries of a KV head stacked, so grouped-query
@@ -83,9 +91,11 @@ def _attend(
     if group.context_lens is not None:
         kernel = kernels.load()
         return kernel.paged_decode(
-            q, k_cache, v_cache, group.block_tables, group.context_lens, scale
-        )
-    return attend_rect(q, k_cache, v_cache, group.block_tables, group.attn_mask, scale)
+            q, k_cache, v_cache, group.block_tables, group.context_lens, scale, None,
+            sliding_window,
+        )  # fmt: skip
+    mask = group.window_mask(sliding_window) if sliding_window else group.attn_mask
+    return attend_rect(q, k_cache, v_cache, group.block_tables, mask, scale)
 
 
 def attend_rect(
@@ -112,15 +122,24 @@ def attend_rect(
     return out.reshape(rows * queries, heads, dim)
 
 
-def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend_causal(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One prompt chunk over itself: SDPA's flash kernel (4-D inputs only, else the math
     path) on contiguous `[1, heads, n, dim]`, its fast layout; K/V are repeated per query
-    head, which costs little next to the rest."""
+    head, which costs little next to the rest. `mask`: a sliding window's (`span_mask`)
+    in place of the causal one."""
     per_kv = q.shape[1] // k.shape[1]
     q = q.transpose(0, 1).contiguous().unsqueeze(0)
     k = k.transpose(0, 1).repeat_interleave(per_kv, dim=0).unsqueeze(0)
     v = v.transpose(0, 1).repeat_interleave(per_kv, dim=0).unsqueeze(0)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
+    )
     return out[0].transpose(0, 1)
 
 
@@ -155,3 +174,21 @@ def attend_flat(
     out = out.index_add(0, block_rows, torch.einsum("nkps,knsd->nkpd", p, v))
     out = out / total.clamp_min(torch.finfo(q.dtype).tiny).unsqueeze(-1)
     return out.reshape(rows, heads, dim)
+
+
+def flat_window(
+    block_valid: torch.Tensor,
+    block_rows: torch.Tensor,
+    block_starts: torch.Tensor,
+    context_lens: torch.Tensor,
+    sliding_window: int,
+) -> torch.Tensor:
+    """`attend_flat`'s `block_valid` narrowed to a sliding window: row r's one query, at
+    position `context_lens[r] - 1`, sees its last `sliding_window` context slots alone
+    (block n is block `n - block_starts[block_rows[n]]` of its row)."""
+    block_size = block_valid.shape[1]
+    index = torch.arange(block_rows.shape[0], device=block_rows.device)
+    index = index - block_starts.index_select(0, block_rows)
+    keys = index.unsqueeze(1) * block_size + torch.arange(block_size, device=index.device)
+    first = context_lens.index_select(0, block_rows).to(keys.dtype) - sliding_window
+    return block_valid & (keys >= first.unsqueeze(1))

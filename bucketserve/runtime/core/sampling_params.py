@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
+
+from bucketserve.runtime.core.structured_outputs import StructuredOutputsParams
 
 MAX_N = 16  # the most samples one request may ask for
 MAX_LOGPROBS = 20  # the most top logprobs a token may carry (vLLM's default max_logprobs)
+LOGIT_BIAS_LIMIT = 100.0  # a bias is clamped to [-100, 100], as OpenAI and vLLM do
 
 
 @dataclass
@@ -36,12 +40,19 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k's
     n: int = 1  # samples of one prompt, prefilled once (sample i seeded with seed + i)
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the top k's
+    # the output must match a JSON schema, regex, choice or grammar (masked in the sampler)
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias is not None:
+            self.logit_bias = _clamped_bias(self.logit_bias)
         self.validate()
 
     @property
@@ -111,6 +122,40 @@ class SamplingParams:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(
+                    "structured_outputs must be a StructuredOutputsParams, got "
+                    f"{type(self.structured_outputs).__name__}"
+                )
+            self.structured_outputs.validate()
+        if self.logit_bias is not None:
+            _check_bias(self.logit_bias)
+
+
+def _clamped_bias(bias: object) -> object:
+    """Keys as ints (OpenAI's JSON sends them as strings), values clamped to the limit;
+    anything malformed is left for validate() to name."""
+    if not isinstance(bias, dict):
+        return bias
+    out = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().isdigit():
+            key = int(key)
+        if _number(value) and math.isfinite(value):
+            value = min(max(float(value), -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
+        out[key] = value
+    return out
+
+
+def _check_bias(bias: object) -> None:
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+    for key, value in bias.items():
+        if not _integer(key) or key < 0:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r}")
+        if not _number(value) or not math.isfinite(value):
+            raise ValueError(f"logit_bias[{key}] must be a finite number, got {value!r}")
 
 
 def _number(value: object) -> bool:

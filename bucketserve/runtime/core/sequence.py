@@ -80,6 +80,8 @@ class Sequence:
         self.token_ids: list[int] = [*prompt_token_ids, *output_token_ids]
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params or SamplingParams()
+        self._stop_set_of: SamplingParams | None = None  # the params _stop_set was made of
+        self._stop_set: frozenset[int] = frozenset()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.ttft_deadline = ttft_deadline
@@ -132,6 +134,15 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def stop_token_set(self) -> frozenset[int]:
+        """Its params' stop token ids as a set, looked up for every generated token (made
+        again only if the params are replaced)."""
+        params = self.sampling_params
+        if self._stop_set_of is not params:
+            self._stop_set_of, self._stop_set = params, frozenset(params.stop_token_ids)
+        return self._stop_set
+
+    @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
 
@@ -157,7 +168,7 @@ def finish_reason(
     if seq.num_output_tokens > params.min_tokens:  # none stops before min_tokens
         if not params.ignore_eos and token in eos_token_ids:
             return FinishReason.STOP
-        if token in params.stop_token_ids:
+        if token in seq.stop_token_set:
             seq.stop_reason = token
             return FinishReason.STOP
     if seq.num_output_tokens >= params.max_tokens or len(seq) >= max_seq_len:

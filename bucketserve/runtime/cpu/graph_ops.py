@@ -91,14 +91,18 @@ def paged_decode_flat(
     block_starts: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """`CpuKernels.paged_decode` over a decode step's flat block list."""
+    """`CpuKernels.paged_decode` over a decode step's flat block list (`sliding_window` 0:
+    none)."""
     kernel = kernels.load()
-    return kernel.paged_decode(q, k_cache, v_cache, block_list, context_lens, scale, block_starts)
+    return kernel.paged_decode(
+        q, k_cache, v_cache, block_list, context_lens, scale, block_starts, sliding_window
+    )
 
 
 @paged_decode_flat.register_fake
-def _(q, k_cache, v_cache, block_list, block_starts, context_lens, scale):
+def _(q, k_cache, v_cache, block_list, block_starts, context_lens, scale, sliding_window=0):
     return q.new_empty(q.shape)
 
 
@@ -112,19 +116,23 @@ def paged_prefill_rect(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """`CpuKernels.paged_prefill` over a padded rectangle `q [B * Q, heads, dim]`: its real
     tokens (the first `query_start_loc[-1]` of `token_order`) run as one varlen step,
-    padding tokens get zeros."""
+    padding tokens get zeros (`sliding_window` 0: none)."""
     real = int(query_start_loc[-1])
     order = token_order[:real]
     out = kernels.load().paged_prefill(
         q.index_select(0, order), k_cache, v_cache, block_tables, query_start_loc,
-        context_lens, scale,
+        context_lens, scale, sliding_window,
     )  # fmt: skip
     return q.new_zeros(q.shape).index_copy_(0, order, out)
 
 
 @paged_prefill_rect.register_fake
-def _(q, k_cache, v_cache, block_tables, token_order, query_start_loc, context_lens, scale):
+def _(
+    q, k_cache, v_cache, block_tables, token_order, query_start_loc, context_lens, scale,
+    sliding_window=0,
+):  # fmt: skip
     return q.new_empty(q.shape)

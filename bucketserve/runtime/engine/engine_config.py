@@ -15,12 +15,15 @@ class EngineConfig:
     """`pipeline_depth` is the microbatch queue's size (1 = synchronous steps).
     `pipeline_parallel_size` splits the layers over that many stages (threads of this
     process, `stage_torch_threads` intra-op threads each); the queue then holds at least
-    one microbatch per stage."""
+    one microbatch per stage. `tensor_parallel_size` shards every layer over that many
+    ranks: this process (the head: scheduler, block manager, sampling) and spawned
+    processes (`stage_torch_threads` intra-op threads each, else the cores shared out)."""
 
     runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     pipeline_depth: int = 1
     pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
     stage_torch_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -31,6 +34,14 @@ class EngineConfig:
         pp = self.pipeline_parallel_size
         if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
             raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1 and pp > 1:
+            raise ValueError(
+                "tensor_parallel_size and pipeline_parallel_size > 1 together are not supported "
+                "in one engine yet; use one of them"
+            )
         threads = self.stage_torch_threads
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"stage_torch_threads must be None or >= 1, got {threads!r}")
@@ -45,6 +56,7 @@ class EngineConfig:
             **{f.name: "scheduler" for f in dataclasses.fields(SchedulerConfig)},
             "pipeline_depth": "engine",
             "pipeline_parallel_size": "engine",
+            "tensor_parallel_size": "engine",
             "stage_torch_threads": "engine",
         }
         unknown = sorted(set(kwargs) - set(owners))

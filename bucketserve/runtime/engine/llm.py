@@ -22,7 +22,8 @@ class LLM:
 
     `LLM(model=None)` loads the embedded SmolLM2; other keyword arguments are
     engine options (`max_num_seqs`, `num_kv_blocks`, `pipeline_depth`,
-    `pipeline_parallel_size`, ..., see `EngineConfig.from_kwargs`). `runner` reuses an
+    `pipeline_parallel_size`, `tensor_parallel_size`, ..., see
+    `EngineConfig.from_kwargs`). `runner` reuses an
     already loaded model.
     """
 
@@ -30,6 +31,10 @@ class LLM:
         self, model: str | None = None, *, runner: ModelRunner | None = None, **config: Any
     ) -> None:
         self.engine = LLMEngine.from_kwargs(runner=runner, model=model, **config)
+
+    def close(self) -> None:
+        """Stop what the engine started (pipeline stages, tensor-parallel ranks)."""
+        self.engine.close()
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -58,16 +63,20 @@ class LLM:
         messages: Messages | Sequence[Messages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Like generate() for conversations ([{"role", "content"}, ...], or a list of them),
-        rendered with the model's chat template."""
+        rendered with the model's chat template, or `chat_template` (a file or the Jinja
+        text) instead."""
         if isinstance(messages, list) and messages and isinstance(messages[0], dict):
             messages = [messages]
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a conversation or a non-empty list of them")
         requests = []
         for conversation in messages:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, chat_template=chat_template
+            )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             requests.append((ids, text))
         return self._run(requests, sampling_params, use_tqdm)

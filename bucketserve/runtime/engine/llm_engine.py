@@ -13,6 +13,7 @@ from typing import Any
 from bucketserve.runtime.core.block_manager import BlockManager
 from bucketserve.runtime.core.engine_request import EngineRequest, SampleState
 from bucketserve.runtime.core.executor import ExecutionError
+from bucketserve.runtime.core.grammar_compiler import validate_structured_outputs
 from bucketserve.runtime.core.output_processor import OutputProcessor
 from bucketserve.runtime.core.outputs import RequestOutput
 from bucketserve.runtime.core.sampling_params import SamplingParams
@@ -23,6 +24,7 @@ from bucketserve.runtime.engine.engine_config import EngineConfig
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 from bucketserve.runtime.worker.pipeline.pipeline_executor import PipelineExecutor, make_executor
 from bucketserve.runtime.worker.pipeline.pipeline_runner import PipelineRunner
+from bucketserve.runtime.worker.tensor_parallel.tp_runner import TensorParallelRunner
 
 Shape = tuple[int, int, int]
 PadFn = Callable[[list[Sequence], list[int]], "Shape | None"]
@@ -67,16 +69,19 @@ class LLMEngine:
         detokenize: bool = True,
     ):
         self.config = config = config or EngineConfig()
-        if runner is not None and config.pipeline_parallel_size > 1:
+        if runner is not None and (
+            config.pipeline_parallel_size > 1 or config.tensor_parallel_size > 1
+        ):
             raise ValueError(
-                "pipeline_parallel_size builds the engine's own stages; pass either it or an "
-                "existing runner, not both"
+                "pipeline_parallel_size (tensor_parallel_size) builds the engine's own stages "
+                "(ranks); pass either it or an existing runner, not both"
             )
         if runner is not None and config.runner != ModelRunnerConfig():
             raise ValueError(
                 "model runner options (model, num_kv_blocks, ...) configure a new runner; "
                 "pass either them or an existing runner, not both"
             )
+        self._owns_runner = runner is None
         self.runner = runner or _new_runner(config)
         self.tokenizer = self.runner.tokenizer
         self.block_manager = BlockManager(
@@ -197,6 +202,7 @@ class LLMEngine:
             request.prompt = prompt
         self.scheduler.check(request.seq)
         self._check_stop(request.seq.sampling_params)
+        self._check_constraints(request.seq.sampling_params)
         request.prompt_logprobs = request.seq.sampling_params.prompt_logprobs is not None
         return request
 
@@ -216,6 +222,17 @@ class LLMEngine:
     def _check_stop(self, params: SamplingParams) -> None:
         if params.stop and not self.detokenize:
             raise ValueError("this engine streams token ids only; stop strings are its caller's")
+
+    def _check_constraints(self, params: SamplingParams) -> None:
+        """The structured-output spec compiles (against the model's tokens where this
+        process samples) and the logit bias names real tokens."""
+        manager = getattr(self.runner, "structured", None)
+        validate_structured_outputs(params.structured_outputs, manager and manager.compiler)
+        if params.logit_bias:
+            vocab = self.runner.model_config.vocab_size
+            bad = [t for t in params.logit_bias if t >= vocab]
+            if bad:
+                raise ValueError(f"logit_bias names token ids {bad[:5]} outside [0, {vocab})")
 
     def _track(self, seq: Sequence) -> None:
         """Text and stop strings for `seq` (untracked requests yield token ids only)."""
@@ -318,6 +335,8 @@ class LLMEngine:
 
     def close(self) -> None:
         self.executor.shutdown()
+        if self._owns_runner and isinstance(self.runner, TensorParallelRunner):
+            self.runner.shutdown()
 
     def _microbatch_limit(self) -> int:
         """Over stages, the unfinished requests shared out so every stage gets a microbatch
@@ -415,6 +434,10 @@ class LLMEngine:
 
 
 def _new_runner(config: EngineConfig) -> ModelRunner | PipelineRunner:
+    if config.tensor_parallel_size > 1:
+        return TensorParallelRunner(
+            config.runner, config.tensor_parallel_size, config.stage_torch_threads
+        )
     if config.pipeline_parallel_size == 1:
         return ModelRunner(config.runner)
     return PipelineRunner.local(

@@ -12,17 +12,15 @@ import gguf
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
-SUPPORTED_ARCHITECTURES = ("llama",)
-# llama.cpp pre-tokenizers that split every digit, then apply the GPT-2 regex.
-DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")
-GPT2_PRE = ("gpt-2", "gpt2", "mpt", "olmo", "jais")
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+from bucketserve.runtime.io.gguf_tokenizer import GGUFTokenizer
+
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 _MISSING = object()
 
-_LAYER_NAMES = {
+_LLAMA_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -33,12 +31,28 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms the residual stream four times a layer; llama.cpp's ffn_norm is the one
+# before the MLP.
+_GEMMA3_LAYER_NAMES = {
+    **_LLAMA_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_LAYER_NAMES = {"llama": _LLAMA_LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# What llama.cpp assumes for Gemma 3 files that do not say: every sixth layer attends
+# globally, the sliding layers rotate with base 10000.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_27B_LAYERS = 62  # the one size that scales queries by hidden / heads, not head_dim
 
 
 class GGUFConverter:
@@ -57,6 +71,7 @@ class GGUFConverter:
                 f"supported: {SUPPORTED_ARCHITECTURES}"
             )
         self.tensor_names = {t.name for t in self.reader.tensors}
+        self.tokenizer = GGUFTokenizer(self.field, self.arch)
 
     def field(self, key: str, default: Any = _MISSING) -> Any:
         f = self.reader.fields.get(key)
@@ -70,7 +85,7 @@ class GGUFConverter:
         return self.field(f"{self.arch}.{key}", default)
 
     def config_dict(self) -> dict[str, Any]:
-        """config.json for transformers' LlamaForCausalLM."""
+        """config.json for transformers' LlamaForCausalLM or Gemma3ForCausalLM."""
         hidden = self._arch_field("embedding_length")
         heads = self._arch_field("attention.head_count")
         head_dim = self._arch_field("attention.key_length", hidden // heads)
@@ -81,29 +96,57 @@ class GGUFConverter:
                 "GGUF with rope_freqs (Llama-3.1 style rope scaling) is not supported; "
                 "use the Hugging Face safetensors directory instead"
             )
-        tokens = self.field("tokenizer.ggml.tokens")
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": self._arch_field("vocab_size", len(tokens)),
+        config = {
+            "vocab_size": self._arch_field("vocab_size", len(self.tokenizer.tokens)),
             "hidden_size": hidden,
             "intermediate_size": self._arch_field("feed_forward_length"),
             "num_hidden_layers": self._arch_field("block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": self._arch_field("attention.head_count_kv", heads),
             "head_dim": head_dim,
-            "hidden_act": "silu",
             "rms_norm_eps": self._arch_field("attention.layer_norm_rms_epsilon"),
-            "rope_theta": self._arch_field("rope.freq_base", 10000.0),
             "rope_scaling": self._rope_scaling(),
             "max_position_embeddings": self._arch_field("context_length"),
             "tie_word_embeddings": "output.weight" not in self.tensor_names,
             "attention_bias": "blk.0.attn_q.bias" in self.tensor_names,
-            "mlp_bias": False,
             "bos_token_id": self.field("tokenizer.ggml.bos_token_id", None),
             "eos_token_id": self.field("tokenizer.ggml.eos_token_id", None),
             "pad_token_id": self.field("tokenizer.ggml.padding_token_id", None),
             "torch_dtype": "float32",
+        }
+        if self.arch == "gemma3":
+            return {**self._gemma3_config(config), **config}
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            **config,
+            "hidden_act": "silu",
+            "rope_theta": self._arch_field("rope.freq_base", 10000.0),
+            "mlp_bias": False,
+        }
+
+    def _gemma3_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The keys a Hugging Face Gemma 3 checkpoint's config.json has beyond Llama's."""
+        layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+        pattern = self._arch_field("attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+        if isinstance(pattern, list):
+            sliding = [bool(p) for p in pattern]
+        else:
+            sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+        scalar = config["head_dim"]
+        if layers == GEMMA3_27B_LAYERS:
+            scalar = config["hidden_size"] // heads
+        return {
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rope_theta": self._arch_field("rope.freq_base", 1_000_000.0),
+            "rope_local_base_freq": self._arch_field("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE),
+            "sliding_window": self._arch_field("attention.sliding_window"),
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+            "query_pre_attn_scalar": scalar,
+            "attn_logit_softcapping": self._arch_field("attn_logit_softcapping", None),
+            "final_logit_softcapping": self._arch_field("final_logit_softcapping", None),
         }
 
     def _rope_scaling(self) -> dict[str, Any] | None:
@@ -115,92 +158,28 @@ class GGUFConverter:
         return {"rope_type": "linear", "factor": self._arch_field("rope.scaling.factor")}
 
     def build_tokenizer(self) -> Tokenizer:
-        """A `tokenizers` byte-level BPE that tokenizes as llama.cpp does for this file."""
-        kind = self.field("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(
-                f"GGUF tokenizer {kind!r} is not supported; only byte-level BPE ('gpt2')"
-            )
-        tokens = self.field("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in self.field("tokenizer.ggml.merges")]
-        vocab = {token: i for i, token in enumerate(tokens)}
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        tok.pre_tokenizer = self._pre_tokenizer()
-        tok.decoder = decoders.ByteLevel()
-        tok.post_processor = self._post_processor(tokens)
-        types = self._token_types(tokens)
-        tok.add_special_tokens(
-            [
-                AddedToken(t, special=True, normalized=False)
-                for t, k in zip(tokens, types, strict=True)
-                if k == CONTROL
-            ]
-        )
-        tok.add_tokens(
-            [
-                AddedToken(t, special=False, normalized=False)
-                for t, k in zip(tokens, types, strict=True)
-                if k == USER_DEFINED
-            ]
-        )
-        return tok
-
-    def _token_types(self, tokens: list[str]) -> list[int]:
-        return self.field("tokenizer.ggml.token_type", None) or [1] * len(tokens)
-
-    def _pre_tokenizer(self) -> pre_tokenizers.PreTokenizer:
-        pre = self.field("tokenizer.ggml.pre", "gpt-2")
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre in DIGIT_SPLIT_PRE:
-            return pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
-        if pre in GPT2_PRE:
-            return byte_level
-        raise ValueError(
-            f"GGUF pre-tokenizer {pre!r} is not supported; supported: {DIGIT_SPLIT_PRE + GPT2_PRE}"
-        )
-
-    def _post_processor(self, tokens: list[str]) -> processors.PostProcessor:
-        bos_id = self.field("tokenizer.ggml.bos_token_id", None)
-        if not self.field("tokenizer.ggml.add_bos_token", False) or bos_id is None:
-            return processors.ByteLevel(trim_offsets=False)
-        bos = tokens[bos_id]
-        return processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
-        )
+        """A `tokenizers` tokenizer that encodes as transformers does with this file."""
+        return self.tokenizer.build()
 
     def tokenizer_config(self) -> dict[str, Any]:
-        tokens = self.field("tokenizer.ggml.tokens")
-        types = self._token_types(tokens)
-
-        def token(key: str) -> str | None:
-            i = self.field(f"tokenizer.ggml.{key}", None)
-            return None if i is None else tokens[i]
-
-        return {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": token("bos_token_id"),
-            "eos_token": token("eos_token_id"),
-            "unk_token": token("unknown_token_id"),
-            "pad_token": token("padding_token_id"),
-            "additional_special_tokens": [
-                t for t, k in zip(tokens, types, strict=True) if k == CONTROL
-            ],
-            "add_bos_token": bool(self.field("tokenizer.ggml.add_bos_token", False)),
-            "add_eos_token": False,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": self._arch_field("context_length"),
-            "chat_template": self.field("tokenizer.chat_template", None),
-        }
+        return self.tokenizer.config(self._arch_field("context_length"))
 
     def generation_config(self) -> dict[str, Any]:
         keys = ("bos_token_id", "eos_token_id", "pad_token_id")
         config = self.config_dict()
-        return {k: config[k] for k in keys if config[k] is not None}
+        out = {k: config[k] for k in keys if config[k] is not None}
+        # Gemma ends a chat turn with <end_of_turn>, a stop token for llama.cpp and in the
+        # Hugging Face checkpoints, though the file names only <eos>.
+        if self.arch == "gemma3" and "<end_of_turn>" in self.tokenizer.tokens:
+            eos = config["eos_token_id"]
+            out["eos_token_id"] = [
+                *([] if eos is None else [eos]),
+                self.tokenizer.tokens.index("<end_of_turn>"),
+            ]
+        return out
 
     def write_tokenizer(self, out_dir: str | Path) -> None:
-        """tokenizer.json + tokenizer_config.json only: fast, no weights touched."""
+        """tokenizer.json + tokenizer_config.json only: no weights touched."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.build_tokenizer().save(str(out / "tokenizer.json"))
@@ -210,6 +189,7 @@ class GGUFConverter:
         """A complete HF directory: config, generation config, tokenizer, float32 weights."""
         out = Path(out_dir)
         config = self.config_dict()
+        self.tokenizer.check()
         self.check_quant_types()
         self.write_tokenizer(out)
         weights = dict(self.iter_tensors(progress, config))
@@ -235,29 +215,32 @@ class GGUFConverter:
     def iter_tensors(
         self, progress: bool = False, config: dict[str, Any] | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, float32 tensor) pairs, with llama.cpp's Q/K row permutation undone."""
+        """(HF name, float32 tensor) pairs in the Hugging Face layout: llama.cpp's Q/K row
+        permutation undone (Llama), its 1 + w norm weights back to w (Gemma)."""
         config = config or self.config_dict()
         heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
         tensors = tqdm(
             self.reader.tensors, desc=f"converting {self.path.name}", disable=not progress
         )
         for t in tensors:
-            name = _hf_name(t.name)
+            name = self._hf_name(t.name)
             shape = tuple(reversed([int(d) for d in t.shape]))
             data = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
             proj = name.split(".")[-2]
-            if proj in heads:
+            if self.arch == "llama" and proj in heads:
                 data = _unpermute(data, heads[proj])
+            if self.arch == "gemma3" and name.endswith("norm.weight"):
+                data = data - np.float32(1)
             yield name, torch.from_numpy(np.ascontiguousarray(data))
 
-
-def _hf_name(name: str) -> str:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    m = _LAYER_RE.fullmatch(name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
-        raise ValueError(f"GGUF tensor {name!r} has no Llama counterpart")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    def _hf_name(self, name: str) -> str:
+        if name in _TOP_NAMES:
+            return _TOP_NAMES[name]
+        layer_names = _LAYER_NAMES[self.arch]
+        m = _LAYER_RE.fullmatch(name)
+        if m is None or m.group(2) not in layer_names:
+            raise ValueError(f"GGUF tensor {name!r} has no Hugging Face {self.arch} counterpart")
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:

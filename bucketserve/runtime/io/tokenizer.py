@@ -12,6 +12,13 @@ import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+NO_CHAT_TEMPLATE = (
+    "this model has no chat template (its tokenizer_config.json names none, as a base "
+    "model's), so chat messages cannot become a prompt: send a plain prompt "
+    "(/v1/completions), or give a template: `bucketserve serve --chat-template FILE` "
+    "(model.chat_template in the config file), LLM(..., chat_template=FILE) offline"
+)
+
 
 class Tokenizer:
     """`tokenizers.Tokenizer` plus the chat template, behaving like transformers' AutoTokenizer.
@@ -31,7 +38,8 @@ class Tokenizer:
         self._template: jinja2.Template | None = None
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+    def from_dir(cls, model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """`chat_template` (a file or the template itself) replaces the model's own."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -44,6 +52,8 @@ class Tokenizer:
         template_file = model_dir / "chat_template.jinja"
         if template is None and template_file.is_file():
             template = template_file.read_text()
+        if chat_template is not None:
+            template = load_chat_template(chat_template)
         names = ("bos_token", "eos_token", "unk_token", "pad_token")
         special = {name: _token_text(config.get(name)) for name in names}
         return cls(tokenizers.Tokenizer.from_file(str(path)), template, special)
@@ -62,17 +72,21 @@ class Tokenizer:
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}]) with the model's chat template."""
+        """Render `messages` ([{"role": ..., "content": ...}]) with the model's chat template,
+        or with `chat_template` (a file or the template itself) instead."""
         _check_messages(messages)
-        if self._template is None:
+        if chat_template is not None:
+            template = _jinja_env().from_string(load_chat_template(chat_template))
+        elif self._template is None:
             if not self.chat_template:
-                raise ValueError(
-                    "this tokenizer has no chat_template; encode a plain prompt instead"
-                )
-            self._template = _jinja_env().from_string(self.chat_template)
-        return self._template.render(
+                raise ValueError(NO_CHAT_TEMPLATE)
+            template = self._template = _jinja_env().from_string(self.chat_template)
+        else:
+            template = self._template
+        return template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             **self.special_tokens,
@@ -102,6 +116,22 @@ class Tokenizer:
     def all_special_ids(self) -> list[int]:
         added = self.backend.get_added_tokens_decoder()
         return sorted(i for i, token in added.items() if token.special)
+
+
+def load_chat_template(template: str) -> str:
+    """A Jinja chat template from a file, or given as itself (vLLM's --chat-template)."""
+    path = Path(template).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # a template too long to be a file name
+        pass
+    if "{{" in template or "{%" in template:
+        return template
+    raise ValueError(
+        f"chat template {template!r} is neither a file nor a Jinja template "
+        "(one with {{ ... }} or {% ... %})"
+    )
 
 
 def _token_text(value: Any) -> str | None:

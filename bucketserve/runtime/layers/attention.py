@@ -1,28 +1,42 @@
-"""The attention call a decoder layer makes: `attend(q, k, v, scale)` writes the step's K/V
-into the layer's paged cache and attends each query over its row's context. One factory
-per step form: eager steps, by the step's metadata (`paged_attend`), and the static-shape
-regions a graph compiler takes, from tensors alone: padded prompt rectangles
-(`rect_attend`) and decode steps over their flat block list (`flat_attend`)."""
+"""The attention call a decoder layer makes: `attend(q, k, v, scale, sliding_window=None)`
+writes the step's K/V into the layer's paged cache and attends each query over its row's
+context, or with a sliding window w over its last w positions (the query's own included).
+One factory per step form: eager steps, by the step's metadata (`paged_attend`), and the
+static-shape regions a graph compiler takes, from tensors alone: padded prompt rectangles
+(`rect_attend`) and decode steps over their flat block list (`flat_attend`). The window is
+a layer's own python int: inside a graph it is a constant of the trace."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
-from bucketserve.runtime.attention.metadata import AttentionMetadata
+from bucketserve.runtime.attention.metadata import AttentionMetadata, rect_mask
 from bucketserve.runtime.attention.paged_attention import (
     attend_flat,
     attend_rect,
+    flat_window,
     paged_attention,
     write_kv,
     write_slots,
 )
 from bucketserve.runtime.cpu.graph_ops import paged_decode_flat, paged_prefill_rect
 
-# (q [T, heads, dim], k, v [T, kv_heads, dim], scale) -> attention output [T, heads, dim]
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+class Attend(Protocol):
+    """(q [T, heads, dim], k, v [T, kv_heads, dim], scale) -> output [T, heads, dim]; the
+    query at position p sees keys 0..p, or p - w + 1..p with `sliding_window` w (None: the
+    whole context; transformers' semantics)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor: ...
 
 
 class KVLayers(Protocol):
@@ -36,9 +50,15 @@ class KVLayers(Protocol):
 def paged_attend(
     k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata
 ) -> Attend:
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, metadata)
-        return paged_attention(q, k, v, k_cache, v_cache, metadata, scale)
+        return paged_attention(q, k, v, k_cache, v_cache, metadata, scale, sliding_window)
 
     return attend
 
@@ -53,19 +73,32 @@ def rect_attend(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     kernel: bool = False,
+    query_positions: torch.Tensor | None = None,
 ) -> Attend:
     """A padded rectangle: `attend_rect` under `mask`, or with `kernel` the CPU's varlen
     kernel as a custom op (`graph_ops.paged_prefill_rect`) over the rectangle's real
-    tokens."""
+    tokens. A sliding window's mask is made from `query_positions [R, Q]`."""
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
         write_slots(k, v, k_cache, v_cache, slots)
         if kernel:
             return paged_prefill_rect(
                 q, k_cache, v_cache, block_tables, token_order, query_start_loc, context_lens,
-                scale,
+                scale, sliding_window or 0,
             )  # fmt: skip
-        return attend_rect(q, k_cache, v_cache, block_tables, mask, scale)
+        window_mask = mask
+        if sliding_window:
+            assert query_positions is not None, "a sliding window needs the query positions"
+            num_keys = block_tables.shape[1] * k_cache.shape[2]
+            per_kv = q.shape[1] // k_cache.shape[0]
+            window_mask = rect_mask(query_positions, num_keys, per_kv, q.dtype, sliding_window)
+        return attend_rect(q, k_cache, v_cache, block_tables, window_mask, scale)
 
     return attend
 
@@ -85,12 +118,22 @@ def flat_attend(
     kernel as a custom op (`graph_ops.paged_decode_flat`), which reads each row's blocks
     from `block_starts` and its `context_lens` instead of the masks."""
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
         write_slots(k, v, k_cache, v_cache, slots)
         if kernel:
             return paged_decode_flat(
-                q, k_cache, v_cache, block_list, block_starts, context_lens, scale
-            )
-        return attend_flat(q, k_cache, v_cache, block_list, block_rows, block_valid, scale)
+                q, k_cache, v_cache, block_list, block_starts, context_lens, scale,
+                sliding_window or 0,
+            )  # fmt: skip
+        valid = block_valid
+        if sliding_window:
+            valid = flat_window(block_valid, block_rows, block_starts, context_lens, sliding_window)
+        return attend_flat(q, k_cache, v_cache, block_list, block_rows, valid, scale)
 
     return attend

@@ -7,17 +7,32 @@ from torch import nn
 
 from bucketserve.runtime.cpu.gemm import Weight, linear
 from bucketserve.runtime.cpu.gemm_plan import GemmPlan
+from bucketserve.runtime.distributed import tp_group
+from bucketserve.runtime.layers.embedding import vocab_rows
 
 
 class LMHead(nn.Module):
     """The `[vocab, hidden]` projection: its own weight, or with `tied` the embedding
     table. `pack` gives its GEMM a packed copy beside the plain weight (a tied table is
-    read by the embedding's lookups too)."""
+    read by the embedding's lookups too). `softcap` c: logits become `c * tanh(logits / c)`
+    (Gemma's final logit softcapping). Built under a tensor-parallel group it is
+    vocab-parallel, as the embedding: each rank projects onto its rows of the vocabulary
+    and the ranks' logits are gathered."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, tied: nn.Embedding | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        tied: nn.Embedding | None = None,
+        softcap: float | None = None,
+    ):
         super().__init__()
+        self.softcap = softcap
+        self.tp, self.vocab_size = tp_group.current(), vocab_size
+        rows = vocab_size if self.tp is None else -(-vocab_size // self.tp.size)
+        self.vocab_start = 0 if self.tp is None else self.tp.rank * rows
         if tied is None:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+            self.weight = nn.Parameter(torch.empty(rows, hidden_size))
         self._tied = () if tied is None else (tied,)  # in a tuple: not registered twice
         self.packed: Weight | None = None
 
@@ -25,10 +40,18 @@ class LMHead(nn.Module):
     def plain_weight(self) -> torch.Tensor:
         return self._tied[0].weight if self._tied else self.weight
 
+    def shard_tensor(self, leaf: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
+        return vocab_rows(tensor, self.vocab_start, self.plain_weight.shape[0])
+
     def pack(self, plan: GemmPlan) -> None:
         self.packed = plan.pack(self.plain_weight, split_rows=False)
 
     def forward(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """float32 logits `[len(rows), vocab]` of the given token rows of `hidden`."""
         weight = self.plain_weight if self.packed is None else self.packed
-        return linear(hidden.index_select(0, rows), weight).float()
+        logits = linear(hidden.index_select(0, rows), weight).float()
+        if self.tp is not None:
+            logits = self.tp.all_gather(logits)[:, : self.vocab_size]
+        if self.softcap is None:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap

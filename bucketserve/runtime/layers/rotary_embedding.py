@@ -1,8 +1,10 @@
-"""Llama's (neox-style) rotary position embedding, with the rope scalings in use."""
+"""Llama's (neox-style) rotary position embedding, with the rope scalings in use, and
+several bases side by side (Gemma 3's local and global layers)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -62,6 +64,26 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`[T, 1, 2 * head_dim]` (cos | signed sin) for the step's positions."""
         return self.cos_sin.index_select(0, positions).to(dtype).unsqueeze(1)
+
+
+class RotaryEmbeddings(nn.Module):
+    """One table per `(theta, scaling)` base over the same head size; a step's rows of
+    every table, stacked `[bases, T, 1, 2 * head_dim]`, of which each layer takes its own
+    (`[i]`, contiguous)."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        bases: Sequence[tuple[float, RopeScaling | None]],
+    ) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(
+            RotaryEmbedding(head_dim, max_positions, theta, scaling) for theta, scaling in bases
+        )
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.stack([table(positions, dtype) for table in self.tables])
 
 
 def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:

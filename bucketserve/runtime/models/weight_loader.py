@@ -18,8 +18,11 @@ def load_weights(
     skip: Collection[str] = (),
 ) -> None:
     """Copy each tensor into the parameter of its name, a stacked one's shards (q, k, v
-    into qkv) into their rows (`Linear.shard_rows`); the names in `skip` and rotary tables
-    are passed over. Every parameter, every shard of a stacked one, must be covered."""
+    into qkv) into their rows (`Linear.shard_rows`), through the owning module's
+    `weight_loader(param, tensor)` where it has one; the names in `skip` and rotary tables
+    are passed over. Every parameter, every shard of a stacked one, must be covered. A
+    tensor-parallel module cuts its rank's slice first (`shard_tensor(leaf, tensor,
+    shard)`)."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     loaded: set[str] = set()
@@ -29,15 +32,24 @@ def load_weights(
         target, shard = _target(name, stacked_params)
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        owner_name, _, leaf = target.rpartition(".")
+        owner = modules[owner_name]
         dest = params[target].data
+        shard_tensor = getattr(owner, "shard_tensor", None)
+        if shard_tensor is not None:  # a tensor-parallel layer: this rank's slice
+            tensor = shard_tensor(leaf, tensor, shard)
         if shard is not None:
-            dest = dest.narrow(0, *modules[target.rpartition(".")[0]].shard_rows(shard))
+            dest = dest.narrow(0, *owner.shard_rows(shard))
         if dest.shape != tensor.shape:
             raise ValueError(
                 f"weight for {target!r} has shape {tuple(tensor.shape)}, "
                 f"expected {tuple(dest.shape)}"
             )
-        dest.copy_(tensor)
+        loader = getattr(owner, "weight_loader", None)
+        if loader is not None:
+            loader(dest, tensor)
+        else:
+            dest.copy_(tensor)
         loaded.add(f"{target}#{shard}")
     expected = set()
     for name in params:

@@ -73,7 +73,7 @@ class CompiledGraphs:
         # CPU attention: the kernels eager steps run, custom ops inside the graph
         c, kernel = model.config, kernels.for_tensors(kv_cache.dtype, kv_cache.device)
         self.attention_kernels = kernel is not None and kernel.supports(
-            c.head_dim, c.num_queries_per_kv, kv_cache.block_size
+            c.head_dim, model.num_queries_per_kv, kv_cache.block_size
         )
         self._layer = compile(layer_region)
         self._decode_layer = compile(decode_layer_region)
@@ -192,7 +192,9 @@ class CompiledGraphs:
         num_keys = block_tables.shape[1] * self.kv_cache.block_size
         masked = None if self.attention_kernels else query_positions  # the kernel needs none
         x, cos_sin, mask = self._head(self.model, input_ids, positions, masked, num_keys)
-        index = (slots, block_tables, mask, token_order, query_start_loc, context_lens)
+        index = (
+            slots, block_tables, mask, token_order, query_start_loc, context_lens, query_positions
+        )  # fmt: skip
         for i, layer in enumerate(self.model.model.layers):
             k, v = self.kv_cache.layer(i)
             x = self._layer(layer, x, cos_sin, k, v, *index, self.attention_kernels)

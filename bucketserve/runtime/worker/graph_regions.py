@@ -2,8 +2,8 @@
 the head (embeddings, rope rows, the rectangle's mask), one decoder layer (compiled once
 per shape and reused by every layer: the layer's weights and K/V tensors are inputs, not
 constants) and the tail (final norm, logits; a unified step's tail is the norm alone).
-Any decoder whose `model.model` holds `embed_tokens`, `rotary_emb`, `layers` and `norm`
-runs through them."""
+Every family runs through them: its `model.model` is a `DecoderModel` (`embed`, `rope`,
+`layers`, `final_norm`)."""
 
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ def head_region(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Embeddings, rope table rows and the rectangle's mask of a padded step (no mask for
     a flat decode step, or where the attention kernel needs none)."""
-    x = model.model.embed_tokens(input_ids)
-    cos_sin = model.model.rotary_emb(positions, x.dtype)
+    x = model.model.embed(input_ids, positions)
+    cos_sin = model.model.rope(positions, x.dtype)
     if query_positions is None:
         return x, cos_sin, None
-    mask = rect_mask(query_positions, num_keys, model.config.num_queries_per_kv, x.dtype)
+    mask = rect_mask(query_positions, num_keys, model.num_queries_per_kv, x.dtype)
     return x, cos_sin, mask
 
 
@@ -44,12 +44,14 @@ def layer_region(
     token_order: torch.Tensor,
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
+    query_positions: torch.Tensor,
     kernel: bool = False,
 ) -> torch.Tensor:
-    """One decoder layer of a padded prompt rectangle (`rect_attend`)."""
+    """One decoder layer of a padded prompt rectangle (`rect_attend`; a sliding-window
+    layer's mask comes from `query_positions`)."""
     attend = rect_attend(
         k_cache, v_cache, slots, block_tables, mask, token_order, query_start_loc, context_lens,
-        kernel,
+        kernel, query_positions,
     )  # fmt: skip
     return layer(x, cos_sin, attend)
 
@@ -103,10 +105,10 @@ def unified_layer_region(
 
 
 def tail_region(model: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    return model.compute_logits(model.model.norm(x), rows)
+    return model.compute_logits(model.model.final_norm(x), rows)
 
 
 def norm_region(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A unified step's tail: every token's final norm (its sampled rows, which no bucket
     dimension fixes, take the LM head after the graph)."""
-    return model.model.norm(x)
+    return model.model.final_norm(x)

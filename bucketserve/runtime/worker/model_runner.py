@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from bucketserve.runtime.core.sequence import Sequence
+from bucketserve.runtime.distributed.tp_group import TPGroup
 from bucketserve.runtime.io.model_config import ModelConfig
 from bucketserve.runtime.io.tokenizer import Tokenizer
 from bucketserve.runtime.io.weights import iter_safetensors, resolve_model
@@ -26,6 +27,7 @@ from bucketserve.runtime.worker.prompt_logprobs import (
 )
 from bucketserve.runtime.worker.sampler import Sampler
 from bucketserve.runtime.worker.step_inputs import InputBuilder, Shape, StepInputs, UnifiedShape
+from bucketserve.runtime.worker.structured_output import GrammarMask, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ class ModelRunnerConfig:
     cuda, eager on cpu (there padding costs more than a compiled graph saves).
     Once unified shapes `(tokens, shared blocks, unique blocks, is_causal)` are warmed in
     graphs mode, every step runs as one, prompt chunks and decode rows together.
+    `chat_template` (a file or the Jinja text) replaces the model's own chat template.
     """
 
     model: str | None = None
@@ -61,6 +64,7 @@ class ModelRunnerConfig:
     max_model_len: int | None = None
     seed: int = 0
     execution: str = "auto"
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.execution not in ("auto", *EXECUTION_MODES):
@@ -96,15 +100,20 @@ class ModelRunner:
     that ask in `seq.prompt_logprobs` (such a step runs unpadded and eager). `on_layer(i)`
     is called as soon as layer i's K/V of the step is written (while later layers still
     compute), so a prefill can ship its KV layer by layer.
+
+    With `tp`, this runner is one rank of a tensor-parallel group: its model and KV pool
+    hold the rank's shard (`model.num_kv_heads` heads), every rank runs `step_logits` on
+    the same step, and only the head rank samples.
     """
 
-    def __init__(self, config: ModelRunnerConfig | None = None) -> None:
+    def __init__(self, config: ModelRunnerConfig | None = None, tp: TPGroup | None = None) -> None:
         self.config = config = config or ModelRunnerConfig()
+        self.tp = tp
         self.device = Device(config.device)
         self.dtype = self.device.resolve_dtype(config.dtype)
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir, config.chat_template)
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
         self.model = self._build_model()
@@ -113,12 +122,15 @@ class ModelRunner:
             self.num_layers,
             self._num_kv_blocks(),
             self.block_size,
-            c.num_key_value_heads,
+            self.model.num_kv_heads,
             c.head_dim,
             self.dtype,
             self.device.torch_device,
         )
         self.sampler = Sampler(config.seed, self.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+        )
         self.inputs = InputBuilder(
             self.block_size,
             self.kv_cache.num_blocks,
@@ -146,6 +158,7 @@ class ModelRunner:
             self.device.torch_device,
             self.dtype,
             self.max_model_len,
+            tp=self.tp,
         )
 
     def _compiled_graphs(self) -> tuple[CompiledGraphs | None, CompiledGraphs | None]:
@@ -182,12 +195,14 @@ class ModelRunner:
             return self.config.num_kv_blocks
         c = self.model_config
         per_block = KVCache.block_bytes(
-            self.num_layers, self.block_size, c.num_key_value_heads, c.head_dim, self.dtype
+            self.num_layers, self.block_size, self.model.num_kv_heads, c.head_dim, self.dtype
         )
         budget = self.device.free_memory() * self.config.kv_memory_fraction
         if self.device.type == "cpu":
             budget = min(budget, self.config.cpu_kv_cache_bytes)
         blocks = int(budget // per_block)
+        if self.tp is not None:  # one block manager hands out ids for every rank's pool
+            blocks = self.tp.min_int(blocks)
         if blocks < 1:
             raise ValueError(
                 f"no memory left for a KV block ({per_block} bytes); raise kv_memory_fraction "
@@ -208,27 +223,49 @@ class ModelRunner:
         """Run one step; returns each sequence's sampled token, or None for a partial chunk.
         The step is validated here, once, before any path groups or pads its rows."""
         self.inputs.validate(seqs, num_new_tokens, padded=pad_to is not None)
+        rows = _sampled_rows(seqs, num_new_tokens)
+        masks = self.structured.begin([seqs[i] for i in rows])  # while the model runs
+        logits = self.step_logits(seqs, num_new_tokens, pad_to, on_layer)
+        return self._sample(seqs, num_new_tokens, logits, self.structured.finish(masks))
+
+    @torch.inference_mode()
+    def step_logits(
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        pad_to: Shape | UnifiedShape | None = None,
+        on_layer: LayerHook | None = None,
+    ) -> torch.Tensor:
+        """A validated step's forward: the logits of each sequence's last new token (and
+        the prompt logprobs of those that ask, recorded). Every rank of a tensor-parallel
+        group runs it on the same step."""
         spans = prompt_spans(seqs, num_new_tokens)
-        if spans:
-            logits = self._run_eager(seqs, num_new_tokens, None, on_layer, spans)
-            record_prompt_logprobs(seqs, spans, logits[len(seqs) :])
-            logits = logits[: len(seqs)]
-        else:
-            logits = self._run(seqs, num_new_tokens, pad_to, on_layer)
-        return self._sample(seqs, num_new_tokens, logits)
+        if not spans:
+            return self._run(seqs, num_new_tokens, pad_to, on_layer)
+        logits = self._run_eager(seqs, num_new_tokens, None, on_layer, spans)
+        record_prompt_logprobs(seqs, spans, logits[len(seqs) :])
+        return logits[: len(seqs)]
 
     def _sample(
-        self, seqs: list[Sequence], counts: list[int], logits: torch.Tensor
+        self,
+        seqs: list[Sequence],
+        counts: list[int],
+        logits: torch.Tensor,
+        mask: GrammarMask | None = None,
     ) -> list[int | None]:
-        """The next token of each sequence whose chunk reaches its end (else None)."""
-        rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + counts[i] == len(s)]
+        """The next token of each sequence whose chunk reaches its end (else None); `mask`
+        (the grammars of those rows) is computed here when not given."""
+        rows = _sampled_rows(seqs, counts)
         out: list[int | None] = [None] * len(seqs)
         if rows:
+            if mask is None:
+                mask = self.structured.mask([seqs[i] for i in rows])
             picked = self.sampler(
                 logits if len(rows) == len(seqs) else logits[rows],
                 [seqs[i].sampling_params for i in rows],
                 [seqs[i].num_output_tokens for i in rows],
                 [seqs[i] for i in rows],
+                mask,
             )
             for i, token in zip(rows, picked, strict=True):
                 out[i] = token
@@ -393,6 +430,11 @@ class ModelRunner:
         cap = -(-self.max_model_len // self.block_size) * (need[0] if need[1] == 1 else 1)
         b, q, nb = (1 << (x - 1).bit_length() for x in need)
         return (b, q, max(min(nb, cap), need[2]))
+
+
+def _sampled_rows(seqs: list[Sequence], counts: list[int]) -> list[int]:
+    """The sequences whose chunk reaches their end: they sample a token this step."""
+    return [i for i, s in enumerate(seqs) if s.num_computed_tokens + counts[i] == len(s)]
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer) -> set[int]:

@@ -1,6 +1,6 @@
-"""Next-token choice from logits rows: penalties, min_tokens, then greedy, or temperature /
-top-k / top-p / min_p sampling; logprobs of the sampled distribution
-(bucketserve.runtime.core.logprobs)."""
+"""Next-token choice from logits rows: logit bias, penalties, min_tokens, the grammar mask,
+then greedy, or temperature / top-k / top-p / min_p sampling; logprobs of the sampled
+distribution (bucketserve.runtime.core.logprobs)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from bucketserve.runtime.core.logprobs import SampledToken, TokenLogprob
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.sequence import Sequence as Seq
+from bucketserve.runtime.worker.structured_output import GrammarMask
 
 _MASK64 = (1 << 64) - 1
 
@@ -48,13 +49,15 @@ class Sampler:
         params: Sequence[SamplingParams],
         output_indices: Sequence[int],
         seqs: Sequence[Seq] | None = None,
+        mask: GrammarMask | None = None,
     ) -> list[int]:
         """`logits [N, vocab]`; `output_indices[i]` numbers the token row i samples;
-        `seqs[i]` (its tokens so far) is needed for penalties. A row whose params ask for
-        logprobs gets a SampledToken carrying them."""
+        `seqs[i]` (its tokens so far) is needed for penalties; `mask` forbids the tokens
+        the constrained rows' grammars do not allow. A row whose params ask for logprobs
+        gets a SampledToken carrying them."""
         if logits.dim() != 2 or not logits.shape[0] == len(params) == len(output_indices):
             raise ValueError("need one SamplingParams and one output index per logits row")
-        logits = self._process(logits, params, output_indices, seqs)
+        logits = self._process(logits, params, output_indices, seqs, mask)
         tokens = logits.max(dim=-1).indices  # argmax's ties (the first), and cheaper
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
@@ -76,14 +79,18 @@ class Sampler:
         params: Sequence[SamplingParams],
         output_indices: Sequence[int],
         seqs: Sequence[Seq] | None,
+        mask: GrammarMask | None = None,
     ) -> torch.Tensor:
-        """The logits after penalties and the min_tokens suppression (float32 then); the
-        same tensor when no row has either."""
+        """The logits after the logit bias, penalties, the min_tokens suppression and the
+        grammar mask (float32 then); the same tensor when no row has any."""
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         early = [i for i, p in enumerate(params) if output_indices[i] < p.min_tokens]
-        if not penalized and not early:
+        if not biased and not penalized and not early and mask is None:
             return logits
         logits = logits.to(torch.float32, copy=True)
+        if biased:
+            _add_bias(logits, params, biased)
         if penalized:
             if seqs is None or len(seqs) != len(params):
                 raise ValueError("penalties need the sequences of the rows")
@@ -96,6 +103,8 @@ class Sampler:
             banned = [t for t in banned if 0 <= t < logits.shape[1]]
             if banned:
                 logits[i, banned] = float("-inf")
+        if mask is not None:
+            _apply_mask(logits, mask, rescue=bool(early))
         return logits
 
     @staticmethod
@@ -164,6 +173,41 @@ class Sampler:
         # The smallest kept logit of each row; everything below it goes.
         threshold = sorted_logits.masked_fill(~keep, float("inf")).min(dim=-1, keepdim=True).values
         return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _add_bias(logits: torch.Tensor, params: Sequence[SamplingParams], rows: list[int]) -> None:
+    """Each row's logit_bias added in place (ids past the logits were refused at the edge)."""
+    vocab = logits.shape[1]
+    index, values = [], []
+    for i in rows:
+        for token, bias in params[i].logit_bias.items():
+            if token < vocab:
+                index.append(i * vocab + token)
+                values.append(bias)
+    if index:
+        flat = logits.view(-1)
+        flat.index_add_(
+            0,
+            torch.tensor(index, device=logits.device),
+            torch.tensor(values, dtype=logits.dtype, device=logits.device),
+        )
+
+
+def _apply_mask(logits: torch.Tensor, mask: GrammarMask, rescue: bool) -> None:
+    """-inf where the grammar forbids, in place. With `rescue`, a row left with no token at
+    all (min_tokens banned EOS while the grammar allows only EOS) keeps what its grammar
+    allows: the grammar wins."""
+    disallowed = mask.disallowed[:, : logits.shape[1]].to(logits.device, non_blocking=True)
+    whole = len(mask.rows) == logits.shape[0]
+    index = None if whole else torch.tensor(mask.rows, device=logits.device)
+    rows = logits if whole else logits.index_select(0, index)
+    rows.masked_fill_(disallowed, float("-inf"))
+    if rescue:
+        dead = torch.isneginf(rows.max(dim=-1).values)
+        if dead.any():
+            rows[dead] = torch.zeros_like(rows[dead]).masked_fill_(disallowed[dead], float("-inf"))
+    if not whole:
+        logits.index_copy_(0, index, rows)
 
 
 def _penalize(

@@ -4,7 +4,8 @@ it. Each token attends three parts, joined in one softmax: the step's own new to
 (causally within its row, or only itself where no row has more than one), the shared
 context blocks (read by two or more of the step's tokens: a dense score block over all
 tokens, masked to the rows that hold each block) and the unique ones (each read by one
-token: its scores alone)."""
+token: its scores alone). With a sliding window w a token at position p sees keys
+p - w + 1..p alone, in each part."""
 
 from __future__ import annotations
 
@@ -34,11 +35,18 @@ def unified_attend(
 ) -> Attend:
     """Writes the step's K/V to `slots`, then `attend_unified`."""
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
         write_slots(k, v, k_cache, v_cache, slots)
         return attend_unified(
             q, k, v, k_cache, v_cache, positions, token_rows, context_ends, shared_blocks,
             shared_starts, unique_blocks, unique_owners, unique_starts, scale, causal,
+            sliding_window,
         )  # fmt: skip
 
     return attend
@@ -60,6 +68,7 @@ def attend_unified(
     unique_starts: torch.Tensor,
     scale: float,
     causal: bool,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Queries `q [T, heads, dim]` and the step's own `k`, `v [T, kv_heads, dim]`.
 
@@ -68,7 +77,8 @@ def attend_unified(
     t, the keys from position `shared_starts[t, i]` on (NOT_HELD: not its row's); unique
     block j (`unique_blocks [U]`) is read by token `unique_owners[j]` alone, its keys from
     `unique_starts[j]`. Only keys before the row's context end count; padding blocks and
-    tokens carry no such key, and a padding token sees itself alone."""
+    tokens carry no such key, and a padding token sees itself alone. With `sliding_window`
+    w a key also counts only after `positions[t] - w`."""
     tokens, heads, dim = q.shape
     kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
     qg = q.view(tokens, kv_heads, heads // kv_heads, dim)
@@ -79,6 +89,8 @@ def attend_unified(
         own = torch.einsum("tkgd,ukd->tkgu", qg, k) * scale
         same_row = token_rows[:, None] == token_rows[None, :]
         allowed = same_row & (positions[None, :] <= positions[:, None])
+        if sliding_window:
+            allowed = allowed & (positions[None, :] > positions[:, None] - sliding_window)
         own = own.masked_fill(~allowed[:, None, None, :], neg)
     else:  # [T, kv, g, 1]: one token a row, itself
         own = (qg * k[:, :, None, :]).sum(-1, keepdim=True) * scale
@@ -91,6 +103,8 @@ def attend_unified(
         vs = v_cache.index_select(1, shared_blocks).reshape(kv_heads, n, dim)
         keys = (shared_starts[:, :, None] + offsets).reshape(tokens, n)
         seen = keys < context_ends[:, None]
+        if sliding_window:
+            seen = seen & (keys > positions[:, None] - sliding_window)
         scores = torch.einsum("tkgd,knd->tkgn", qg, ks) * scale
         scores = scores.masked_fill(~seen[:, None, None, :], neg)
         row_max = torch.maximum(row_max, scores.amax(-1))
@@ -100,6 +114,9 @@ def attend_unified(
         vu = v_cache.index_select(1, unique_blocks)
         ends = context_ends.index_select(0, unique_owners)
         seen = unique_starts[:, None] + offsets < ends[:, None]
+        if sliding_window:
+            first = positions.index_select(0, unique_owners) - sliding_window
+            seen = seen & (unique_starts[:, None] + offsets > first[:, None])
         scores = torch.einsum("ukgd,kusd->ukgs", qg.index_select(0, unique_owners), ku) * scale
         scores = scores.masked_fill(~seen[:, None, None, :], neg)
         row_max = row_max.index_reduce(0, unique_owners, scores.amax(-1), "amax")

@@ -32,9 +32,9 @@ ENV_SWITCH = "BUCKETSERVE_CPU_KERNELS"
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode": [_P, _I64] + [_P] * 5 + [_I] * 6 + [_I64, _F, _I],
-    "paged_decode_flat": [_P, _I64] + [_P] * 6 + [_I] * 6 + [_I64, _F, _I],
-    "paged_prefill": [_P, _I64] + [_P] * 6 + [_I] * 6 + [_I64, _F, _I],
+    "paged_decode": [_P, _I64] + [_P] * 5 + [_I] * 6 + [_I64, _F, _I, _I],
+    "paged_decode_flat": [_P, _I64] + [_P] * 6 + [_I] * 6 + [_I64, _F, _I, _I],
+    "paged_prefill": [_P, _I64] + [_P] * 6 + [_I] * 6 + [_I64, _F, _I, _I],
     "rope": [_P, _P, _I, _I, _I, _I64, _I],
     "rms_norm": [_P, _P, _P, _I, _I, _F, _I],
     "silu_mul": [_P, _P, _P, _I, _I, _I64, _I64, _I],
@@ -68,17 +68,21 @@ class CpuKernels:
         context_lens: torch.Tensor,
         scale: float,
         block_starts: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Row r's one query `q [R, heads, dim]` over its first `context_lens[r]` (int32)
         pool tokens through `block_tables [R, NB]` (int64, contiguous); caches
         `[kv_heads, blocks, block_size, dim]`, contiguous. With `block_starts` (int64),
         `block_tables` is a decode step's flat block list (`attend_flat`'s layout) and row
-        r's blocks start at `block_starts[r]`; a row with no context attends to nothing."""
+        r's blocks start at `block_starts[r]`; a row with no context attends to nothing.
+        With `sliding_window` only its last that many tokens (blocks before them unread)."""
         if block_starts is None:
             name, index = "paged_decode", (block_tables, context_lens)
         else:
             name, index = "paged_decode_flat", (block_tables, block_starts, context_lens)
-        status, out = self._paged(name, q, k_cache, v_cache, index, q.shape[0], scale)
+        status, out = self._paged(
+            name, q, k_cache, v_cache, index, q.shape[0], scale, sliding_window
+        )
         _check(status, "paged_decode", q, k_cache)
         return out
 
@@ -91,16 +95,19 @@ class CpuKernels:
         query_start_loc: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Causal attention of a varlen step: sequence s's queries are the flat tokens
         `query_start_loc[s]:query_start_loc[s + 1]` of `q [T, heads, dim]`, its last one at
         position `context_lens[s] - 1`, over its pool tokens through `block_tables [B, NB]`
         (int64; the two others int32, all contiguous). Prompt chunks run a tiled flash
-        attention, one-query rows the decode path."""
+        attention, one-query rows the decode path. With `sliding_window` w the query at
+        position p sees keys (p - w, p] alone; a chunk gathers only the keys its queries see."""
         index = (block_tables, query_start_loc, context_lens)
         status, out = self._paged(
-            "paged_prefill", q, k_cache, v_cache, index, block_tables.shape[0], scale
-        )
+            "paged_prefill", q, k_cache, v_cache, index, block_tables.shape[0], scale,
+            sliding_window,
+        )  # fmt: skip
         if status == -2:
             raise MemoryError("paged_prefill could not allocate its context buffers")
         _check(status, "paged_prefill", q, k_cache)
@@ -115,10 +122,11 @@ class CpuKernels:
         index: tuple[torch.Tensor, ...],
         rows: int,
         scale: float,
+        sliding_window: int | None,
     ) -> tuple[int, torch.Tensor]:
         """Call an attention kernel: q (its rows may be strided, as the qkv GEMM's output
         leaves them), the caches, `index` (block tables first), out, then the shapes; its
-        status and contiguous output."""
+        status and contiguous output. The kernels take no window as 0."""
         heads, dim = q.shape[1], q.shape[2]
         if q.stride(2) != 1 or q.stride(1) != dim:
             q = q.contiguous()
@@ -139,6 +147,7 @@ class CpuKernels:
             index[0].shape[-1],
             num_blocks * block_size * dim,
             scale,
+            sliding_window or 0,
             torch.get_num_threads(),
         )
         return status, out

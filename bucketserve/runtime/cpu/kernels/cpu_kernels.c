@@ -45,7 +45,14 @@ enum { FMA_COLS = 2, GEMM_MR = 2 };
 int cpu_kernels_lanes(void) { return VL; }
 
 // Head sizes a multiple of DIM_UNIT, on every ISA (each one's VL divides it).
-enum { MAX_DIM = 256, MAX_GROUP = 16, MAX_BLOCK = 256, DIM_UNIT = 16 };
+// MASKED: a masked key's score, finite (the library is built with -ffast-math), its exp 0.
+enum { MAX_DIM = 256, MAX_GROUP = 16, MAX_BLOCK = 256, DIM_UNIT = 16, MASKED = -1000000000 };
+
+// The first key position a query at `pos` attends: with a sliding window of `window` keys
+// (transformers' semantics: keys in (pos - window, pos]), else 0. `window` <= 0: none.
+static inline int window_start(int pos, int window) {
+    return window > 0 && pos >= window ? pos - window + 1 : 0;
+}
 
 static inline __attribute__((always_inline)) float load(const void *p, int64_t i, int bf16) {
     if (!bf16) return ((const float *)p)[i];
@@ -129,7 +136,7 @@ static inline __attribute__((always_inline)) float hsum(vf v) {
 // accumulators in vector registers. Inlined with `group` and `dim` (a multiple of VL)
 // constants for the common shapes, so its loops unroll.
 static inline __attribute__((always_inline)) void attend_one(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                              const int64_t *table, int ctx, void *out, int r, int kvh,
+                              const int64_t *table, int ctx, int window, void *out, int r, int kvh,
                               int heads, int group, int dim, int block_size,
                               int64_t head_stride, float scale, int bf16) {
     enum { MAX_VECS = MAX_DIM / VL };
@@ -146,8 +153,12 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, int6
         m[g] = -FLT_MAX;  // finite: the library is built with -ffast-math
         l[g] = 0.0f;
     }
-    for (int j = 0; j * block_size < ctx; j++) {
+    // Blocks wholly before the window are never read; its first block's keys before it
+    // are masked.
+    const int lo = ctx > 0 ? window_start(ctx - 1, window) : 0;
+    for (int j = lo / block_size; j * block_size < ctx; j++) {
         const int n = ctx - j * block_size < block_size ? ctx - j * block_size : block_size;
+        const int skip = lo - j * block_size;
         const int64_t base = (int64_t)kvh * head_stride + table[j] * block_size * dim;
         // The next block sits anywhere in the pool, out of the hardware prefetcher's
         // stride: key t's loop fetches the next block's key and value t. Spread out, the
@@ -172,6 +183,9 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, int6
                 s[g][t] = hsum(dot);
             }
         }
+        if (skip > 0)
+            for (int g = 0; g < group; g++)
+                for (int t = 0; t < skip; t++) s[g][t] = (float)MASKED;
         for (int g = 0; g < group; g++) {
             float top = m[g];
             for (int t = 0; t < n; t++) top = s[g][t] > top ? s[g][t] : top;
@@ -205,10 +219,10 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, int6
 
 // attend_one with `group` a constant for the common GQA ratios.
 static inline __attribute__((always_inline)) void attend_groups(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                              const int64_t *table, int ctx, void *out, int r, int kvh,
+                              const int64_t *table, int ctx, int window, void *out, int r, int kvh,
                               int heads, int group, int dim, int block_size,
                               int64_t head_stride, float scale, int bf16) {
-#define ATTEND(G) attend_one(q, q_stride, k_cache, v_cache, table, ctx, out, r, kvh, heads, G, dim, \
+#define ATTEND(G) attend_one(q, q_stride, k_cache, v_cache, table, ctx, window, out, r, kvh, heads, G, dim, \
                              block_size, head_stride, scale, bf16)
     switch (group) {
     case 1: ATTEND(1); break;
@@ -226,17 +240,17 @@ static inline __attribute__((always_inline)) void attend_groups(const void *q, i
 
 // attend_one for token row r, with `dim` a constant for the common head sizes.
 static void attend_row(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                       const int64_t *table, int ctx, void *out, int r, int kvh, int heads,
+                       const int64_t *table, int ctx, int window, void *out, int r, int kvh, int heads,
                        int group, int dim, int block_size, int64_t head_stride, float scale,
                        int bf16) {
     if (dim == 64) {
-        attend_groups(q, q_stride, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, 64,
+        attend_groups(q, q_stride, k_cache, v_cache, table, ctx, window, out, r, kvh, heads, group, 64,
                       block_size, head_stride, scale, bf16);
     } else if (dim == 128) {
-        attend_groups(q, q_stride, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, 128,
+        attend_groups(q, q_stride, k_cache, v_cache, table, ctx, window, out, r, kvh, heads, group, 128,
                       block_size, head_stride, scale, bf16);
     } else {
-        attend_one(q, q_stride, k_cache, v_cache, table, ctx, out, r, kvh, heads, group, dim, block_size,
+        attend_one(q, q_stride, k_cache, v_cache, table, ctx, window, out, r, kvh, heads, group, dim, block_size,
                    head_stride, scale, bf16);
     }
 }
@@ -247,15 +261,15 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_cache, co
                         const int64_t *block_tables, const int64_t *starts,
                         const int32_t *context_lens, void *out, int rows, int heads,
                         int kv_heads, int dim, int block_size, int max_blocks,
-                        int64_t head_stride, float scale, int threads, int bf16) {
+                        int64_t head_stride, float scale, int window, int threads, int bf16) {
     const int group = heads / kv_heads;
     if (dim > MAX_DIM || dim % DIM_UNIT || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
     for (int r = 0; r < rows; r++) {
         for (int kvh = 0; kvh < kv_heads; kvh++) {
             const int64_t at = starts ? starts[r] : (int64_t)r * max_blocks;
-            attend_row(q, q_stride, k_cache, v_cache, block_tables + at, context_lens[r], out, r,
-                       kvh, heads, group, dim, block_size, head_stride, scale, bf16);
+            attend_row(q, q_stride, k_cache, v_cache, block_tables + at, context_lens[r], window,
+                       out, r, kvh, heads, group, dim, block_size, head_stride, scale, bf16);
         }
     }
     return 0;
@@ -264,29 +278,29 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_cache, co
 int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                      const int64_t *block_tables, const int32_t *context_lens, float *out,
                      int rows, int heads, int kv_heads, int dim, int block_size, int max_blocks,
-                     int64_t head_stride, float scale, int threads) {
+                     int64_t head_stride, float scale, int window, int threads) {
     return paged_decode(q, q_stride, k_cache, v_cache, block_tables, NULL, context_lens, out,
                         rows, heads, kv_heads, dim, block_size, max_blocks, head_stride, scale,
-                        threads, 0);
+                        window, threads, 0);
 }
 
 int paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                       const int64_t *block_tables, const int32_t *context_lens, uint16_t *out,
                       int rows, int heads, int kv_heads, int dim, int block_size,
-                      int max_blocks, int64_t head_stride, float scale, int threads) {
+                      int max_blocks, int64_t head_stride, float scale, int window, int threads) {
     return paged_decode(q, q_stride, k_cache, v_cache, block_tables, NULL, context_lens, out,
                         rows, heads, kv_heads, dim, block_size, max_blocks, head_stride, scale,
-                        threads, 1);
+                        window, threads, 1);
 }
 
 int paged_decode_flat_f32(const float *q, int64_t q_stride, const float *k_cache,
                           const float *v_cache, const int64_t *block_list,
                           const int64_t *block_starts, const int32_t *context_lens, float *out,
                           int rows, int heads, int kv_heads, int dim, int block_size,
-                          int num_blocks, int64_t head_stride, float scale, int threads) {
+                          int num_blocks, int64_t head_stride, float scale, int window, int threads) {
     return paged_decode(q, q_stride, k_cache, v_cache, block_list, block_starts, context_lens,
                         out, rows, heads, kv_heads, dim, block_size, num_blocks, head_stride,
-                        scale, threads, 0);
+                        scale, window, threads, 0);
 }
 
 int paged_decode_flat_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
@@ -294,10 +308,10 @@ int paged_decode_flat_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
                            const int64_t *block_starts, const int32_t *context_lens,
                            uint16_t *out, int rows, int heads, int kv_heads, int dim,
                            int block_size, int num_blocks, int64_t head_stride, float scale,
-                           int threads) {
+                           int window, int threads) {
     return paged_decode(q, q_stride, k_cache, v_cache, block_list, block_starts, context_lens,
                         out, rows, heads, kv_heads, dim, block_size, num_blocks, head_stride,
-                        scale, threads, 1);
+                        scale, window, threads, 1);
 }
 
 // Varlen attention of a step with prompt chunks: sequence s has queries at flat tokens
@@ -308,7 +322,7 @@ int paged_decode_flat_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
 // once per KV head into float32 buffers, then each tile of (query, head) rows computes
 // S = Q K^T and O += P V in register-blocked vector code, with an online softmax.
 
-enum { TILE_ROWS = 64, TILE_KEYS = 64, MASKED = -1000000000 };
+enum { TILE_ROWS = 64, TILE_KEYS = 64 };
 
 // Keeps a loaded vector in a register: without it GCC folds its load into each of the
 // FMAs that use it, and the microkernels below become load-bound. The vector type is the
@@ -394,21 +408,29 @@ static void tile_values(const float *P, const float *V, float *O, const float *r
 }
 
 // A tile's rows: row r is query qa + r / group of its chunk and head kvh * group + r % group,
-// at position pos[r] (-1: a padding row past `rows`), with its online softmax state.
+// at position pos[r] (-1: a padding row past `rows`), attending keys from position from[r]
+// (its sliding window's start, else 0), with its online softmax state.
 struct tile_rows {
     float m[TILE_ROWS], l[TILE_ROWS], rescale[TILE_ROWS];
-    int pos[TILE_ROWS];
+    int pos[TILE_ROWS], from[TILE_ROWS];
 };
 
 // The rows' positions and fresh softmax state, O [padded, dim] zero.
 static void tile_begin(struct tile_rows *t, float *O, int rows, int padded, int p0, int qa,
-                       int group, int dim) {
+                       int group, int dim, int window) {
     memset(O, 0, sizeof(float) * padded * dim);
     for (int r = 0; r < padded; r++) {
         t->pos[r] = r < rows ? p0 + qa + r / group : -1;
+        t->from[r] = r < rows ? window_start(t->pos[r], window) : 0;
         t->m[r] = MASKED;
         t->l[r] = 0.0f;
     }
+}
+
+// The first key tile (a multiple of TILE_KEYS past the gathered context's first key kbase)
+// holding a key that the tile's first query attends.
+static inline int tile_keys_start(int from, int kbase) {
+    return kbase + (from - kbase) / TILE_KEYS * TILE_KEYS;
 }
 
 // Where row r's query vector starts in q (row stride q_stride).
@@ -430,33 +452,35 @@ static void tile_store(void *out, const float *O, const float *l, int rows, int6
 
 // One tile: queries [qa, qb) of a chunk whose first query sits at position p0 and flat
 // token tok0, the `group` heads of KV head kvh; Kt [dim, kstride] and V [keys, dim] hold
-// the chunk's context for that KV head. `scratch` holds 2 * TILE_ROWS * dim +
-// TILE_ROWS * TILE_KEYS floats.
+// the chunk's context for that KV head from key position kbase on. `scratch` holds
+// 2 * TILE_ROWS * dim + TILE_ROWS * TILE_KEYS floats.
 static void prefill_tile(const void *q, int64_t q_stride, void *out, const float *Kt, int64_t kstride,
-                         const float *V, int64_t tok0, int p0, int qa, int qb, int kvh,
-                         int heads, int group, int dim, float scale, int bf16,
+                         const float *V, int kbase, int64_t tok0, int p0, int qa, int qb, int kvh,
+                         int heads, int group, int dim, float scale, int window, int bf16,
                          float *scratch) {
     const int rows = (qb - qa) * group, padded = (rows + 3) & ~3;
     float *Q = scratch, *O = Q + TILE_ROWS * dim, *S = O + TILE_ROWS * dim;
     struct tile_rows t;
     float *m = t.m, *l = t.l, *rescale = t.rescale;
-    const int *pos = t.pos;
-    tile_begin(&t, O, rows, padded, p0, qa, group, dim);
+    const int *pos = t.pos, *from = t.from;
+    tile_begin(&t, O, rows, padded, p0, qa, group, dim, window);
     memset(Q + rows * dim, 0, sizeof(float) * (padded - rows) * dim);
     for (int r = 0; r < rows; r++) {
         const int64_t at = tile_q_at(r, tok0, qa, kvh, group, q_stride, dim);
         for (int d = 0; d < dim; d++) Q[r * dim + d] = load(q, at + d, bf16) * scale;
     }
     const int keys_end = p0 + qb;
-    for (int k0 = 0; k0 < keys_end; k0 += TILE_KEYS) {
+    for (int k0 = tile_keys_start(from[0], kbase); k0 < keys_end; k0 += TILE_KEYS) {
         const int nk = keys_end - k0 < TILE_KEYS ? keys_end - k0 : TILE_KEYS;
-        tile_scores(Q, Kt + k0, kstride, S, padded, dim);
+        tile_scores(Q, Kt + (k0 - kbase), kstride, S, padded, dim);
         for (int r = 0; r < padded; r++) {
             float *s = S + r * TILE_KEYS;
-            const int seen = pos[r] - k0 + 1 < nk ? pos[r] - k0 + 1 : nk;
+            // keys j of the tile in [first, seen) count: one unsigned compare per key
+            const int seen = pos[r] - k0 + 1 < nk ? pos[r] - k0 + 1 : nk, first = from[r] - k0;
+            const unsigned span = seen > first ? (unsigned)(seen - first) : 0u;
             float top = m[r];
             for (int j = 0; j < TILE_KEYS; j++) {
-                s[j] = j < seen ? s[j] : (float)MASKED;
+                s[j] = (unsigned)(j - first) < span ? s[j] : (float)MASKED;
                 top = s[j] > top ? s[j] : top;
             }
             // exp's arguments are kept >= -80: the vector expf takes a slow scalar path
@@ -466,28 +490,29 @@ static void prefill_tile(const void *q, int64_t q_stride, void *out, const float
 #pragma omp simd reduction(+ : sum)
             for (int j = 0; j < TILE_KEYS; j++) {
                 const float p = expf(fmaxf(s[j] - top, -80.0f));
-                s[j] = j < seen ? p : 0.0f;
+                s[j] = (unsigned)(j - first) < span ? p : 0.0f;
                 sum += s[j];
             }
             m[r] = top;
             l[r] = l[r] * rescale[r] + sum;
         }
-        tile_values(S, V + (int64_t)k0 * dim, O, rescale, padded, nk, dim);
+        tile_values(S, V + (int64_t)(k0 - kbase) * dim, O, rescale, padded, nk, dim);
     }
     tile_store(out, O, l, rows, tok0, qa, kvh, heads, group, dim, bf16);
 }
 
-// Chunk s's context for KV head kvh into Kt [dim, kstride] (transposed, zero past ctx)
-// and V [kstride, dim].
+// Chunk s's context from key position kbase on, for KV head kvh, into Kt [dim, kstride]
+// (transposed, zero past ctx) and V [kstride, dim].
 static void gather_context(const void *k_cache, const void *v_cache, const int64_t *table,
-                           int ctx, int kvh, int dim, int block_size, int64_t head_stride,
+                           int ctx, int kbase, int kvh, int dim, int block_size, int64_t head_stride,
                            int64_t kstride, float *Kt, float *V, int bf16) {
     for (int j = 0; j < kstride; j++) {
-        if (j >= ctx) {
+        const int key = kbase + j;
+        if (key >= ctx) {
             for (int d = 0; d < dim; d++) Kt[(int64_t)d * kstride + j] = V[(int64_t)j * dim + d] = 0.0f;
             continue;
         }
-        const int64_t base = (int64_t)kvh * head_stride + (table[j / block_size] * block_size + j % block_size) * dim;
+        const int64_t base = (int64_t)kvh * head_stride + (table[key / block_size] * block_size + key % block_size) * dim;
         for (int d = 0; d < dim; d++) {
             Kt[(int64_t)d * kstride + j] = load(k_cache, base + d, bf16);
             V[(int64_t)j * dim + d] = load(v_cache, base + d, bf16);
@@ -536,12 +561,14 @@ static void amx_configure(void) {}
 int amx_prefill(void) { return amx_usable(); }
 
 static void gather_context_amx(const uint16_t *k_cache, const uint16_t *v_cache,
-                               const int64_t *table, int ctx, int kvh, int dim, int block_size,
-                               int64_t head_stride, int64_t keys, uint16_t *Kb, uint16_t *Vv) {
+                               const int64_t *table, int ctx, int kbase, int kvh, int dim,
+                               int block_size, int64_t head_stride, int64_t keys, uint16_t *Kb,
+                               uint16_t *Vv) {
     for (int64_t j = 0; j < keys; j++) {
-        const int64_t base = j < ctx ? (int64_t)kvh * head_stride +
-                                           (table[j / block_size] * block_size + j % block_size) * dim
-                                     : -1;
+        const int64_t key = kbase + j;
+        const int64_t base = key < ctx ? (int64_t)kvh * head_stride +
+                                             (table[key / block_size] * block_size + key % block_size) * dim
+                                       : -1;
         uint16_t *kb = Kb + j / 16 * 16 * dim + j % 16 * 2, *vv = Vv + j / 2 * 2 * dim + j % 2;
         for (int d = 0; d < dim; d++) {
             kb[d / 2 * 32 + d % 2] = base < 0 ? 0 : k_cache[base + d];
@@ -575,35 +602,42 @@ static inline __attribute__((always_inline)) __mmask16 lanes_below(int seen, int
     return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
 }
 
+// Lanes [c * 16, c * 16 + 16) in [first, seen) (first <= 0: all below seen).
+static inline __attribute__((always_inline)) __mmask16 lanes_between(int first, int seen, int c) {
+    const __mmask16 below = lanes_below(seen, c);
+    return first > 0 ? below & (__mmask16)~lanes_below(first, c) : below;
+}
+
 // prefill_tile on the tile unit, for bfloat16 and dim a multiple of 64. Four accumulator
 // tiles are in flight at a time: one tile product's latency is about three times its
 // issue interval. `scratch` holds TILE_ROWS * dim floats of O, TILE_ROWS * TILE_KEYS of S,
 // then Q and P in bfloat16.
 static void prefill_tile_amx(const uint16_t *q, int64_t q_stride, uint16_t *out,
-                             const uint16_t *Kb, const uint16_t *Vv, int64_t tok0, int p0, int qa,
-                             int qb, int kvh, int heads, int group, int dim, float scale,
-                             float *scratch) {
+                             const uint16_t *Kb, const uint16_t *Vv, int kbase, int64_t tok0,
+                             int p0, int qa, int qb, int kvh, int heads, int group, int dim,
+                             float scale, int window, float *scratch) {
     _Static_assert(TILE_KEYS == 64, "four 16-key accumulators and two 32-key products per tile");
     const int rows = (qb - qa) * group, padded = (rows + 15) & ~15;
     float *O = scratch, *S = O + TILE_ROWS * dim;
     uint16_t *Q = (uint16_t *)(S + TILE_ROWS * TILE_KEYS), *P = Q + TILE_ROWS * dim;
     struct tile_rows t;
     float *m = t.m, *l = t.l, *rescale = t.rescale;
-    const int *pos = t.pos;
-    tile_begin(&t, O, rows, padded, p0, qa, group, dim);
+    const int *pos = t.pos, *from = t.from;
+    tile_begin(&t, O, rows, padded, p0, qa, group, dim, window);
     memset(Q + rows * dim, 0, sizeof(uint16_t) * (padded - rows) * dim);
     for (int r = 0; r < rows; r++)
         memcpy(Q + r * dim, q + tile_q_at(r, tok0, qa, kvh, group, q_stride, dim),
                sizeof(uint16_t) * dim);
     const __m512 vscale = _mm512_set1_ps(scale), masked = _mm512_set1_ps((float)MASKED);
     const int keys_end = p0 + qb;
-    for (int k0 = 0; k0 < keys_end; k0 += TILE_KEYS) {
+    for (int k0 = tile_keys_start(from[0], kbase); k0 < keys_end; k0 += TILE_KEYS) {
         const int nk = keys_end - k0 < TILE_KEYS ? keys_end - k0 : TILE_KEYS;
         // S = Q K^T: the row block's four 16-key blocks at once (none where every row of
-        // the block is before k0: the softmax masks them).
+        // the block is before k0 or every row's window starts after these keys: the
+        // softmax masks them).
         for (int rb = 0; rb < padded; rb += 16) {
-            if (pos[rb + 15 < rows ? rb + 15 : rows - 1] < k0) continue;
-            const uint16_t *kb = Kb + (int64_t)k0 * dim;
+            if (pos[rb + 15 < rows ? rb + 15 : rows - 1] < k0 || from[rb] >= k0 + TILE_KEYS) continue;
+            const uint16_t *kb = Kb + (int64_t)(k0 - kbase) * dim;
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
@@ -628,10 +662,10 @@ static void prefill_tile_amx(const uint16_t *q, int64_t q_stride, uint16_t *out,
         // in vectors, then P (bfloat16) and each row's sum.
         for (int r = 0; r < padded; r++) {
             float *s = S + r * TILE_KEYS;
-            const int seen = pos[r] - k0 + 1 < nk ? pos[r] - k0 + 1 : nk;
+            const int seen = pos[r] - k0 + 1 < nk ? pos[r] - k0 + 1 : nk, first = from[r] - k0;
             __m512 top = _mm512_set1_ps(m[r]);
             for (int c = 0; c < 4; c++) {
-                const __m512 x = _mm512_mask_mul_ps(masked, lanes_below(seen, c),
+                const __m512 x = _mm512_mask_mul_ps(masked, lanes_between(first, seen, c),
                                                     _mm512_loadu_ps(s + c * 16), vscale);
                 _mm512_storeu_ps(s + c * 16, x);
                 top = _mm512_max_ps(top, x);
@@ -645,11 +679,11 @@ static void prefill_tile_amx(const uint16_t *q, int64_t q_stride, uint16_t *out,
         }
         for (int r = 0; r < padded; r++) {
             const float *s = S + r * TILE_KEYS;
-            const int seen = pos[r] - k0 + 1 < nk ? pos[r] - k0 + 1 : nk;
+            const int seen = pos[r] - k0 + 1 < nk ? pos[r] - k0 + 1 : nk, first = from[r] - k0;
             const __m512 top = _mm512_set1_ps(m[r]);
             __m512 p[4];
             for (int c = 0; c < 4; c++) {
-                const __mmask16 live = lanes_below(seen, c);
+                const __mmask16 live = lanes_between(first, seen, c);
                 p[c] = live ? _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + c * 16), top)))
                             : _mm512_setzero_ps();
             }
@@ -662,7 +696,8 @@ static void prefill_tile_amx(const uint16_t *q, int64_t q_stride, uint16_t *out,
                 _mm512_storeu_ps(O + r * dim + d, _mm512_mul_ps(_mm512_loadu_ps(O + r * dim + d), by));
         }
         // O += P V: four 16-dim accumulator tiles of a row block, 32 keys per product;
-        // key halves past the row block's last position are all zero in P.
+        // key halves past the row block's last position, or before its first row's window,
+        // are all zero in P.
         for (int rb = 0; rb < padded; rb += 16) {
             const int last = pos[rb + 15 < rows ? rb + 15 : rows - 1];
             float *o = O + rb * dim;
@@ -672,7 +707,8 @@ static void prefill_tile_amx(const uint16_t *q, int64_t q_stride, uint16_t *out,
                 _tile_loadd(2, o + c0 + 32, dim * 4);
                 _tile_loadd(3, o + c0 + 48, dim * 4);
                 for (int kh = 0; kh < TILE_KEYS && k0 + kh <= last; kh += 32) {
-                    const uint16_t *v = Vv + (int64_t)(k0 + kh) * dim + c0 * 2;
+                    if (k0 + kh + 32 <= from[rb]) continue;
+                    const uint16_t *v = Vv + (int64_t)(k0 - kbase + kh) * dim + c0 * 2;
                     _tile_loadd(4, P + rb * TILE_KEYS + kh, TILE_KEYS * 2);
                     _tile_loadd(5, v, dim * 4);
                     _tile_dpbf16ps(0, 4, 5);
@@ -698,19 +734,22 @@ static int paged_prefill(const void *q, int64_t q_stride, const void *k_cache, c
                          const int64_t *block_tables, const int32_t *query_start,
                          const int32_t *context_lens, void *out, int seqs, int heads,
                          int kv_heads, int dim, int block_size, int max_blocks,
-                         int64_t head_stride, float scale, int threads, int bf16) {
+                         int64_t head_stride, float scale, int window, int threads, int bf16) {
     const int group = heads / kv_heads;
     if (dim > MAX_DIM || dim % DIM_UNIT || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
     const int per_tile = TILE_ROWS / group, amx = bf16 && dim % 64 == 0 && amx_usable();
     // Work items: (seq, kvh) of one-query rows, (seq, kvh, tile) of chunks, each chunk's
-    // last tiles (the most keys) first.
+    // last tiles (the most keys) first. A chunk's context is gathered from the first key
+    // its first query attends (kbase: all of it without a sliding window).
     int64_t chunk_keys = 0, items = 0;
     int64_t *offset = malloc(sizeof(int64_t) * (seqs + 1));
     if (!offset) return -2;
     for (int s = 0; s < seqs; s++) {
         const int n = query_start[s + 1] - query_start[s];
+        const int kbase = window_start(context_lens[s] - n, window);
         offset[s] = chunk_keys;
-        if (n > 1 && context_lens[s] > 0) chunk_keys += (context_lens[s] + TILE_KEYS - 1) / TILE_KEYS * TILE_KEYS;
+        if (n > 1 && context_lens[s] > 0)
+            chunk_keys += (context_lens[s] - kbase + TILE_KEYS - 1) / TILE_KEYS * TILE_KEYS;
         items += n > 1 ? (n + per_tile - 1) / per_tile : context_lens[s] > 0;
     }
     offset[seqs] = chunk_keys;
@@ -738,13 +777,15 @@ static int paged_prefill(const void *q, int64_t q_stride, const void *k_cache, c
                     if (keys == 0) continue;
                     const int64_t at = (offset[s] * kv_heads + keys * kvh) * dim;
                     const int64_t *table = block_tables + (int64_t)s * max_blocks;
+                    const int ctx = context_lens[s];
+                    const int kbase = window_start(ctx - (query_start[s + 1] - query_start[s]), window);
                     if (amx)
-                        gather_context_amx(k_cache, v_cache, table, context_lens[s], kvh, dim,
+                        gather_context_amx(k_cache, v_cache, table, ctx, kbase, kvh, dim,
                                            block_size, head_stride, keys, (uint16_t *)Kt + at,
                                            (uint16_t *)V + at);
                     else
-                        gather_context(k_cache, v_cache, table, context_lens[s], kvh, dim,
-                                       block_size, head_stride, keys, Kt + at, V + at, bf16);
+                        gather_context(k_cache, v_cache, table, ctx, kbase, kvh, dim, block_size,
+                                       head_stride, keys, Kt + at, V + at, bf16);
                 }
             }
             float *scratch = malloc(sizeof(float) * 2 * (TILE_ROWS * dim + TILE_ROWS * TILE_KEYS));
@@ -760,10 +801,11 @@ static int paged_prefill(const void *q, int64_t q_stride, const void *k_cache, c
                     const int n = query_start[s + 1] - query_start[s], ctx = context_lens[s];
                     const int64_t *table = block_tables + (int64_t)s * max_blocks;
                     if (n == 1) {
-                        attend_row(q, q_stride, k_cache, v_cache, table, ctx, out, query_start[s], kvh,
-                                   heads, group, dim, block_size, head_stride, scale, bf16);
+                        attend_row(q, q_stride, k_cache, v_cache, table, ctx, window, out, query_start[s],
+                                   kvh, heads, group, dim, block_size, head_stride, scale, bf16);
                         continue;
                     }
+                    const int kbase = window_start(ctx - n, window);
                     const int64_t keys = offset[s + 1] - offset[s];
                     const int64_t at = (offset[s] * kv_heads + keys * kvh) * dim;
                     const int qa = t * per_tile, qb = qa + per_tile < n ? qa + per_tile : n;
@@ -771,13 +813,14 @@ static int paged_prefill(const void *q, int64_t q_stride, const void *k_cache, c
 #if HAVE_AMX
                     if (amx) {
                         prefill_tile_amx(q, q_stride, out, (const uint16_t *)Kt + at,
-                                         (const uint16_t *)V + at, query_start[s], ctx - n, qa, qb,
-                                         kvh, heads, group, dim, scale, scratch);
+                                         (const uint16_t *)V + at, kbase, query_start[s], ctx - n,
+                                         qa, qb, kvh, heads, group, dim, scale, window, scratch);
                         continue;
                     }
 #endif
-                    prefill_tile(q, q_stride, out, Kt + at, keys, V + at, query_start[s], ctx - n, qa,
-                                 qb, kvh, heads, group, dim, scale, bf16, scratch);
+                    prefill_tile(q, q_stride, out, Kt + at, keys, V + at, kbase, query_start[s],
+                                 ctx - n, qa, qb, kvh, heads, group, dim, scale, window, bf16,
+                                 scratch);
                 }
             }
 #if HAVE_AMX
@@ -798,20 +841,20 @@ int paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache, co
                       const int64_t *block_tables, const int32_t *query_start,
                       const int32_t *context_lens, float *out, int seqs, int heads,
                       int kv_heads, int dim, int block_size, int max_blocks,
-                      int64_t head_stride, float scale, int threads) {
+                      int64_t head_stride, float scale, int window, int threads) {
     return paged_prefill(q, q_stride, k_cache, v_cache, block_tables, query_start, context_lens, out,
                          seqs, heads, kv_heads, dim, block_size, max_blocks, head_stride, scale,
-                         threads, 0);
+                         window, threads, 0);
 }
 
 int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int64_t *block_tables, const int32_t *query_start,
                        const int32_t *context_lens, uint16_t *out, int seqs, int heads,
                        int kv_heads, int dim, int block_size, int max_blocks,
-                       int64_t head_stride, float scale, int threads) {
+                       int64_t head_stride, float scale, int window, int threads) {
     return paged_prefill(q, q_stride, k_cache, v_cache, block_tables, query_start, context_lens, out,
                          seqs, heads, kv_heads, dim, block_size, max_blocks, head_stride, scale,
-                         threads, 1);
+                         window, threads, 1);
 }
 
 // Llama's (neox-style) rotary embedding in place: `x` rows of `heads` vectors of `dim`

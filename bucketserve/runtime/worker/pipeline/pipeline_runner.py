@@ -70,7 +70,7 @@ class PipelineRunner:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.model_config = c = ModelConfig.from_dir(self.model_dir)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir, config.chat_template)
         self.max_model_len = config.max_model_len or c.max_position_embeddings
         if self.max_model_len > c.max_position_embeddings:
             raise ValueError(
