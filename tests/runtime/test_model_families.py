@@ -233,3 +233,33 @@ def test_qwen2_window_only_where_the_config_turns_it_on():
     on = {**base, "sliding_window": 32, "use_sliding_window": True, "max_window_layers": 2}
     windows = [ModelConfig.from_dict(on).layer_sliding_window(i) for i in range(4)]
     assert windows == [None, None, 32, 32]
+
+
+PROMPT_BUCKET = (4, 40, 12)  # (batch, query, table width in blocks): the four prompts at once
+DECODE_BUCKET = (4, 1, 48)  # decode: the batch's blocks in all
+
+
+def test_shape_bucket_graphs_equal_transformers(family):
+    """Graphs mode with prompt and decode shape buckets (the exponential strategy's kind,
+    not unified steps): the padded prompt rectangle and the flat decode list, each layer
+    with its own window, give transformers' tokens with nothing compiled after warm-up."""
+    runner = ModelRunner(
+        ModelRunnerConfig(
+            model=str(family.model_dir), block_size=BLOCK, num_kv_blocks=64, execution="graphs"
+        )
+    )
+    runner.warmup([PROMPT_BUCKET, DECODE_BUCKET])
+    free = list(range(64))
+    random.Random(2).shuffle(free)
+    seqs = [Sequence(p, SamplingParams(temperature=0)) for p in prompts()]
+    for s in seqs:
+        s.block_table = [free.pop() for _ in range(-(-(len(s) + MAX_TOKENS) // BLOCK))]
+    counts, bucket = [len(s) for s in seqs], PROMPT_BUCKET
+    while seqs[0].num_output_tokens < MAX_TOKENS:
+        tokens = runner.execute(seqs, counts, bucket)
+        for s, n, token in zip(seqs, counts, tokens, strict=True):
+            s.num_computed_tokens += n
+            s.append_token(token)
+        counts, bucket = [1] * len(seqs), DECODE_BUCKET
+    assert [s.output_token_ids for s in seqs] == family.greedy
+    assert runner.graph_stats.misses == 0
