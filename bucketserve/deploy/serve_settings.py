@@ -311,7 +311,7 @@ class GatewaySettings(Settings):
     """PEM certificate; TLS when given with tls_key_file."""
     tls_key_file: str | None = None
     """PEM private key."""
-    max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_message_bytes: int = Field(1024 * 1024, ge=1024)
     """Largest gRPC message or HTTP body, refused before it is parsed (gRPC
     RESOURCE_EXHAUSTED, HTTP 413)."""
     keepalive_time_s: float = Field(30.0, ge=1)
@@ -335,6 +335,9 @@ class GatewaySettings(Settings):
     """Messages of one chat request (and text parts of one message's content)."""
     max_logit_bias: int = Field(1024, ge=0)
     """Entries of one request's logit_bias."""
+    max_tools: int = Field(128, ge=0)
+    """Tools of one chat request (each one's schema reaches the chat template and, with
+    tool_choice required or named, the grammar)."""
     max_logprobs: int = Field(MAX_LOGPROBS, ge=0, le=MAX_LOGPROBS)
     """Top logprobs per token a request may ask for (logprobs, top_logprobs,
     prompt_logprobs; vLLM's max_logprobs)."""

@@ -28,8 +28,8 @@ class GatewayConfig:
     token, and `max_stop_token_ids` its stop token ids, checked on every token too.
     `max_prompt_chars` bounds the text tokenized for one request (a prompt, a chat's
     contents, a /tokenize input), `max_chat_messages` a chat's messages, `max_logit_bias`
-    the entries of a logit_bias, `max_logprobs` the top logprobs per token and `max_n` the
-    samples of one request; every list is counted
+    the entries of a logit_bias, `max_tools` a chat's tools, `max_logprobs` the top
+    logprobs per token and `max_n` the samples of one request; every list is counted
     before any of its elements is looked at (`RequestLimits`).
     `grpc_stream_idle_timeout_s`: a gRPC response the client has not taken after this long
     (it stopped reading) ends its stream and aborts the request, so a stalled client holds no
@@ -47,7 +47,7 @@ class GatewayConfig:
     served_model_name: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
-    max_message_bytes: int = 4 * 1024 * 1024
+    max_message_bytes: int = 1024 * 1024
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
     drain_timeout_s: float = 30.0
@@ -58,6 +58,7 @@ class GatewayConfig:
     max_prompt_chars: int = 1_000_000
     max_chat_messages: int = 4096
     max_logit_bias: int = 1024
+    max_tools: int = 128
     max_logprobs: int = 20
     max_n: int = 16
     grpc_stream_idle_timeout_s: float | None = 60.0

@@ -108,6 +108,13 @@ class RequestLimits:
                 "(gateway.max_logit_bias)"
             )
 
+    def tools(self, n: int) -> None:
+        most = self.config.max_tools
+        if n > most:
+            raise InvalidArgumentError(
+                f"tools has {n} entries; this server takes at most {most} (gateway.max_tools)"
+            )
+
     def logprobs(self, what: str, k: Any) -> None:
         """`k` top logprobs per token under the name `what` (its type is checked later)."""
         most = self.config.max_logprobs

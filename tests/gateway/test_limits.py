@@ -32,6 +32,9 @@ def chat(**fields: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 def prompt_message(server: Any, n: int) -> str:
     model = server.admission.model
     return (
@@ -85,6 +88,8 @@ HTTP_CASES: list[tuple[str, str, Callable[[], Any], str | Callable[[Any], str]]]
      lambda: completion(logit_bias={str(i): 1.0 for i in range(MILLION)}),
      "logit_bias has 1000000 entries; this server takes at most 1024 "
      "(gateway.max_logit_bias)"),
+    ("100k tools", "/v1/chat/completions", lambda: chat(tools=[TOOL] * 100_000),
+     "tools has 100000 entries; this server takes at most 128 (gateway.max_tools)"),
     ("1M allowed_token_ids", "/v1/completions",
      lambda: completion(allowed_token_ids=[5] * MILLION),
      "allowed_token_ids=<1000000 items> is not supported yet by this server; leave it out "
@@ -204,7 +209,7 @@ def test_an_oversized_grpc_request_is_refused_before_any_work_per_element(
 def tight_server(loop_thread: Any, backend: Any) -> Any:
     server = start_server(
         loop_thread, backend, max_n=2, max_logprobs=3, max_chat_messages=2,
-        max_prompt_chars=40, max_stop_token_ids=4, max_logit_bias=2,
+        max_prompt_chars=40, max_stop_token_ids=4, max_logit_bias=2, max_tools=1,
     )
     yield server
     loop_thread.run(server.stop(0))
@@ -237,6 +242,8 @@ TIGHT = [
      "stop_token_ids has 5 ids; this server takes at most 4 (gateway.max_stop_token_ids)"),
     ("/v1/completions", completion(logit_bias={"1": 1.0, "2": 1.0, "3": 1.0}), None,
      "logit_bias has 3 entries; this server takes at most 2 (gateway.max_logit_bias)"),
+    ("/v1/chat/completions", chat(tools=[TOOL, TOOL]), None,
+     "tools has 2 entries; this server takes at most 1 (gateway.max_tools)"),
 ]
 
 

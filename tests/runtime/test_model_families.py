@@ -239,10 +239,12 @@ PROMPT_BUCKET = (4, 40, 12)  # (batch, query, table width in blocks): the four p
 DECODE_BUCKET = (4, 1, 48)  # decode: the batch's blocks in all
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "opt-post-norm"], indirect=True)
 def test_shape_bucket_graphs_equal_transformers(family):
     """Graphs mode with prompt and decode shape buckets (the exponential strategy's kind,
     not unified steps): the padded prompt rectangle and the flat decode list, each layer
-    with its own window, give transformers' tokens with nothing compiled after warm-up."""
+    with its own window, give transformers' tokens with nothing compiled after warm-up.
+    The families whose graph regions differ: windows, Gemma's head and tail, OPT's."""
     runner = ModelRunner(
         ModelRunnerConfig(
             model=str(family.model_dir), block_size=BLOCK, num_kv_blocks=64, execution="graphs"

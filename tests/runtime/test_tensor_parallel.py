@@ -1,8 +1,8 @@
 """Tensor parallelism within a worker: two ranks (this process and a spawned one, gloo)
 give the greedy tokens of one rank and of transformers, whether the KV heads split over
 the ranks or must be replicated onto them (with a vocabulary that does not split evenly),
-in eager and graphs mode and for every family; a model that cannot split is refused; a
-dead rank fails the step at once instead of hanging its collectives."""
+in eager and graphs mode, and for the families that shard differently; a model that cannot
+split is refused; a dead rank fails the step at once instead of hanging its collectives."""
 
 from __future__ import annotations
 
@@ -111,7 +111,10 @@ def test_two_ranks_in_graphs_mode(llama):
 
 
 @pytest.mark.slow  # a rank process per family (~6 s each)
-def test_every_family_over_two_ranks(family):  # noqa: F811 (the imported fixture)
+# the families whose layers shard differently from Llama's: q/k/v biases alone; one KV head
+# replicated, q/k norms and a tied head; biases everywhere, learned positions, projections
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "opt-post-norm"], indirect=True)
+def test_families_that_shard_differently_over_two_ranks(family):  # noqa: F811 (the imported fixture)
     engine = LLMEngine.from_kwargs(
         model=str(family.model_dir),
         block_size=BLOCK,

@@ -318,6 +318,14 @@ class ChatCompletionRequest(_GenerateBody):
     def _count(cls, messages: Any, info: ValidationInfo) -> Any:
         return _counted_messages(messages, info)
 
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _count_tools(cls, tools: Any, info: ValidationInfo) -> Any:
+        if isinstance(tools, list):
+            with refusing():
+                limits(info).tools(len(tools))
+        return tools
+
     @field_validator("top_logprobs", mode="before")
     @classmethod
     def _top(cls, k: Any, info: ValidationInfo) -> Any:
