@@ -61,7 +61,9 @@ def llama(request, tmp_path_factory, smollm_tokenizer_dir) -> tuple[Path, list[l
     return out, hf_greedy(hf, prompts())
 
 
-def run(model_dir: Path, tp: int, execution: str = "eager") -> tuple[list[list[int]], LLMEngine]:
+def run(
+    model_dir: Path, tp: int, execution: str = "eager", token_lists: list[list[int]] | None = None
+) -> tuple[list[list[int]], LLMEngine]:
     engine = LLMEngine.from_kwargs(
         model=str(model_dir),
         block_size=BLOCK,
@@ -75,7 +77,7 @@ def run(model_dir: Path, tp: int, execution: str = "eager") -> tuple[list[list[i
         if execution == "graphs":
             engine.runner.warmup([UNIFIED])
         greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        ids = [engine.add_request(p, greedy) for p in prompts()]
+        ids = [engine.add_request(p, greedy) for p in token_lists or prompts()]
         final = {}
         while engine.has_unfinished():
             for out in engine.step():
@@ -115,26 +117,8 @@ def test_two_ranks_in_graphs_mode(llama):
 # replicated, q/k norms and a tied head; biases everywhere, learned positions, projections
 @pytest.mark.parametrize("family", ["qwen2", "gemma3", "opt-post-norm"], indirect=True)
 def test_families_that_shard_differently_over_two_ranks(family):  # noqa: F811 (the imported fixture)
-    engine = LLMEngine.from_kwargs(
-        model=str(family.model_dir),
-        block_size=BLOCK,
-        num_kv_blocks=NUM_BLOCKS,
-        execution="eager",
-        tensor_parallel_size=2,
-        max_num_seqs=4,
-        max_num_batched_tokens=UNIFIED[0],
-    )
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    try:
-        ids = [engine.add_request(p, greedy) for p in family_prompts()]
-        final = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-    finally:
-        engine.close()
-    assert [final[i].token_ids for i in ids] == family.greedy
+    got, engine = run(family.model_dir, 2, token_lists=family_prompts())
+    assert got == family.greedy
     assert engine.block_manager.num_free_blocks == NUM_BLOCKS
 
 
