@@ -102,6 +102,14 @@ HARDWARE: dict[str, HardwareSpec] = {
             source="NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB",
         ),
         HardwareSpec(
+            "h200",
+            peak_flops=989 * TB,
+            mem_bandwidth=4.8 * TB,
+            mem_bytes=141 * GB,
+            step_overhead_s=1.5e-3,
+            source="NVIDIA H200 SXM datasheet: 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e, 141 GB",
+        ),
+        HardwareSpec(
             "gaudi2",
             peak_flops=432 * TB,
             mem_bandwidth=2.45 * TB,
