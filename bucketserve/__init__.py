@@ -31,6 +31,9 @@ _EXPORTS = {
     "Chunk": "bucketserve.gateway.sdk_types",
     "Completion": "bucketserve.gateway.sdk_types",
     "ModelInfo": "bucketserve.gateway.sdk_types",
+    "Tool": "bucketserve.gateway.sdk_types",
+    "ToolCall": "bucketserve.gateway.sdk_types",
+    "ToolChoice": "bucketserve.gateway.sdk_types",
     "BucketServeError": "bucketserve.gateway.errors",
     "InvalidArgumentError": "bucketserve.gateway.errors",
     "AuthenticationError": "bucketserve.gateway.errors",
@@ -63,6 +66,9 @@ __all__ = [
     "RetryPolicy",
     "SamplingParams",
     "StructuredOutputsParams",
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
     "UnavailableError",
 ]
 
@@ -83,7 +89,14 @@ if TYPE_CHECKING:
         UnavailableError,
     )
     from bucketserve.gateway.retry_policy import RetryPolicy
-    from bucketserve.gateway.sdk_types import Chunk, Completion, ModelInfo
+    from bucketserve.gateway.sdk_types import (
+        Chunk,
+        Completion,
+        ModelInfo,
+        Tool,
+        ToolCall,
+        ToolChoice,
+    )
     from bucketserve.runtime.core.sampling_params import SamplingParams
     from bucketserve.runtime.core.structured_outputs import StructuredOutputsParams
 

@@ -100,12 +100,28 @@ class Admission:
             await self.off_loop(validate_structured_outputs, spec)
         except (TypeError, ValueError) as exc:
             message, name = str(exc), inp.structured_name
+            if name == "tools" and inp.tools:
+                message, name = await self._bad_tool(inp.tools, message)
             if name != "structured_outputs":  # named as the request named it
                 message = _STRUCTURED_FIELD.sub(name, message, count=1)
             if not message.startswith(name):
                 message = f"{name}: {message}"
             raise InvalidArgumentError(message) from None
         inp.sampling["structured_outputs"] = spec
+
+    async def _bad_tool(self, tools: list[dict[str, Any]], message: str) -> tuple[str, str]:
+        """(message, field) naming the first tool whose schema does not compile; the
+        constraint built from all of them failed with `message`."""
+        for i, tool in enumerate(tools):
+            schema = tool["function"].get("parameters")
+            if not schema:
+                continue
+            try:
+                spec = StructuredOutputsParams(json=schema)
+                await self.off_loop(validate_structured_outputs, spec)
+            except (TypeError, ValueError) as exc:
+                return str(exc), f"tools[{i}] ({tool['function']['name']}) parameters"
+        return message, "tools"
 
     @property
     def limits(self) -> RequestLimits:

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -25,7 +25,7 @@ from bucketserve.gateway.generate_input import GenerateInput
 from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2 as pb
 from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2_grpc as pb_grpc
 from bucketserve.gateway.proto_codec import input_to_request, response_to_chunk
-from bucketserve.gateway.sdk_types import Chunk, Completion, ModelInfo
+from bucketserve.gateway.sdk_types import Chunk, Completion, ModelInfo, Tool, ToolChoice
 from bucketserve.runtime.core.sampling_params import SamplingParams
 
 
@@ -54,19 +54,30 @@ class AsyncClient(ClientBase):
 
     async def chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         sampling_params: SamplingParams | None = None,
+        *,
+        tools: Sequence[Tool | dict[str, Any]] | None = None,
+        tool_choice: ToolChoice | str | None = None,
+        parallel_tool_calls: bool | None = None,
         **kw: Any,
     ) -> Completion:
+        """Like Client.chat."""
+        kw.update(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
         inp = build_input(None, messages, sampling_params, **kw)
         return whole([chunk async for chunk in self._call(inp, kw, False)])
 
     def chat_stream(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         sampling_params: SamplingParams | None = None,
+        *,
+        tools: Sequence[Tool | dict[str, Any]] | None = None,
+        tool_choice: ToolChoice | str | None = None,
+        parallel_tool_calls: bool | None = None,
         **kw: Any,
     ) -> AsyncIterator[Chunk]:
+        kw.update(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
         return self._call(build_input(None, messages, sampling_params, **kw), kw, True)
 
     async def abort(self, request_id: str, timeout: float | None = None) -> bool:

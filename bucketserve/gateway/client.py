@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -27,7 +27,7 @@ from bucketserve.gateway.generate_input import GenerateInput
 from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2 as pb
 from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2_grpc as pb_grpc
 from bucketserve.gateway.proto_codec import input_to_request, response_to_chunk
-from bucketserve.gateway.sdk_types import Chunk, Completion, ModelInfo
+from bucketserve.gateway.sdk_types import Chunk, Completion, ModelInfo, Tool, ToolChoice
 from bucketserve.runtime.core.sampling_params import SamplingParams
 
 
@@ -59,18 +59,34 @@ class Client(ClientBase):
 
     def chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         sampling_params: SamplingParams | None = None,
+        *,
+        tools: Sequence[Tool | dict[str, Any]] | None = None,
+        tool_choice: ToolChoice | str | None = None,
+        parallel_tool_calls: bool | None = None,
         **kw: Any,
     ) -> Completion:
+        """`tools` the model may call and `tool_choice` ("none", "auto", "required" or
+        ToolChoice.named(function)); its calls come in `tool_calls`, and `text` is the
+        content outside them. Messages may carry an assistant's `tool_calls` and a tool's
+        `tool_call_id`."""
+        kw.update(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
         return whole(self._call(build_input(None, messages, sampling_params, **kw), kw, False))
 
     def chat_stream(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         sampling_params: SamplingParams | None = None,
+        *,
+        tools: Sequence[Tool | dict[str, Any]] | None = None,
+        tool_choice: ToolChoice | str | None = None,
+        parallel_tool_calls: bool | None = None,
         **kw: Any,
     ) -> Iterator[Chunk]:
+        """Chunks as tokens come; with tools, each chunk's `tool_calls` holds pieces of the
+        calls as the model writes them (arguments streamed)."""
+        kw.update(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
         return self._call(build_input(None, messages, sampling_params, **kw), kw, True)
 
     def abort(self, request_id: str, timeout: float | None = None) -> bool:

@@ -16,7 +16,7 @@ from bucketserve.gateway.generate_input import GenerateInput
 from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2 as pb
 from bucketserve.gateway.retry_policy import RetryPolicy
 from bucketserve.gateway.rich_status import retry_delay
-from bucketserve.gateway.sdk_types import Chunk, Completion, ModelInfo
+from bucketserve.gateway.sdk_types import Chunk, Completion, ModelInfo, Tool, ToolChoice
 from bucketserve.runtime.core.sampling_params import SamplingParams
 
 API_KEY_ENV = "BUCKETSERVE_API_KEY"
@@ -89,9 +89,13 @@ def build_input(
     ttft_slo_s: float | None = None,
     tpot_slo_s: float | None = None,
     timeout: float | None = None,
+    tools: Sequence[Tool | dict[str, Any]] | None = None,
+    tool_choice: ToolChoice | str | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> GenerateInput:
     """The request the SDK sends; SamplingParams checks its values before anything is sent.
-    (`timeout` belongs to the call, not the request.)"""
+    (`timeout` belongs to the call, not the request.) `tools`: Tools or OpenAI's
+    {"type": "function", "function": {...}}; `tool_choice`: a ToolChoice or its mode."""
     params = SamplingParams() if sampling_params is None else sampling_params
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -104,6 +108,7 @@ def build_input(
         slo_ttft_s=ttft_slo_s,
         slo_tpot_s=tpot_slo_s,
     )
+    _set_tools(inp, tools, tool_choice, parallel_tool_calls)
     if isinstance(prompt, str):
         inp.prompt = prompt
     elif isinstance(prompt, (list, tuple)):
@@ -111,6 +116,31 @@ def build_input(
     elif prompt is not None:
         raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt)}")
     return inp
+
+
+def _set_tools(
+    inp: GenerateInput,
+    tools: Sequence[Tool | dict[str, Any]] | None,
+    tool_choice: ToolChoice | str | None,
+    parallel_tool_calls: bool | None,
+) -> None:
+    if tools:
+        inp.tools = [t.as_dict() if isinstance(t, Tool) else t for t in tools]
+    if isinstance(tool_choice, str):
+        tool_choice = ToolChoice(mode=tool_choice)  # type: ignore[arg-type]
+    if tool_choice is not None:
+        if not isinstance(tool_choice, ToolChoice):
+            raise TypeError(f"tool_choice must be a ToolChoice or a mode, got {tool_choice!r}")
+        if tool_choice.function is not None:
+            inp.tool_function = tool_choice.function
+        elif tool_choice.mode not in ("none", "auto", "required"):
+            raise ValueError(
+                f"tool_choice must be 'none', 'auto', 'required' or ToolChoice.named(function), "
+                f"got {tool_choice.mode!r}"
+            )
+        else:
+            inp.tool_choice = tool_choice.mode
+    inp.parallel_tool_calls = parallel_tool_calls
 
 
 def rpc_error(err: grpc.RpcError) -> BucketServeError:

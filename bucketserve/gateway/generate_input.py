@@ -21,4 +21,7 @@ class GenerateInput:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     tools: list[dict[str, Any]] | None = None  # chat: rendered by the template (HF's `tools`)
+    tool_choice: str | None = None  # none / auto / required (None: auto)
+    tool_function: str | None = None  # tool_choice naming a function: exactly one call of it
+    parallel_tool_calls: bool | None = None  # None: true
     structured_name: str = "structured_outputs"  # the field a constraint came in, for errors

@@ -18,13 +18,23 @@ from bucketserve.gateway.errors import (
     InternalError,
     InvalidArgumentError,
 )
+from bucketserve.gateway.generate_input import GenerateInput
 from bucketserve.gateway.generation import Generation
 from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2 as pb
 from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2_grpc as pb_grpc
-from bucketserve.gateway.proto_codec import delta_to_response, request_to_input, unknown_fields
+from bucketserve.gateway.proto_codec import (
+    delta_to_response,
+    merge_tool_calls,
+    request_to_input,
+    unknown_fields,
+    write_tool_calls,
+)
 from bucketserve.gateway.request_limits import RequestLimits
 from bucketserve.gateway.rich_status import status_trailers
 from bucketserve.gateway.tenant_registry import parse_bearer
+from bucketserve.gateway.tools.request_tools import RequestTools
+from bucketserve.gateway.tools.tool_parsers import tool_parser
+from bucketserve.gateway.tools.tool_stream import ToolStream
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -36,13 +46,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.admission = admission
         self.model_name = model_name
         self.access_log = access_log
+        self.tool_parser = tool_parser(admission.config.tool_call_parser)
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> None:
         started, gen = time.monotonic(), None
         try:
-            gen = await _guard(context, lambda: self._admit(request, context))
+            gen, tools = await _guard(context, lambda: self._admit(request, context))
             try:
-                await _guard(context, lambda: self._run(gen, request.stream, context))
+                await _guard(context, lambda: self._run(gen, request.stream, context, tools))
             finally:
                 await gen.close()
         finally:
@@ -51,12 +62,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             tenant = gen.tenant.name if gen is not None else None
             self.access_log.record("grpc Generate", status, started, tenant, gen)
 
-    async def _run(self, gen: Generation, stream: bool, context: Any) -> None:
+    async def _run(
+        self, gen: Generation, stream: bool, context: Any, tools: RequestTools | None
+    ) -> None:
         """The request's responses within the client's deadline; the request is closed
         before any error status goes out (a status waits behind the responses a stalled
         client has not taken)."""
         try:
-            await asyncio.wait_for(self._stream(gen, stream, context), context.time_remaining())
+            await asyncio.wait_for(
+                self._stream(gen, stream, context, tools), context.time_remaining()
+            )
         except TimeoutError:
             raise DeadlineExceededError(
                 f"the deadline passed after {gen.num_output_tokens} tokens and the request "
@@ -89,7 +104,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
         return await _guard(context, info)
 
-    async def _admit(self, request: pb.GenerateRequest, context: Any) -> Generation:
+    async def _admit(
+        self, request: pb.GenerateRequest, context: Any
+    ) -> tuple[Generation, RequestTools | None]:
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             raise DeadlineExceededError("the deadline passed before the request was admitted")
@@ -97,11 +114,34 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.admission.tenant(api_key)  # who asks, before their request is looked at
         try:
             _check_sizes(request, self.admission.limits)
+            _check_known(request)
+            inp = request_to_input(request)
+            tools = self._tools(inp)
         except BucketServeError as exc:
             self.admission.metrics.record_rejection(exc.code.name)
             raise
-        _check_known(request)
-        return await self.admission.admit(request_to_input(request), api_key)
+        return await self.admission.admit(inp, api_key), tools
+
+    def _tools(self, inp: GenerateInput) -> RequestTools | None:
+        """The request's tools; with tool_choice required or a function, their schema
+        becomes the output's constraint, as over HTTP."""
+        tools = RequestTools.of(inp)
+        if tools is None:
+            return None
+        if inp.messages is None:
+            raise InvalidArgumentError(
+                "tools need a chat prompt (GenerateRequest.chat): its template renders them"
+            )
+        tools.check_parser(self.tool_parser)
+        if tools.forced:
+            if inp.sampling.get("structured_outputs") is not None:
+                raise InvalidArgumentError(
+                    "give at most one output constraint: sampling_params.structured_outputs "
+                    "or tool_choice required / a function"
+                )
+            inp.sampling["structured_outputs"] = {"json": tools.schema()}
+            inp.structured_name = "tools"
+        return tools
 
     async def _write(self, gen: Generation, response: pb.GenerateResponse, context: Any) -> None:
         """One response, which the client must take within gateway.grpc_stream_idle_timeout_s
@@ -117,15 +157,25 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 "stream as it comes"
             ) from None
 
-    async def _stream(self, gen: Generation, stream: bool, context: Any) -> None:
+    async def _stream(
+        self, gen: Generation, stream: bool, context: Any, tools: RequestTools | None
+    ) -> None:
         """Each delta as it comes, or (stream=false) one message per sample with its whole
-        output, the request's final fields on the last."""
+        output, the request's final fields on the last. With tools each sample's text goes
+        through its ToolStream: content in `text`, calls in `tool_calls`."""
         wholes = [
             pb.GenerateResponse(request_id=gen.request_id, index=i)
             for i in range(len(gen.choices))
         ]
+        tool_streams: dict[int, ToolStream | None] = {}
         async for delta in gen:
             response = delta_to_response(delta, gen.cancel_reason)
+            if tools is not None:
+                if delta.index not in tool_streams:
+                    tool_streams[delta.index] = tools.stream(self.tool_parser)
+                tool_stream = tool_streams[delta.index]
+                if tool_stream is not None:
+                    write_tool_calls(response, delta, tool_stream)
             if stream:
                 await self._write(gen, response, context)
                 continue
@@ -134,6 +184,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             whole.text += response.text
             whole.logprobs.extend(response.logprobs)
             whole.prompt_logprobs.extend(response.prompt_logprobs)
+            merge_tool_calls(whole.tool_calls, response.tool_calls)
             if response.finish_reason:
                 whole.finish_reason = response.finish_reason
             if response.HasField("final"):
@@ -161,6 +212,7 @@ def _check_sizes(request: pb.GenerateRequest, limits: RequestLimits) -> None:
     params = request.sampling_params
     limits.stop_token_ids(len(params.stop_token_ids))
     limits.stop_count(len(params.stop))
+    limits.tools(len(request.tools))
 
 
 def _check_known(request: Any) -> None:

@@ -8,23 +8,35 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from bucketserve.gateway.errors import InvalidArgumentError
 from bucketserve.gateway.generate_input import GenerateInput
 from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2 as pb
-from bucketserve.gateway.sdk_types import Chunk
+from bucketserve.gateway.sdk_types import Chunk, ToolCall
 from bucketserve.messages import RequestTimings, StreamDelta
 from bucketserve.runtime.core.logprobs import TokenLogprob
+
+if TYPE_CHECKING:
+    from bucketserve.gateway.tools.tool_stream import ToolStream
 
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "cancelled": pb.FINISH_REASON_CANCELLED,
     "error": pb.FINISH_REASON_ERROR,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
 }
+TOOL_CHOICE_MODES = {
+    "auto": pb.TOOL_CHOICE_MODE_AUTO,
+    "none": pb.TOOL_CHOICE_MODE_NONE,
+    "required": pb.TOOL_CHOICE_MODE_REQUIRED,
+}
+_MODE_NAMES = {v: k for k, v in TOOL_CHOICE_MODES.items()}
 _REASON_NAMES = {v: k for k, v in FINISH_REASONS.items()}
 _OPTIONAL_SAMPLING = (
     "temperature",
@@ -82,8 +94,63 @@ def request_to_input(request: pb.GenerateRequest) -> GenerateInput:
     elif kind == "token_ids":
         inp.prompt_token_ids = list(request.token_ids.ids)
     elif kind == "chat":
-        inp.messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        inp.messages = [_message_from(m) for m in request.chat.messages]
+    _tools_from(request, inp)
     return inp
+
+
+def _message_from(m: pb.ChatMessage) -> dict[str, Any]:
+    """A chat message as OpenAI's body has it, which chat templates take."""
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if len(m.tool_calls):
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}}
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _tools_from(request: pb.GenerateRequest, inp: GenerateInput) -> None:
+    """The tools in OpenAI's form, each schema parsed (INVALID_ARGUMENT naming the tool)."""
+    tools = []
+    for i, tool in enumerate(request.tools):
+        if not tool.name:
+            raise InvalidArgumentError(f"tools[{i}].name is empty; name the function")
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters:
+            try:
+                schema = json.loads(tool.parameters)
+            except ValueError as exc:
+                raise InvalidArgumentError(
+                    f"tools[{i}].parameters ({tool.name}) is not JSON: {exc}; send its "
+                    "arguments' JSON schema as JSON text"
+                ) from None
+            if not isinstance(schema, dict):
+                raise InvalidArgumentError(
+                    f"tools[{i}].parameters ({tool.name}) must be a JSON schema object, got "
+                    f"{type(schema).__name__}"
+                )
+            function["parameters"] = schema
+        tools.append({"type": "function", "function": function})
+    inp.tools = tools or None
+    if request.HasField("tool_choice"):
+        choice = request.tool_choice
+        kind = choice.WhichOneof("choice")
+        if kind == "function":
+            inp.tool_function = choice.function
+        elif kind == "mode":
+            if choice.mode not in _MODE_NAMES:
+                raise InvalidArgumentError(
+                    f"tool_choice.mode {choice.mode} is not a ToolChoiceMode this server knows"
+                )
+            inp.tool_choice = _MODE_NAMES[choice.mode]
+    if request.HasField("parallel_tool_calls"):
+        inp.parallel_tool_calls = request.parallel_tool_calls
 
 
 def _sampling_from(params: pb.SamplingParams) -> dict[str, Any]:
@@ -140,6 +207,35 @@ def delta_to_response(delta: StreamDelta, cancel_reason: str | None = None) -> p
     return response
 
 
+def write_tool_calls(response: pb.GenerateResponse, delta: StreamDelta, stream: ToolStream) -> None:
+    """The delta's text as its sample's tool stream reads it: content in `text`, pieces of
+    calls in `tool_calls`; a sample that called tools and stopped ends with TOOL_CALLS."""
+    text, calls = stream.feed(delta.text)
+    if delta.finish_reason is not None and delta.finish_reason != "error":
+        rest, more = stream.finish()
+        text, calls = text + rest, calls + more
+    response.text = text
+    response.tool_calls.extend(_tool_call(c) for c in calls)
+    if stream.called and delta.finish_reason == "stop":
+        response.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+        if response.HasField("final"):
+            response.final.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+
+
+def merge_tool_calls(whole: Any, pieces: Iterable[pb.ToolCall]) -> None:
+    """Pieces added to the whole calls of a repeated ToolCall field."""
+    for piece in pieces:
+        call = next((c for c in whole if c.index == piece.index), None)
+        if call is None:
+            whole.add().CopyFrom(piece)
+        else:
+            call.arguments += piece.arguments
+
+
+def _tool_call(call: ToolCall) -> pb.ToolCall:
+    return pb.ToolCall(index=call.index, id=call.id, name=call.name, arguments=call.arguments)
+
+
 def _write_logprobs(field: Any, logprobs: list[TokenLogprob | None]) -> None:
     for lp in logprobs:
         out = field.add()
@@ -165,7 +261,8 @@ def input_to_request(inp: GenerateInput, stream: bool) -> pb.GenerateRequest:
         request.token_ids.ids.extend(inp.prompt_token_ids)
     elif inp.messages is not None:
         for m in inp.messages:
-            request.chat.messages.add(role=m["role"], content=m["content"])
+            _write_message(request.chat.messages.add(), m)
+    _write_tools(request, inp)
     params = request.sampling_params
     for name, value in inp.sampling.items():
         if value is None:
@@ -179,6 +276,41 @@ def input_to_request(inp: GenerateInput, stream: bool) -> pb.GenerateRequest:
         else:
             setattr(params, name, value)
     return request
+
+
+def _write_message(out: pb.ChatMessage, m: dict[str, Any]) -> None:
+    """`m`: role and content, and an assistant's calls (ToolCalls or OpenAI's dicts) or the
+    call a tool message answers."""
+    out.role, out.content = m["role"], m.get("content") or ""
+    for c in m.get("tool_calls") or ():
+        if isinstance(c, ToolCall):
+            out.tool_calls.add(id=c.id, name=c.name, arguments=c.arguments)
+        else:
+            function = c["function"]
+            arguments = function.get("arguments", "{}")
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments)
+            out.tool_calls.add(id=c.get("id") or "", name=function["name"], arguments=arguments)
+    out.tool_call_id = m.get("tool_call_id") or ""
+
+
+def _write_tools(request: pb.GenerateRequest, inp: GenerateInput) -> None:
+    for tool in inp.tools or ():
+        function = tool["function"]
+        params = function.get("parameters")
+        if params is not None and not isinstance(params, str):
+            params = json.dumps(params)
+        request.tools.add(
+            name=function["name"],
+            description=function.get("description") or "",
+            parameters=params or "",
+        )
+    if inp.tool_function is not None:
+        request.tool_choice.function = inp.tool_function
+    elif inp.tool_choice is not None:
+        request.tool_choice.mode = TOOL_CHOICE_MODES[inp.tool_choice]
+    if inp.parallel_tool_calls is not None:
+        request.parallel_tool_calls = inp.parallel_tool_calls
 
 
 def _write_structured(out: pb.StructuredOutputs, spec: Any) -> None:
@@ -207,6 +339,9 @@ def response_to_chunk(response: pb.GenerateResponse) -> Chunk:
         chunk.prompt_logprobs = _read_logprobs(response.prompt_logprobs)
     if response.finish_reason:
         chunk.finish_reason = _REASON_NAMES.get(response.finish_reason, "error")
+    chunk.tool_calls = [
+        ToolCall(c.index, c.id, c.name, c.arguments) for c in response.tool_calls
+    ]
     if response.HasField("final"):
         final = response.final
         chunk.finished = True

@@ -42,8 +42,8 @@ from bucketserve.gateway.openai.serving import (
     chat_messages,
     error_event,
 )
-from bucketserve.gateway.openai.tool_parsers import tool_parser
 from bucketserve.gateway.tenant_registry import parse_bearer
+from bucketserve.gateway.tools.tool_parsers import tool_parser
 from bucketserve.messages import StreamDelta
 
 T = TypeVar("T")
@@ -167,12 +167,8 @@ class OpenAIApi:
             text, partial(OpenAIRequest.parse, chat=chat, limits=self.admission.limits)
         )
         self._check_model(oai.model)
-        if oai.tools is not None and oai.tools.mode == "auto" and self.tool_parser is None:
-            raise InvalidArgumentError(
-                "tool_choice 'auto' (the default with tools) needs a tool call parser, and this "
-                "server has none (model.tool_call_parser: hermes or llama3_json); send "
-                "tool_choice 'required', 'none' or a named function"
-            )
+        if oai.tools is not None:
+            oai.tools.check_parser(self.tool_parser)
         gen = await deadline.run(self.admission.admit(oai.input, api_key), None)
         request[GENERATION] = gen
         prompt_tokens = len(gen.request.prompt_token_ids)

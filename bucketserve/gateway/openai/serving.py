@@ -33,18 +33,24 @@ from bucketserve.gateway.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     ErrorInfo,
     ErrorResponse,
+    FunctionCallOut,
+    NamedToolChoice,
     PromptTokensDetails,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
     not_supported,
 )
-from bucketserve.gateway.openai.tool_calls import ToolChoice, ToolStream, tool_calls_out
-from bucketserve.gateway.openai.tool_parsers import ToolParser
 from bucketserve.gateway.request_limits import RequestLimits
+from bucketserve.gateway.sdk_types import ToolCall
+from bucketserve.gateway.tools.call_reader import CallReader
+from bucketserve.gateway.tools.request_tools import RequestTools
+from bucketserve.gateway.tools.tool_stream import ToolStream
 from bucketserve.messages import StreamDelta
 from bucketserve.runtime.core.logprobs import TokenLogprob
 
@@ -73,7 +79,7 @@ class OpenAIRequest:
     n: int = 1  # choices: samples of the prompt, prefilled once (SamplingParams.n)
     logprobs: int | None = None  # top logprobs per token (0: the sampled token's only)
     echo: bool = False  # completions: the prompt's text (and logprobs) before the output
-    tools: ToolChoice | None = None  # chat: the request's tools and tool_choice
+    tools: RequestTools | None = None  # chat: the request's tools and tool_choice
 
     @classmethod
     def parse(
@@ -99,14 +105,7 @@ class OpenAIRequest:
             inp.sampling["n"] = req.n
         if req.logit_bias:
             inp.sampling["logit_bias"] = dict(req.logit_bias)
-        tools = None
-        if isinstance(req, ChatCompletionRequest):
-            try:
-                tools = ToolChoice.of(req)
-            except ValueError as exc:
-                raise InvalidArgumentError(str(exc)) from None
-            if tools is not None:
-                inp.tools = tools.tools
+        tools = _tools(req, inp) if isinstance(req, ChatCompletionRequest) else None
         _structured(req, inp, tools)
         return cls(
             input=inp,
@@ -130,7 +129,17 @@ def _check_neutral(req: Body) -> None:
             raise not_supported(name, value, neutral)
 
 
-def _structured(req: Body, inp: GenerateInput, tools: ToolChoice | None) -> None:
+def _tools(req: ChatCompletionRequest, inp: GenerateInput) -> RequestTools | None:
+    inp.tools = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or ()] or None
+    if isinstance(req.tool_choice, NamedToolChoice):
+        inp.tool_function = req.tool_choice.function.name
+    else:
+        inp.tool_choice = req.tool_choice
+    inp.parallel_tool_calls = req.parallel_tool_calls
+    return RequestTools.of(inp)
+
+
+def _structured(req: Body, inp: GenerateInput, tools: RequestTools | None) -> None:
     """The one output constraint the body asks for, if any, into `inp.sampling` (compiled,
     and so checked, at admission); `inp.structured_name` is the field it came from."""
     given: list[tuple[str, dict[str, Any]]] = []
@@ -231,7 +240,7 @@ class OpenAIFormat:
         prompt_tokens: int = 0,
         token_text: TokenText | None = None,
         prefix: str = "",
-        tool_parser: ToolParser | None = None,
+        tool_parser: type[CallReader] | None = None,
     ) -> None:
         self.oai = oai
         self.id = f"{'chatcmpl' if oai.chat else 'cmpl'}-{request_id}"
@@ -243,9 +252,7 @@ class OpenAIFormat:
         self._offsets: dict[int, int] = {}  # choice -> its text's length so far (streaming)
         self.tool_parser = tool_parser
         tools = oai.tools
-        self._calls = tools is not None and (
-            tools.forced or (tools.mode == "auto" and tool_parser is not None)
-        )
+        self._calls = tools is not None and tools.stream(tool_parser) is not None
         self._tool_streams: dict[int, ToolStream] = {}
 
     def opening(
@@ -283,26 +290,27 @@ class OpenAIFormat:
         return out
 
     def _tool_events(self, delta: StreamDelta, completion_tokens: int) -> list[str]:
-        """A choice that may call tools: its content as it is sure not to be a call, its
-        calls when it ends."""
+        """A choice that may call tools: its content once it is sure not to be a call, each
+        call's arguments as the model writes them."""
         index = delta.index
-        assert self.oai.tools is not None
-        stream = self._tool_streams.setdefault(
-            index, ToolStream(self.oai.tools, self.tool_parser)
-        )
-        out = []
-        text = stream.feed(delta.text) if delta.text else ""
-        calls: list[DeltaToolCall] = []
+        stream = self._tool_streams.get(index)
+        if stream is None:
+            assert self.oai.tools is not None
+            stream = self._tool_streams[index] = self.oai.tools.stream(self.tool_parser)
+            assert stream is not None
+        text, calls = stream.feed(delta.text)
         if delta.finish_reason is not None and delta.finish_reason != "error":
-            rest, calls = stream.finish()
-            text += rest
+            rest, more = stream.finish()
+            text, calls = text + rest, calls + more
+        out = []
         if text:
             out.append(self._chunk(text=text, completion_tokens=completion_tokens, index=index))
-        for call in calls:
+        if calls:
+            deltas = [_delta_tool_call(c) for c in calls]
             out.append(
-                self._chunk(tool_calls=[call], completion_tokens=completion_tokens, index=index)
+                self._chunk(tool_calls=deltas, completion_tokens=completion_tokens, index=index)
             )
-        return out + self._ending(delta, completion_tokens, bool(calls))
+        return out + self._ending(delta, completion_tokens, stream.called)
 
     def _ending(self, delta: StreamDelta, completion_tokens: int, calls: bool = False) -> list[str]:
         """A choice's end (or error), then the usage after the request's final delta."""
@@ -393,12 +401,16 @@ class OpenAIFormat:
 
     def _chat_choice(self, i: int, c: Choice, final_reason: str | None, want: bool) -> ChatChoice:
         content: str | None = c.text
-        calls: list = []
+        calls: list[ToolCall] = []
         if self._calls and self.oai.tools is not None:
             content, calls = self.oai.tools.calls(c.text, self.tool_parser)
+        out = [
+            ToolCallOut(id=x.id, function=FunctionCallOut(name=x.name, arguments=x.arguments))
+            for x in calls
+        ]
         return ChatChoice(
             index=i,
-            message=ChatMessageOut(content=content, tool_calls=tool_calls_out(calls)),
+            message=ChatMessageOut(content=content, tool_calls=out),
             logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if want else None,
             finish_reason=_finish_reason(c.finish_reason or final_reason, bool(calls)),
         )
@@ -469,6 +481,14 @@ def _finish_reason(reason: str | None, calls: bool = False) -> str:
     """OpenAI's name; a choice that ends in tool calls ends with "tool_calls"."""
     out = OPENAI_FINISH.get(reason or "", "stop")
     return "tool_calls" if calls and out == "stop" else out
+
+
+def _delta_tool_call(call: ToolCall) -> DeltaToolCall:
+    """A call's first delta has its id, type and name; later ones only arguments."""
+    if not call.id:
+        return DeltaToolCall(index=call.index, function=DeltaFunctionCall(arguments=call.arguments))
+    function = DeltaFunctionCall(name=call.name, arguments=call.arguments)
+    return DeltaToolCall(index=call.index, id=call.id, type="function", function=function)
 
 
 def _padded(logprobs: Logprobs, n: int) -> list[TokenLogprob | None]:
