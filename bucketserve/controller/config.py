@@ -134,16 +134,26 @@ class ControllerConfig:
             )
         for role in ("decode",) if self.colocated else ("prefill", "decode"):
             tp = self.placement(role).tensor_parallel_size
-            if tp > 1 and self.placement(role).pipeline_parallel_size > 1:
+            if tp > 1 and not self.colocated and self.placement(role).pipeline_parallel_size > 1:
                 raise ValueError(
                     f"controller.{role}: tensor_parallel_size and pipeline_parallel_size > 1 "
-                    "together are not supported yet; set one of them to 1"
+                    "in the disaggregated shape: stage groups hand KV over through their "
+                    "heads, which hold only rank 0's KV heads; set one of them to 1"
                 )
-            if tp > 1 and not self.colocated:
+            if tp > 1 and not self.colocated and self.mode == "local":
                 raise ValueError(
-                    f"controller.{role}.tensor_parallel_size {tp} needs the sharded P->D "
-                    "handoff, not built yet; use shape 'colocated'"
+                    f"controller.{role}.tensor_parallel_size {tp} in the disaggregated shape "
+                    "needs mode 'ray': in local mode a worker's ranks are its child "
+                    "processes, which no KV transport reaches"
                 )
+        prefill_tp = self.prefill_placement.tensor_parallel_size
+        decode_tp = self.decode_placement.tensor_parallel_size
+        if not self.colocated and prefill_tp != decode_tp:
+            raise ValueError(
+                f"controller.prefill.tensor_parallel_size ({prefill_tp}) and "
+                f"controller.decode.tensor_parallel_size ({decode_tp}) must be equal: prefill "
+                "rank r hands its KV heads to decode rank r, which must hold the same heads"
+            )
         if self.transport == "collective" and max(prefill, decode) > 1:
             raise ValueError(
                 "transport 'collective' pairs whole workers on their devices; stage groups "

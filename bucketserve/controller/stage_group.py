@@ -1,6 +1,7 @@
 """Ray placement of one worker's stage group (a placement group of the worker's own bundle,
-its scheduler and no card, and one bundle per stage, one card each) or of its
-tensor-parallel ranks (one bundle per rank, one card each, the worker's actor rank 0)."""
+its scheduler and no card, and one bundle per stage, one card each; one per rank of each
+stage when stages are tensor-parallel groups) or of its tensor-parallel ranks (one bundle
+per rank, one card each, the worker's actor rank 0)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ _CARDS = ("HPU",)
 @dataclasses.dataclass
 class StageGroupPlacement:
     """Splits one worker's Ray options (`WorkerPool.actor_options`) into the head's and each
-    stage's: the card goes to the stages, the head keeps its CPUs and custom resources."""
+    stage's: the card goes to the stages, the head keeps its CPUs and custom resources.
+    With `tensor_parallel_size` T each stage takes T bundles (its actor the first, its
+    other ranks' RankActors the rest: `kv_worker.stage_actor.stage_bundle`)."""
 
     options: dict[str, Any]
     placement: PlacementConfig
@@ -23,6 +26,11 @@ class StageGroupPlacement:
     @property
     def num_stages(self) -> int:
         return self.placement.pipeline_parallel_size
+
+    @property
+    def num_cards(self) -> int:
+        """Bundles with a card: one per rank of every stage."""
+        return self.num_stages * self.placement.tensor_parallel_size
 
     def head_resources(self) -> dict[str, Any]:
         opts = self.options
@@ -41,16 +49,17 @@ class StageGroupPlacement:
         return out
 
     def feasibility_options(self) -> list[dict[str, Any]]:
-        """What `_check_feasible` sums: the head plus every stage."""
-        return [self.head_resources()] + [self.stage_resources()] * self.num_stages
+        """What `_check_feasible` sums: the head plus every stage (and its ranks)."""
+        return [self.head_resources()] + [self.stage_resources()] * self.num_cards
 
     def bundles(self) -> list[dict[str, float]]:
         return [_bundle(self.head_resources())] + [
-            _bundle(self.stage_resources()) for _ in range(self.num_stages)
+            _bundle(self.stage_resources()) for _ in range(self.num_cards)
         ]
 
     def create(self) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-        """(placement group, the head actor's options, each stage actor's options)."""
+        """(placement group, the head actor's options, each stage actor's (and stage
+        rank's) options)."""
         from ray.util import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

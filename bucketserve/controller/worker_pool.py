@@ -169,7 +169,11 @@ class WorkerPool:
 
     def prefill_config(self, index: int) -> PrefillWorkerConfig:
         runner = self.config.prefill_runner()
-        return PrefillWorkerConfig(runner=runner, **self._shared("prefill", index))
+        return PrefillWorkerConfig(
+            runner=runner,
+            tensor_parallel_size=self.config.prefill_placement.tensor_parallel_size,
+            **self._shared("prefill", index),
+        )
 
     def decode_config(self, index: int) -> DecodeWorkerConfig:
         c = self.config
@@ -377,7 +381,7 @@ class WorkerPool:
 def _group_placement(
     options: dict[str, Any], placement: PlacementConfig
 ) -> StageGroupPlacement | RankGroupPlacement:
-    if placement.tensor_parallel_size > 1:
+    if placement.tensor_parallel_size > 1 and placement.pipeline_parallel_size == 1:
         return RankGroupPlacement(options, placement)
     return StageGroupPlacement(options, placement)
 

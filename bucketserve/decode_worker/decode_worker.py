@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import threading
 import time
@@ -18,9 +17,10 @@ from bucketserve.decode_worker.config import DecodeWorkerConfig
 from bucketserve.decode_worker.pacer import DecodePacer
 from bucketserve.kv_transfer.kv_format import KVBlockHandle
 from bucketserve.kv_transfer.lease import Lease, LeaseState, LeaseTable
-from bucketserve.kv_transfer.transport import KVTransport, TransferError
+from bucketserve.kv_transfer.transport import KVTransport, RankPayloads, TransferError
 from bucketserve.kv_worker.kv_worker import KVWorker
-from bucketserve.kv_worker.worker_env import in_ray_actor, pin_cpus
+from bucketserve.kv_worker.rank_actor import RayTensorParallelRunner
+from bucketserve.kv_worker.worker_env import pin_cpus
 from bucketserve.messages import (
     AdmitResult,
     Reservation,
@@ -192,7 +192,7 @@ class DecodeWorker(KVWorker):
             lease = self.leases.open(ids, split, ttl)
             handle = KVBlockHandle(
                 self.name, lease.lease_id, tuple(ids), lease.block_ids, self.kv_format,
-                tuple(cached),
+                tuple(cached), self.rank_formats,
             )  # fmt: skip
             self._handles[lease.lease_id] = handle
         return Reservation(handle, ttl, self.stats())
@@ -220,7 +220,9 @@ class DecodeWorker(KVWorker):
         """Pull the lease's KV through the transport and start decoding `requests` (each with
         every token generated so far, the prefill's sample last). Lease requests missing
         from `requests` were cancelled: their blocks are freed. Raises LeaseError when the
-        lease expired or is unknown (a restarted worker), TransferError when KV is lost."""
+        lease expired or is unknown (a restarted worker), TransferError when KV is lost.
+        A tensor-parallel worker's ranks each take their shard of `payload` (`RankPayloads`)
+        from the prefill worker's rank of their index."""
         self._delay_admission()
         with self.engine.lock:
             self._check_alive()
@@ -230,11 +232,17 @@ class DecodeWorker(KVWorker):
         blocks = handle.transfer_block_ids  # the cached ones hold their K/V already
 
         def receive() -> None:
-            self.transport.receive(
-                handle,
-                payload,
-                lambda layer, chunk: self.runner.kv_cache.import_blocks(layer, blocks, chunk),
-            )
+            own, shards = self._shards(handle, payload)
+            ranks = self.runner.receive_shards(handle, shards, blocks) if shards else []
+            try:
+                self.transport.receive(
+                    handle,
+                    own,
+                    lambda layer, chunk: self.runner.kv_cache.import_blocks(layer, blocks, chunk),
+                )
+            finally:
+                if ranks:  # before the next step: the ranks' pools take it between steps too
+                    self.runner.wait(ranks)
 
         try:
             # on the loop thread, between steps: one thread of this process runs torch
@@ -242,6 +250,8 @@ class DecodeWorker(KVWorker):
             self._on_loop(receive)
         except BaseException as exc:
             self.release(lease_id)
+            if isinstance(exc, RankDeadError):
+                self.group_failed(exc)
             message = f"{self.name}: KV of lease {lease_id} did not arrive: {exc}"
             raise TransferError(message) from exc
         receive_s = time.perf_counter() - start
@@ -251,11 +261,30 @@ class DecodeWorker(KVWorker):
             result = self._add(lease, requests)
         self._wake.set()
         result.receive_s = receive_s
-        result.kv_bytes = (
+        result.kv_bytes = (  # every rank's shard
             handle.format.chunk_bytes(handle.num_transfer_blocks) * handle.format.num_layers
+            * handle.num_ranks
         )
         result.stats = self.stats()
         return result
+
+    def _shards(self, handle: KVBlockHandle, payload: Any) -> tuple[Any, list[Any]]:
+        """This rank's part of `payload` and the other ranks' (rank 1 first)."""
+        if self.tensor_parallel and not isinstance(self.runner, RayTensorParallelRunner):
+            raise TransferError(
+                f"{self.name}: its tensor-parallel ranks are child processes (local mode), "
+                "which no KV transport reaches; run the workers on Ray"
+            )
+        got = len(payload.payloads) if isinstance(payload, RankPayloads) else 1
+        if got != handle.num_ranks:
+            raise TransferError(
+                f"{self.name}: {got} KV shard(s) arrived for {handle.num_ranks} "
+                "tensor-parallel rank(s); prefill and decode need the same "
+                "tensor_parallel_size"
+            )
+        if not isinstance(payload, RankPayloads):
+            return payload, []
+        return payload.payloads[0], list(payload.payloads[1:])
 
     def admit_prompts(self, requests: list[WorkerRequest]) -> AdmitResult:
         """Colocated shape: queue `requests` on this worker's engine, which prefills them
@@ -422,12 +451,7 @@ class DecodeWorker(KVWorker):
         if self.runner.alive() and not failed:
             return
         gone = "a rank is gone" if not self.runner.alive() else "the ranks are out of step"
-        error = RankDeadError(f"a tensor-parallel step failed: {gone}")
-        if in_ray_actor():
-            logger.error("%s: %s; the worker goes down with it", self.name, error)
-            logging.shutdown()
-            os._exit(1)
-        raise error
+        self.group_failed(RankDeadError(f"a tensor-parallel step failed: {gone}"))
 
     def _hold(self) -> bool:
         """Wait (up to 50 ms, or until called) while pacing lets the next step wait;

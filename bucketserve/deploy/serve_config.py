@@ -170,16 +170,18 @@ class ServeConfig:
         return c.prefill_placement if role == "prefill" else c.decode_placement
 
     def actor_resources(self, role: str) -> dict[str, float]:
-        """What one worker of `role` asks Ray for (its tensor-parallel ranks together), as
-        WorkerPool.actor_options does; `auto` picks the card kind cluster.resources names
-        (HPU before GPU)."""
+        """What one worker of `role` asks Ray for, as its placement group does: one card
+        and `num_cpus` per rank of every stage, plus, with pipeline stages, the worker's
+        own card-less bundle; `auto` picks the card kind cluster.resources names (HPU
+        before GPU)."""
         placement = self.placement(role)
         accelerator = placement.accelerator
         if accelerator == "auto":
             have = self.cluster_resources
             accelerator = "hpu" if have.get("HPU") else "gpu" if have.get("GPU") else "none"
-        ranks = placement.tensor_parallel_size
-        asks: dict[str, float] = {"CPU": placement.num_cpus * ranks, **placement.resources}
+        ranks = placement.tensor_parallel_size * placement.pipeline_parallel_size
+        bundles = ranks + (placement.pipeline_parallel_size > 1)
+        asks: dict[str, float] = {"CPU": placement.num_cpus * bundles, **placement.resources}
         if accelerator == "hpu":
             asks["HPU"] = ranks
         elif accelerator == "gpu":

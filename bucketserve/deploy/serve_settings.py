@@ -107,8 +107,9 @@ class PlacementSettings(Settings):
     """Pipeline stages per worker: a group of that many stage actors, one card each."""
     tensor_parallel_size: int = Field(1, ge=1)
     """Ranks per worker, each layer sharded over them: a Ray actor per rank, one card each,
-    in one placement group (packed as stage_packing says); > 1 needs the colocated shape
-    and pipeline_parallel_size 1."""
+    in one placement group (packed as stage_packing says); with pipeline_parallel_size > 1
+    each stage is a group of that many ranks (colocated shape only). In the disaggregated
+    shape it needs mode ray and the same size for prefill and decode."""
     stage_packing: Literal["PACK", "STRICT_PACK"] = "PACK"
     """How a worker's stage actors (or tensor-parallel ranks) are placed: PACK (one node
     where possible) or STRICT_PACK (only on one node)."""
@@ -203,19 +204,30 @@ class ControllerSettings(Settings):
         for role in roles:
             settings = getattr(self, role)
             tp, pp = settings.tensor_parallel_size, settings.pipeline_parallel_size
-            if tp > 1 and pp > 1:
+            if tp > 1 and self.shape == "disaggregated" and pp > 1:
                 raise SettingsError(
                     f"{role}.tensor_parallel_size",
-                    f"tensor_parallel_size {tp} with pipeline_parallel_size {pp}: one worker "
-                    "runs either ranks or stages, not both yet; set one of them to 1",
+                    f"tensor_parallel_size {tp} with pipeline_parallel_size {pp} in the "
+                    "disaggregated shape: stage groups hand KV over through their heads, "
+                    "which hold only rank 0's KV heads; set one of them to 1 or use "
+                    "controller.shape: colocated",
                 )
-            if tp > 1 and self.shape == "disaggregated":
+            if tp > 1 and self.shape == "disaggregated" and self.mode == "local":
                 raise SettingsError(
                     f"{role}.tensor_parallel_size",
-                    f"controller.{role}.tensor_parallel_size {tp} needs the sharded P->D "
-                    "handoff (each rank's KV to the matching decode rank), not built yet; "
-                    "use controller.shape: colocated, or tensor_parallel_size 1",
+                    f"tensor_parallel_size {tp} in the disaggregated shape needs "
+                    "controller.mode: ray (in local mode a worker's ranks are its child "
+                    "processes, which no KV transport reaches)",
                 )
+        prefill, decode = self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size
+        if self.shape == "disaggregated" and prefill != decode:
+            raise SettingsError(
+                "decode.tensor_parallel_size",
+                f"controller.prefill.tensor_parallel_size {prefill} and "
+                f"controller.decode.tensor_parallel_size {decode} differ: each prefill rank "
+                "hands its KV heads to the decode rank of the same index, so set both to "
+                f"{prefill} or both to {decode} (or use controller.shape: colocated)",
+            )
         return self
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 # One chunk is one layer of a batch's blocks: [K/V, block, slot in block, kv head, head dim].
@@ -16,7 +16,9 @@ class KVFormat:
 
     Shapes must agree (block size, layers, KV heads, head dim); dtype and
     device may differ and are converted on import, so a CPU or Gaudi prefill
-    can feed a CUDA decode.
+    can feed a CUDA decode. A tensor-parallel rank's pool holds a shard: its
+    `num_kv_heads` of the model's KV heads from `kv_head_offset` on, which must be
+    the same heads on both sides.
     """
 
     dtype: str
@@ -25,6 +27,7 @@ class KVFormat:
     num_kv_heads: int
     head_dim: int
     layout: str = CHUNK_LAYOUT
+    kv_head_offset: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -35,16 +38,21 @@ class KVFormat:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"KVFormat.{name} must be a positive integer, got {value!r}")
+        offset = self.kv_head_offset
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"KVFormat.kv_head_offset must be an integer >= 0, got {offset!r}")
 
     @classmethod
-    def of(cls, kv_cache: Any) -> KVFormat:
-        """The format of a `bucketserve.runtime.worker.kv_cache.KVCache` pool."""
+    def of(cls, kv_cache: Any, kv_head_offset: int = 0) -> KVFormat:
+        """The format of a `bucketserve.runtime.worker.kv_cache.KVCache` pool (a
+        tensor-parallel rank's: its heads start at the model's `kv_head_offset`)."""
         return cls(
             dtype=str(kv_cache.dtype).removeprefix("torch."),
             block_size=kv_cache.block_size,
             num_layers=kv_cache.num_layers,
             num_kv_heads=kv_cache.num_kv_heads,
             head_dim=kv_cache.head_dim,
+            kv_head_offset=kv_head_offset,
         )
 
     def chunk_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
@@ -57,7 +65,9 @@ class KVFormat:
 
     def check_compatible(self, receiver: KVFormat) -> None:
         """Raise ValueError naming every shape field where this sender and `receiver` differ."""
-        fields = ("block_size", "num_layers", "num_kv_heads", "head_dim", "layout")
+        fields = (
+            "block_size", "num_layers", "num_kv_heads", "head_dim", "layout", "kv_head_offset"
+        )
         diff = [
             f"{f} {getattr(self, f)} vs {getattr(receiver, f)}"
             for f in fields
@@ -66,7 +76,8 @@ class KVFormat:
         if diff:
             raise ValueError(
                 f"prefill and decode KV formats differ ({', '.join(diff)}); both workers must "
-                "serve the same model with the same block_size"
+                "serve the same model with the same block_size and tensor_parallel_size (a "
+                "rank's pool holds only its shard of the KV heads)"
             )
 
 
@@ -78,6 +89,10 @@ class KVBlockHandle:
     `num_cached_blocks[i]` already hold the K/V (the decode worker's prefix cache): only
     the others travel. A chunk carries the batch's travelling blocks in that order, so it
     is imported with `transfer_block_ids`.
+
+    A tensor-parallel decode worker names each rank's pool format in `rank_formats` (rank
+    0's is `format`; empty with one rank): prefill rank r ships its KV heads to decode rank
+    r, under the same block ids (`for_rank`).
     """
 
     decode_worker: str
@@ -86,6 +101,7 @@ class KVBlockHandle:
     block_ids: tuple[tuple[int, ...], ...]
     format: KVFormat
     num_cached_blocks: tuple[int, ...] = ()  # empty: none cached
+    rank_formats: tuple[KVFormat, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.request_ids) != len(self.block_ids) or not self.request_ids:
@@ -104,6 +120,27 @@ class KVBlockHandle:
                 "least one block to send"
             )
         object.__setattr__(self, "num_cached_blocks", cached)
+        formats = tuple(self.rank_formats)
+        if formats and formats[0] != self.format:
+            raise ValueError("a KV handle's rank_formats must start with its own format")
+        object.__setattr__(self, "rank_formats", formats)
+
+    @property
+    def num_ranks(self) -> int:
+        """The decode worker's tensor-parallel ranks, each receiving its shard of the KV."""
+        return max(1, len(self.rank_formats))
+
+    def for_rank(self, rank: int) -> KVBlockHandle:
+        """The handle as decode rank `rank` takes its shard: the same lease and blocks, that
+        rank's pool format."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(
+                f"decode worker {self.decode_worker} has {self.num_ranks} tensor-parallel "
+                f"ranks, no rank {rank}"
+            )
+        if not self.rank_formats:
+            return self
+        return replace(self, format=self.rank_formats[rank], rank_formats=())
 
     @property
     def flat_block_ids(self) -> list[int]:

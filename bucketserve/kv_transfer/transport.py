@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from bucketserve.kv_transfer.kv_format import KVBlockHandle, KVFormat
@@ -18,6 +19,14 @@ LayerSink = Callable[[int, "torch.Tensor"], None]
 
 class TransferError(RuntimeError):
     """A batch's KV did not arrive whole; its requests are re-queued."""
+
+
+@dataclass(frozen=True)
+class RankPayloads:
+    """A tensor-parallel prefill's payload: `payloads[r]` is what prefill rank r's transport
+    returned for its shard, which decode rank r receives."""
+
+    payloads: tuple[Any, ...]
 
 
 class KVReceiver(Protocol):

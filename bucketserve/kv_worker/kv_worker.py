@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,10 +16,13 @@ from bucketserve.kv_transfer.collective import CollectiveTransport, PairSpec
 from bucketserve.kv_transfer.collective_group import backend_for
 from bucketserve.kv_transfer.kv_format import KVFormat
 from bucketserve.kv_transfer.transport import KVTransport, check_transport
+from bucketserve.kv_worker.rank_actor import RayTensorParallelRunner
+from bucketserve.kv_worker.rank_kv import kv_format_of
 from bucketserve.kv_worker.stage_group import new_runner
 from bucketserve.kv_worker.worker_env import (
     accelerator_ids,
     apply_torch_threads,
+    in_ray_actor,
     new_boot_id,
     node_id,
     pin_cpus,
@@ -29,13 +33,18 @@ from bucketserve.runtime.core.block_manager import BlockManager
 from bucketserve.runtime.worker.model_runner import ModelRunnerConfig, Shape
 from bucketserve.runtime.worker.pipeline.pipeline_runner import PipelineRunner
 from bucketserve.runtime.worker.pipeline.stage_clock import StageSpan
+from bucketserve.runtime.worker.tensor_parallel.tp_runner import (
+    RankDeadError,
+    TensorParallelRunner,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class KVWorker:
     """Identity (name, boot id, Ray node), the runner and its pool's KV format, the shape
-    buckets and whether steps pad to them, and the KV transport."""
+    buckets and whether steps pad to them, and the KV transport. A tensor-parallel
+    worker's pool holds its head rank's KV heads: `rank_formats` names every rank's."""
 
     role = "worker"
     block_manager: BlockManager  # each role's pool bookkeeping, built by the subclass
@@ -68,7 +77,10 @@ class KVWorker:
         self.padding = self.runner.graphs is not None or resolve_padding(
             padding, self.runner.device.type
         )
-        self.kv_format = KVFormat.of(self.runner.kv_cache)
+        self.kv_format = kv_format_of(self.runner)
+        self.rank_formats: tuple[KVFormat, ...] = ()  # one rank: just kv_format
+        if isinstance(self.runner, RayTensorParallelRunner):
+            self.rank_formats = tuple(self.runner.kv_formats)
         self.transport = transport or default_transport(transport_name)
         self.node_id = node_id()
         self.warmed: list[Shape] = []
@@ -79,12 +91,35 @@ class KVWorker:
         self, host: str, port: int, pairs: list[PairSpec], timeout_s: float
     ) -> list[str]:
         """Form (or re-form) this worker's KV groups, one per peer in `pairs`; the transport
-        becomes the collective one. Returns every peer this worker has a group with."""
+        becomes the collective one. Returns every peer this worker has a group with. Each
+        other tensor-parallel rank forms its own with the peers' rank of its index."""
         device = self.runner.device.torch_device
+        backend = backend_for(device.type)
+        ranks = []
+        if isinstance(self.runner, RayTensorParallelRunner):
+            ranks = self.runner.connect_ranks(backend, host, port, pairs, timeout_s)
         if not isinstance(self.transport, CollectiveTransport):
             self.transport = CollectiveTransport(self.name, device, stash_ttl_s=timeout_s)
-        self.transport.connect(backend_for(device.type), host, port, pairs, timeout_s)
+        self.transport.connect(backend, host, port, pairs, timeout_s)
+        if ranks:
+            self.runner.wait(ranks)
         return self.transport.peers()
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return isinstance(self.runner, TensorParallelRunner)
+
+    def group_failed(self, error: RankDeadError) -> None:
+        """A tensor-parallel group that failed a step (a rank died, or an error left the
+        ranks out of step) cannot run another. In a Ray actor the process exits, as a stage
+        group's head does, so Ray's restart (with every rank) is under way before the
+        controller next calls it, and it re-prefills the worker's requests; elsewhere
+        `error` is raised."""
+        if in_ray_actor():
+            logger.error("%s: %s; the worker goes down with it", self.name, error)
+            logging.shutdown()
+            os._exit(1)
+        raise error
 
     @property
     def transport_name(self) -> str:
@@ -100,10 +135,12 @@ class KVWorker:
             "device_type": self.runner.device.type,  # cpu / cuda / hpu
             "accelerator_ids": accelerator_ids(),
             "kv_format": self.kv_format,
+            "rank_kv_formats": list(self.rank_formats),
             "num_kv_blocks": self.runner.num_kv_blocks,
             "max_model_len": self.runner.max_model_len,
             "stages": list(getattr(self.runner, "stage_infos", [])),
             "rank_pids": list(getattr(self.runner, "rank_pids", [])),  # tensor-parallel ranks
+            "ranks": list(getattr(self.runner, "rank_infos", [])),  # each one's pid, node, card
         }
 
     @property

@@ -12,11 +12,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bucketserve.kv_transfer.collective import PairSpec
+from bucketserve.kv_transfer.kv_format import KVBlockHandle, KVFormat
+from bucketserve.kv_transfer.transport import TransferError
+from bucketserve.kv_worker.rank_kv import RankKV, kv_format_of
 from bucketserve.kv_worker.worker_env import accelerator_ids, apply_torch_threads, node_id
 from bucketserve.runtime.distributed.tp_group import TPGroup, backend_for
 from bucketserve.runtime.worker.device import Device
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
-from bucketserve.runtime.worker.tensor_parallel.tp_runner import TensorParallelRunner
+from bucketserve.runtime.worker.tensor_parallel.tp_rank import RunnerFactory
+from bucketserve.runtime.worker.tensor_parallel.tp_runner import (
+    RankDeadError,
+    TensorParallelRunner,
+)
 
 _GROUP_IDS = itertools.count()
 
@@ -24,7 +32,8 @@ _GROUP_IDS = itertools.count()
 class RankActor:
     """One rank other than the head: its shard of the model and of the KV pool. Ray runs
     its calls one at a time in the order the head sends them, so it runs every forward
-    the head runs and meets it in the same collectives."""
+    the head runs and meets it in the same collectives. Its KV shard moves to or from the
+    peer worker's rank of the same index through its own transport (`RankKV`, `kv_call`)."""
 
     def __init__(
         self,
@@ -37,6 +46,8 @@ class RankActor:
         group: str,
         timeout_s: float,
         torch_threads: int | None,
+        make_runner: RunnerFactory | None = None,
+        worker: str = "",
     ) -> None:
         apply_torch_threads(torch_threads)
         if config.device.startswith("cuda"):  # the one card Ray gave this actor
@@ -44,20 +55,36 @@ class RankActor:
             torch.cuda.set_device(0)
         store = dist.TCPStore(host, port, size, is_master=False)
         tp = TPGroup.create(backend, store, rank, size, group, timeout_s)
-        self.runner = ModelRunner(config, tp=tp)
+        self.runner = (make_runner or ModelRunner)(config, tp=tp)
+        self.kv = RankKV(worker, rank, self.runner)
 
     def call(self, method: str, args: tuple) -> None:
+        if method == "step_logits":  # ships this rank's KV of a batch begun for the step
+            hook = self.kv.step_hook()
+            if hook is not None:
+                args = (*args, hook)
         getattr(self.runner, method)(*args)
 
+    def kv_call(self, method: str, args: tuple) -> Any:
+        return getattr(self.kv, method)(*args)
+
     def info(self) -> dict:
-        return {"pid": os.getpid(), "node_id": node_id(), "accelerator_ids": accelerator_ids()}
+        return {
+            "pid": os.getpid(),
+            "node_id": node_id(),
+            "accelerator_ids": accelerator_ids(),
+            "kv_format": self.kv.format,
+        }
 
 
 class RayTensorParallelRunner(TensorParallelRunner):
     """`TensorParallelRunner` whose other ranks are RankActors (rank r in bundle r of
     `options["placement_group"]`, with the rest of `options`) instead of child processes;
     the group rendezvouses on a TCPStore at this node's address. A rank actor is owned by
-    this process: it goes when the worker goes, and a dead one fails the next step."""
+    this process: it goes when the worker goes, and a dead one fails the next step.
+
+    In a P->D handoff each rank ships (`begin_send` before the step, `finish_sends` after)
+    or receives (`receive_shards`) its own KV shard; `kv_formats` are the ranks' pools."""
 
     def __init__(
         self,
@@ -83,30 +110,37 @@ class RayTensorParallelRunner(TensorParallelRunner):
         self.ranks = []  # the base class's processes: none here
         self.actors: list[Any] = []
         self._last: list[Any] = []
+        self._timeout_s = timeout_s
+        self._batch_keys = itertools.count()
         self._tp: TPGroup | None = None
         for rank in range(1, size):
             if pg is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=rank
+                    pg, placement_group_bundle_index=self._bundle_index(rank)
                 )
             actor = (
                 ray.remote(RankActor)
                 .options(name=f"{group}-rank{rank}", max_restarts=0, max_task_retries=0, **opts)
                 .remote(config, rank, size, backend, host, store.port, group, timeout_s,
-                        torch_threads)
+                        torch_threads, self._rank_runner(), name)
             )  # fmt: skip
             self.actors.append(actor)
         self._store = store
         try:
             tp = TPGroup.create(backend, store, 0, size, group, timeout_s)
             self._tp = tp
-            ModelRunner.__init__(self, config, tp)
+            self._init_head(config, tp)
             self.rank_infos: list[dict] = ray.get(
                 [a.info.remote() for a in self.actors], timeout=timeout_s
             )
         except BaseException:
             self.shutdown()
             raise
+
+    def _bundle_index(self, rank: int) -> int:
+        """Rank r's bundle of the placement group (a pipeline stage's ranks sit after the
+        stages before it)."""
+        return rank
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -131,6 +165,72 @@ class RayTensorParallelRunner(TensorParallelRunner):
 
     def _send(self, method: str, *args: Any) -> None:
         self._last = [a.call.remote(method, args) for a in self.actors]
+
+    # -- the P->D handoff --------------------------------------------------------------------
+
+    @property
+    def kv_formats(self) -> list[KVFormat]:
+        """Each rank's pool format, rank 0's (this one's) first."""
+        return [kv_format_of(self), *(info["kv_format"] for info in self.rank_infos)]
+
+    def begin_send(self, handle: KVBlockHandle, blocks: list[int]) -> int:
+        """Each other rank ships the next step's K/V of `blocks` to `handle`'s rank of its
+        index; the batch's key for `finish_sends` / `drop_sends`."""
+        key = next(self._batch_keys)
+        for rank, actor in enumerate(self.actors, 1):
+            actor.kv_call.remote("begin_send", (key, handle.for_rank(rank), blocks))
+        return key
+
+    def finish_sends(self, key: int) -> list[Any]:
+        """The other ranks' payloads of batch `key`, rank 1 first (on failure every rank
+        drops the batch)."""
+        try:
+            return self.wait([a.kv_call.remote("finish", (key,)) for a in self.actors])
+        except BaseException:
+            self.drop_sends(key, "close")
+            raise
+
+    def drop_sends(self, key: int, how: str) -> None:
+        """`how` is "abort" (never finished) or "close" (acknowledged); not waited for."""
+        for actor in self.actors:
+            actor.kv_call.remote(how, (key,))
+
+    def receive_shards(
+        self, handle: KVBlockHandle, payloads: list[Any], blocks: list[int]
+    ) -> list[Any]:
+        """Rank r takes `payloads[r - 1]` into `blocks`; `wait` for the returned calls."""
+        return [
+            actor.kv_call.remote("receive", (handle.for_rank(rank), payload, blocks))
+            for rank, (actor, payload) in enumerate(zip(self.actors, payloads, strict=True), 1)
+        ]
+
+    def connect_ranks(
+        self, backend: str, host: str, port: int, pairs: list[PairSpec], timeout_s: float
+    ) -> list[Any]:
+        """Each rank forms its collective groups with the peers' ranks of its index (under a
+        prefix of its own in each pair's); `wait` for the returned calls."""
+        return [
+            actor.kv_call.remote("connect", (backend, host, port, [
+                dataclasses.replace(p, prefix=f"{p.prefix}rank{rank}/") for p in pairs
+            ], timeout_s))
+            for rank, actor in enumerate(self.actors, 1)
+        ]  # fmt: skip
+
+    def wait(self, refs: list[Any]) -> list[Any]:
+        """The results of calls to the ranks: RankDeadError if a rank is gone, TransferError
+        if one failed or did not answer in time."""
+        import ray
+
+        try:
+            return ray.get(refs, timeout=self._timeout_s)
+        except ray.exceptions.RayTaskError as exc:
+            raise TransferError(f"a tensor-parallel rank failed: {exc.cause!r}") from exc
+        except ray.exceptions.GetTimeoutError as exc:
+            raise TransferError(
+                f"a tensor-parallel rank did not answer in {self._timeout_s:g} s"
+            ) from exc
+        except ray.exceptions.RayError as exc:
+            raise RankDeadError(f"a tensor-parallel rank is gone: {exc!r}") from exc
 
     def shutdown(self) -> None:
         import ray

@@ -7,9 +7,10 @@ import os
 from typing import Any
 
 from bucketserve.kv_worker.rank_actor import RayTensorParallelRunner
-from bucketserve.kv_worker.stage_actor import CONCURRENCY_GROUPS, StageActor
+from bucketserve.kv_worker.stage_actor import CONCURRENCY_GROUPS, StageActor, stage_bundle
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig, Shape
 from bucketserve.runtime.worker.pipeline.pipeline_runner import PipelineRunner
+from bucketserve.runtime.worker.pipeline.stage import StageDeadError
 from bucketserve.runtime.worker.pipeline.stage_clock import StageSpan
 from bucketserve.runtime.worker.pipeline.stage_spec import StageSpec
 from bucketserve.runtime.worker.pipeline.stage_step import StageStep
@@ -28,34 +29,36 @@ def new_runner(
 ) -> ModelRunner | PipelineRunner:
     """One runner (1 stage), stages on threads (no Ray placement: local mode) or one
     StageActor per stage (`stage_options`: the Ray options of each, see RayStage); with
-    `tensor_parallel_size` > 1 (one stage), the head rank of a tensor-parallel group whose
-    other ranks are RankActors (`stage_options`: the Ray options of each) or, without
-    them (local mode), this process's children sharing out its `torch_threads`."""
-    if tensor_parallel_size > 1 and stage_options is not None:
-        return RayTensorParallelRunner(
-            config, tensor_parallel_size, stage_options, torch_threads, name
-        )
-    if tensor_parallel_size > 1:
-        threads = torch_threads and max(1, torch_threads // tensor_parallel_size)
-        return TensorParallelRunner(config, tensor_parallel_size, threads)
+    `tensor_parallel_size` > 1 and one stage, the head rank of a tensor-parallel group
+    whose other ranks are RankActors (`stage_options`: the Ray options of each) or,
+    without them (local mode), this process's children sharing out its `torch_threads`;
+    with both, stages each of which is such a group (its head the stage)."""
+    tp = tensor_parallel_size
+    if tp > 1 and num_stages == 1 and stage_options is not None:
+        return RayTensorParallelRunner(config, tp, stage_options, torch_threads, name)
+    if tp > 1 and num_stages == 1:
+        threads = torch_threads and max(1, torch_threads // tp)
+        return TensorParallelRunner(config, tp, threads)
     if num_stages == 1:
         return ModelRunner(config)
     if stage_options is None:
-        return PipelineRunner.local(config, num_stages, torch_threads)
+        threads = torch_threads and max(1, torch_threads // (num_stages * tp))
+        return PipelineRunner.local(config, num_stages, threads if tp > 1 else torch_threads, tp)
 
     def make(cfg: ModelRunnerConfig, spec: StageSpec) -> RayStage:
-        return RayStage(cfg, spec, stage_options, torch_threads, name)
+        return RayStage(cfg, spec, stage_options, torch_threads, name, tp)
 
     return PipelineRunner(config, num_stages, make)
 
 
 class RayStage:
-    """The head's side of one StageActor (bucketserve.runtime.worker.pipeline.stage.Stage). Stage s
-    sits in
-    bundle s + 1 of the group's placement group (bundle 0 is the head's). A stage that is
-    gone takes its group down: the head's process exits, so Ray restarts the worker, which
-    starts a fresh group, and the controller re-prefills its requests as for any dead
-    worker."""
+    """The head's side of one StageActor (bucketserve.runtime.worker.pipeline.stage.Stage).
+    Stage s sits in bundle s + 1 of the group's placement group (bundle 0 is the head's);
+    with `tensor_parallel_size` T, in bundle 1 + s * T, its other ranks in the T - 1 after
+    it. A stage that is gone, or whose tensor-parallel group failed a step
+    (StageDeadError), takes its group down: the head's process exits, so Ray restarts the
+    worker, which starts a fresh group with every stage and rank, and the controller
+    re-prefills its requests as for any dead worker."""
 
     def __init__(
         self,
@@ -64,6 +67,7 @@ class RayStage:
         options: dict[str, Any],
         torch_threads: int | None,
         group: str,
+        tensor_parallel_size: int = 1,
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -73,7 +77,7 @@ class RayStage:
         pg = options.get("placement_group")
         if pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=spec.index + 1
+                pg, placement_group_bundle_index=stage_bundle(spec.index, tensor_parallel_size)
             )
         self.name = f"{group}-stage{spec.index}-{os.getpid()}"
         self._clock_ref: Any = None
@@ -81,7 +85,7 @@ class RayStage:
         self.actor = (
             ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(StageActor)
             .options(name=self.name, max_restarts=0, max_task_retries=0, **opts)
-            .remote(config, spec, torch_threads)
+            .remote(config, spec, torch_threads, tensor_parallel_size, options, self.name)
         )
 
     def submit(self, step: StageStep, prev: Any) -> Any:
@@ -148,6 +152,8 @@ class RayStage:
 def _is_death(exc: BaseException) -> bool:
     import ray
 
+    if isinstance(exc, StageDeadError):  # a stage's tensor-parallel group cannot go on
+        return True
     if isinstance(exc, ray.exceptions.RayTaskError):
         return _is_death(exc.cause) if isinstance(exc.cause, BaseException) else False
     return isinstance(

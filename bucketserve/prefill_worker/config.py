@@ -13,8 +13,12 @@ class PrefillWorkerConfig(WorkerConfig):
     """`shape_buckets` holds the prompt shapes this worker warms and pads to. Blocks of a
     finished batch stay held under a lease until the decode side acknowledges.
     `enable_prefix_caching`: computed full blocks stay cached (an LRU of free blocks), so a
-    later prompt with the same leading blocks computes only the rest."""
+    later prompt with the same leading blocks computes only the rest.
+    `tensor_parallel_size` > 1 shards the model over that many ranks (RankActors with
+    `stage_options`, else this process's children), each shipping its KV heads to the
+    decode worker's rank of its index."""
 
     name: str = "prefill-0"
     runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
     enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1

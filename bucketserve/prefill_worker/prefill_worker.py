@@ -10,14 +10,21 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from bucketserve.kv_transfer.collective import CollectiveTransport
+from bucketserve.kv_transfer.kv_format import KVBlockHandle
 from bucketserve.kv_transfer.lease import Lease, LeaseError, LeaseTable
 from bucketserve.kv_transfer.transport import KVSender, KVTransport
 from bucketserve.kv_worker.kv_worker import KVWorker
+from bucketserve.kv_worker.rank_actor import RayTensorParallelRunner
+from bucketserve.kv_worker.rank_kv import ShardedSender, check_ranks
 from bucketserve.messages import PrefillResult, PrefillTask, TokenDelta, WorkerRequest, WorkerStats
 from bucketserve.prefill_worker.config import PrefillWorkerConfig
 from bucketserve.runtime.core.block_manager import BlockManager
 from bucketserve.runtime.core.logprobs import logprob_of
 from bucketserve.runtime.core.sequence import Sequence, finish_reason
+from bucketserve.runtime.worker.tensor_parallel.tp_runner import (
+    RankDeadError,
+    TensorParallelRunner,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +50,10 @@ class PrefillWorker(KVWorker):
     full blocks are cached when the batch ends, and stay cached after they are freed.
     Blocks the decode worker holds already (`KVBlockHandle.num_cached_blocks`) are not
     sent.
+
+    A tensor-parallel worker's ranks each ship their KV heads to the decode worker's rank
+    of their index (`ShardedSender`); a batch that fails on the group takes the worker
+    down (`group_failed`), as a decode worker's step does.
 
     One thread of its own builds the model, warms up and runs every batch (`_on_torch`),
     whichever of the actor's call threads asks: OpenMP keeps a thread pool per thread
@@ -70,6 +81,7 @@ class PrefillWorker(KVWorker):
             config.cpus,
             config.pipeline_parallel_size,
             config.stage_options,
+            config.tensor_parallel_size,
         ))
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, self.runner.block_size, config.enable_prefix_caching
@@ -176,6 +188,8 @@ class PrefillWorker(KVWorker):
         self._torch.shutdown(wait=False)
         with self._lock:
             self.leases.release_all()
+        if isinstance(self.runner, TensorParallelRunner):
+            self.runner.shutdown()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -228,10 +242,10 @@ class PrefillWorker(KVWorker):
             (kept if request.request_id in shipped else ended).append(seq)
         ships = bool(kept)
         pad_to = self._pad_to(task, seqs)
-        sender = self.transport.sender(task.target, self.kv_format) if ships else None
         # the blocks the decode side lacks (kept is in the handle's order: _target_blocks)
         cached = task.target.num_cached_blocks if ships else ()
         src_blocks = [b for seq, n in zip(kept, cached, strict=True) for b in seq.block_table[n:]]
+        sender = self._sender(task.target, src_blocks) if ships else None
         send_s = [0.0]
 
         def ship(layer: int) -> None:
@@ -246,12 +260,18 @@ class PrefillWorker(KVWorker):
                 seqs, [len(s) - s.num_computed_tokens for s in seqs], pad_to=pad_to,
                 on_layer=ship if ships else None, **pipelined,
             )  # fmt: skip
-        except BaseException:
+        except BaseException as exc:
             if ships:
                 sender.abort()
+            if self.tensor_parallel:
+                self.group_failed(RankDeadError(f"a tensor-parallel prefill failed: {exc!r}"))
             raise
         compute_s = time.perf_counter() - start - send_s[0]
-        payload = sender.finish() if ships else None
+        try:
+            payload = sender.finish() if ships else None
+        except RankDeadError as exc:
+            self.group_failed(exc)
+            raise
         with self._lock:
             for seq in seqs:
                 seq.num_computed_tokens = len(seq)
@@ -284,6 +304,13 @@ class PrefillWorker(KVWorker):
             kv_bytes=sender.bytes_sent if ships else 0,
             stats=self.stats(),
         )
+
+    def _sender(self, handle: KVBlockHandle, src_blocks: list[int]) -> KVSender:
+        """The batch's sender; a tensor-parallel group's ships each rank's shard from it."""
+        if isinstance(self.runner, RayTensorParallelRunner):
+            return ShardedSender(self.transport, self.kv_format, handle, self.runner, src_blocks)
+        check_ranks(1, handle)
+        return self.transport.sender(handle, self.kv_format)
 
     def _pad_to(self, task: PrefillTask, seqs: list[Sequence]) -> tuple[int, int, int] | None:
         """The runner shape of the batch's bucket; None (unpadded, a miss) when the tokens

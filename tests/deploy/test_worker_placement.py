@@ -183,3 +183,59 @@ def test_a_tp2_prefill_and_a_tp2_decode_worker_get_four_distinct_cards() -> None
         assert len({c[0] for c in cards}) == 4
     finally:
         ray.shutdown()
+
+
+# -- tensor parallelism x pipeline stages: a card per rank of every stage --------------------
+
+
+def test_a_tp2_pp2_worker_gets_its_own_bundle_and_a_card_per_rank_of_each_stage() -> None:
+    from bucketserve.controller.config import PlacementConfig
+    from bucketserve.controller.stage_group import StageGroupPlacement
+    from bucketserve.controller.worker_pool import worker_resources
+    from bucketserve.kv_worker.stage_actor import stage_bundle
+
+    tp2_pp2 = PlacementConfig(tensor_parallel_size=2, pipeline_parallel_size=2, num_cpus=0.5)
+    group = StageGroupPlacement(worker_resources(tp2_pp2, "hpu"), tp2_pp2)
+    assert group.bundles() == [{"CPU": 0.5}] + [{"CPU": 0.5, "HPU": 1.0}] * 4
+    assert len(group.feasibility_options()) == 5
+    # stage s's actor (its head rank) and its other rank: bundles 1 + 2s and 2 + 2s
+    assert [stage_bundle(s, 2) + r for s in (0, 1) for r in (0, 1)] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_a_tp2_pp2_worker_gets_four_distinct_cards() -> None:
+    """With four fake Gaudi cards, one worker of two stages of two ranks: its actor in
+    bundle 0 without a card, each stage's actor and its other rank's actor (in the bundles
+    the stage actor places them in) a card each; none shared."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from bucketserve.controller.config import PlacementConfig
+    from bucketserve.controller.stage_group import StageGroupPlacement
+    from bucketserve.controller.worker_pool import worker_resources
+    from bucketserve.kv_worker.stage_actor import stage_bundle
+
+    @ray.remote
+    class Probe:
+        def cards(self) -> list[str]:
+            return list(ray.get_runtime_context().get_accelerator_ids().get("HPU", []))
+
+    ray.shutdown()
+    ray.init(num_cpus=4, resources={"HPU": 4}, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        tp2_pp2 = PlacementConfig(tensor_parallel_size=2, pipeline_parallel_size=2, num_cpus=0.5)
+        pg, head, stage = StageGroupPlacement(worker_resources(tp2_pp2, "hpu"), tp2_pp2).create()
+        opts = {k: v for k, v in stage.items() if k != "placement_group"}
+        ranks = [
+            Probe.options(**opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=stage_bundle(s, 2) + r)).remote()
+            for s in (0, 1) for r in (0, 1)
+        ]  # fmt: skip
+        cards = ray.get([Probe.options(**head).remote().cards.remote()]
+                        + [p.cards.remote() for p in ranks], timeout=120)  # fmt: skip
+        assert cards[0] == []
+        assert [len(c) for c in cards[1:]] == [1, 1, 1, 1]
+        assert len({c[0] for c in cards[1:]}) == 4
+    finally:
+        ray.shutdown()

@@ -2,7 +2,9 @@
 give the greedy tokens of one rank and of transformers, whether the KV heads split over
 the ranks or must be replicated onto them (with a vocabulary that does not split evenly),
 in eager and graphs mode, and for the families that shard differently; a model that cannot
-split is refused; a dead rank fails the step at once instead of hanging its collectives."""
+split is refused; a dead rank fails the step at once instead of hanging its collectives.
+Two pipeline stages of two ranks each give the same tokens, and a dead rank of a stage
+fails its stage (StageDeadError: the worker's group goes down)."""
 
 from __future__ import annotations
 
@@ -131,8 +133,6 @@ def test_a_model_that_does_not_split_is_refused():
         check_tensor_parallel(ModelConfig.from_dict({**base, "num_key_value_heads": 2}), 4)
     with pytest.raises(ValueError, match=r"num_key_value_heads 3 \(neither divides"):
         check_tensor_parallel(ModelConfig.from_dict({**base, "num_key_value_heads": 3}), 2)
-    with pytest.raises(ValueError, match="tensor_parallel_size and pipeline_parallel_size"):
-        LLMEngine.from_kwargs(tensor_parallel_size=2, pipeline_parallel_size=2)
 
 
 def test_a_dead_rank_fails_the_next_step_at_once(llama):
@@ -150,3 +150,43 @@ def test_a_dead_rank_fails_the_next_step_at_once(llama):
             runner.execute([seq], [len(seq)])
     finally:
         runner.shutdown()
+
+
+@pytest.mark.parametrize("llama", [1], ids=["kv_replicated"], indirect=True)
+def test_two_stages_of_two_ranks_equal_transformers_and_a_dead_rank_fails_its_stage(llama):
+    """TP 2 x PP 2: each stage's layer sharded over its head (a thread here) and a spawned
+    rank; the last stage holds the tied, vocab-parallel head. Then stage 1's rank dies."""
+    from bucketserve.runtime.worker.pipeline.stage import StageDeadError
+
+    model_dir, reference = llama
+    engine = LLMEngine.from_kwargs(
+        model=str(model_dir), block_size=BLOCK, num_kv_blocks=NUM_BLOCKS,
+        tensor_parallel_size=2, pipeline_parallel_size=2, max_num_seqs=4,
+        max_num_batched_tokens=UNIFIED[0],
+    )  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        infos = engine.runner.stage_infos
+        assert [i["layers"] for i in infos] == [[0, 1], [1, 2]]
+        assert [i["tensor_parallel_size"] for i in infos] == [2, 2]
+        assert all(s.runner.kv_cache.num_kv_heads == 1 for s in engine.runner.stages)
+        ids = [engine.add_request(p, greedy) for p in prompts()]
+        final = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        assert [final[i].token_ids for i in ids] == reference
+        assert engine.stats.num_preemptions > 0
+        assert engine.block_manager.num_free_blocks == NUM_BLOCKS
+
+        stage1 = engine.runner.stages[1].runner
+        os.kill(stage1.rank_pids[0], signal.SIGKILL)
+        stage1.ranks[0].process.join(timeout=60)
+        engine.add_request(prompts()[0], greedy)
+        with pytest.raises(StageDeadError, match="stage 1's tensor-parallel group"):
+            while engine.has_unfinished():
+                engine.step()
+    finally:
+        engine.close()
+    assert not any(s.runner.alive() for s in engine.runner.stages)  # close() stopped the ranks

@@ -78,6 +78,14 @@ class TPGroup:
         self.group.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` into every rank's `x`, in place (a pipeline stage's head hands its
+        input hidden states to the stage's other ranks)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.group.broadcast([x], options).wait()
+        return x
+
     def min_int(self, value: int) -> int:
         """The least of every rank's `value` (each rank's KV pool must hold the same
         number of blocks: the head rank's block manager hands out ids for all)."""

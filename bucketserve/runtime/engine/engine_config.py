@@ -17,7 +17,8 @@ class EngineConfig:
     process, `stage_torch_threads` intra-op threads each); the queue then holds at least
     one microbatch per stage. `tensor_parallel_size` shards every layer over that many
     ranks: this process (the head: scheduler, block manager, sampling) and spawned
-    processes (`stage_torch_threads` intra-op threads each, else the cores shared out)."""
+    processes (`stage_torch_threads` intra-op threads each, else the cores shared out).
+    Both > 1: each stage is a group of that many ranks, its head on the stage's thread."""
 
     runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -37,11 +38,6 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-        if tp > 1 and pp > 1:
-            raise ValueError(
-                "tensor_parallel_size and pipeline_parallel_size > 1 together are not supported "
-                "in one engine yet; use one of them"
-            )
         threads = self.stage_torch_threads
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"stage_torch_threads must be None or >= 1, got {threads!r}")

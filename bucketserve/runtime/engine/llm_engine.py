@@ -434,15 +434,16 @@ class LLMEngine:
 
 
 def _new_runner(config: EngineConfig) -> ModelRunner | PipelineRunner:
+    if config.pipeline_parallel_size > 1:
+        return PipelineRunner.local(
+            config.runner, config.pipeline_parallel_size, config.stage_torch_threads,
+            config.tensor_parallel_size,
+        )  # fmt: skip
     if config.tensor_parallel_size > 1:
         return TensorParallelRunner(
             config.runner, config.tensor_parallel_size, config.stage_torch_threads
         )
-    if config.pipeline_parallel_size == 1:
-        return ModelRunner(config.runner)
-    return PipelineRunner.local(
-        config.runner, config.pipeline_parallel_size, config.stage_torch_threads
-    )
+    return ModelRunner(config.runner)
 
 
 def _set_tpot_target(request: EngineRequest, tpot_target: float | None) -> None:

@@ -61,6 +61,9 @@ class LocalStage:
     def shutdown(self) -> None:
         self._queue.put(_STOP)
         self._thread.join(timeout=30)
+        stop_ranks = getattr(self.runner, "shutdown", None)  # a tensor-parallel stage's
+        if stop_ranks is not None:
+            stop_ranks()
 
     def _call(self, fn) -> Any:
         """Run `fn` on the stage's thread (its thread count) after the queued work."""

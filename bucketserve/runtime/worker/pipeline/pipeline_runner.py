@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -28,6 +29,7 @@ from bucketserve.runtime.worker.pipeline.stage_kv_cache import StageKVCache
 from bucketserve.runtime.worker.pipeline.stage_runner import StageRunner
 from bucketserve.runtime.worker.pipeline.stage_spec import StageSpec, split_layers
 from bucketserve.runtime.worker.pipeline.stage_step import StageStep
+from bucketserve.runtime.worker.pipeline.tp_stage import TensorParallelStageRunner
 from bucketserve.runtime.worker.prompt_logprobs import prompt_spans
 
 StageFactory = Callable[[ModelRunnerConfig, StageSpec], Stage]
@@ -108,12 +110,30 @@ class PipelineRunner:
 
     @classmethod
     def local(
-        cls, config: ModelRunnerConfig, num_stages: int, torch_threads: int | None = None
+        cls,
+        config: ModelRunnerConfig,
+        num_stages: int,
+        torch_threads: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> PipelineRunner:
-        """Stages on threads of this process, `torch_threads` intra-op threads each."""
-        return cls(
-            config, num_stages, lambda cfg, spec: LocalStage(StageRunner(cfg, spec), torch_threads)
+        """Stages on threads of this process, `torch_threads` intra-op threads each. With
+        `tensor_parallel_size` > 1 each stage is a tensor-parallel group: its head on the
+        stage's thread, its other ranks spawned processes (`torch_threads` each, else this
+        machine's cores shared out over every rank of every stage)."""
+        if tensor_parallel_size == 1:
+            return cls(
+                config, num_stages,
+                lambda cfg, spec: LocalStage(StageRunner(cfg, spec), torch_threads),
+            )  # fmt: skip
+        threads = torch_threads or max(
+            1, (os.cpu_count() or 1) // (num_stages * tensor_parallel_size)
         )
+
+        def make(cfg: ModelRunnerConfig, spec: StageSpec) -> LocalStage:
+            runner = TensorParallelStageRunner(cfg, spec, tensor_parallel_size, threads)
+            return LocalStage(runner, threads)
+
+        return cls(config, num_stages, make)
 
     @property
     def num_stages(self) -> int:
@@ -122,6 +142,11 @@ class PipelineRunner:
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """The processes of the stages' other tensor-parallel ranks (none without)."""
+        return [pid for info in self.stage_infos for pid in info.get("rank_pids", [])]
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from bucketserve.runtime.attention.metadata import AttentionMetadata
+from bucketserve.runtime.distributed.tp_group import TPGroup
 from bucketserve.runtime.io.model_config import ModelConfig
 from bucketserve.runtime.layers.attention import KVLayers, paged_attend
 from bucketserve.runtime.models import CausalLM, model_class
@@ -39,10 +40,12 @@ class StageModel(nn.Module):
         device: torch.device,
         dtype: torch.dtype,
         max_positions: int | None = None,
+        tp: TPGroup | None = None,
     ) -> StageModel:
-        """Allocate only this stage's parameters, then fill them from the checkpoint."""
+        """Allocate only this stage's parameters (with `tp`, this rank's shard of them),
+        then fill them from the checkpoint."""
         model = model_class(config.architecture).build(
-            config, weights, device, dtype, max_positions, layers=spec.layers
+            config, weights, device, dtype, max_positions, layers=spec.layers, tp=tp
         )
         return cls(model, spec)
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 import torch
 
 from bucketserve.runtime.core.logprobs import TokenLogprob
+from bucketserve.runtime.distributed.tp_group import TPGroup
 from bucketserve.runtime.io.weights import iter_safetensors
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 from bucketserve.runtime.worker.pipeline.stage_clock import StageClock
@@ -28,11 +29,17 @@ class StageRunner(ModelRunner):
     """A ModelRunner over one stage's slice of the model: it builds step inputs the same
     way (so the block tables of the group's one BlockManager address its pool), runs its
     layers on the previous stage's hidden states and returns its own; the last stage
-    samples. Its KV pool holds its layers only, numbered from 0."""
+    samples. Its KV pool holds its layers only, numbered from 0.
 
-    def __init__(self, config: ModelRunnerConfig, spec: StageSpec) -> None:
+    With `tp` it is one rank of the stage's tensor-parallel group (its shard of the
+    stage's layers and KV heads): rank 0 takes the previous stage's hidden states and
+    broadcasts them to the others, and only rank 0 samples (`TensorParallelStage`)."""
+
+    def __init__(
+        self, config: ModelRunnerConfig, spec: StageSpec, tp: TPGroup | None = None
+    ) -> None:
         self.spec = spec
-        super().__init__(replace(config, execution="eager"))  # no graphs across a stage yet
+        super().__init__(replace(config, execution="eager"), tp)  # no graphs across a stage yet
         self.clock = StageClock(spec.index)
 
     @property
@@ -47,6 +54,7 @@ class StageRunner(ModelRunner):
             self.device.torch_device,
             self.dtype,
             self.max_model_len,
+            self.tp,
         )
 
     def _compiled_graphs(self) -> tuple[None, None]:
@@ -70,15 +78,32 @@ class StageRunner(ModelRunner):
         inputs = self.inputs.build(seqs, counts, pad_to, spans or None)
         if hidden is not None:
             hidden = hidden.to(self.device.torch_device, non_blocking=True)
+        if self.tp is not None and not self.spec.is_first:
+            hidden = self._share_hidden(hidden, inputs.input_ids.shape[0])
         out = self.model(inputs.input_ids, hidden, inputs.positions, self.kv_cache, inputs.metadata)
         if not self.spec.is_last:
             return out
-        logits = self.model.compute_logits(out, inputs.logits_rows)
+        logits = self.model.compute_logits(out, inputs.logits_rows)  # every rank: all-gather
+        if self.tp is not None and self.tp.rank != 0:
+            return [], {}
         prompt_logprobs: dict[int, dict[int, TokenLogprob]] = {}
         if spans:  # the head's sequences are not these (over Ray), so they travel back
             record_prompt_logprobs(seqs, spans, logits[inputs.num_seqs :])
             prompt_logprobs = {s.row: seqs[s.row].prompt_logprobs for s in spans}
         return self._sample(seqs, counts, logits[: inputs.num_seqs]), prompt_logprobs
+
+    def _share_hidden(self, hidden: torch.Tensor | None, tokens: int) -> torch.Tensor:
+        """The stage's input on every rank of its group: rank 0 got it from the previous
+        stage (whose ranks all held it after their last all-reduce), the others receive
+        it, `tokens` rows as each rank's own step inputs count."""
+        if self.tp.rank == 0:
+            x = hidden.contiguous()
+        else:
+            x = torch.empty(
+                tokens, self.model_config.hidden_size, dtype=self.dtype,
+                device=self.device.torch_device,
+            )  # fmt: skip
+        return self.tp.broadcast(x)
 
     def _stage_shape(self, pad_to: Shape | None) -> Shape | None:
         """Stages run eagerly (no graphs across a stage yet): prompt shapes pad to their

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -18,6 +19,9 @@ from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConf
 logger = logging.getLogger(__name__)
 
 STOP = "stop"
+
+# what a rank builds over its end of the group (a ModelRunner, or one pipeline stage's)
+RunnerFactory = Callable[..., ModelRunner]
 
 
 def serve_rank(runner: ModelRunner, conn: Connection) -> None:
@@ -44,8 +48,10 @@ def rank_main(
     timeout_s: float,
     torch_threads: int | None,
     conn: Connection,
+    make_runner: RunnerFactory | None = None,
 ) -> None:
-    """The entry of a spawned rank process."""
+    """The entry of a spawned rank process; `make_runner(config, tp=...)` builds its
+    runner (None: a ModelRunner)."""
     if torch_threads:
         torch.set_num_threads(torch_threads)
     if config.device.startswith("cuda:"):  # NCCL binds the group to the current card
@@ -53,7 +59,7 @@ def rank_main(
     try:
         store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False)
         tp = TPGroup.create(backend, store, rank, size, group_name, timeout_s)
-        runner = ModelRunner(config, tp=tp)
+        runner = (make_runner or ModelRunner)(config, tp=tp)
         conn.send(("ready", os.getpid()))
         serve_rank(runner, conn)
     except Exception:

@@ -28,7 +28,7 @@ from bucketserve.runtime.worker.model_runner import (
 )
 from bucketserve.runtime.worker.step_inputs import UnifiedShape
 from bucketserve.runtime.worker.tensor_parallel.step_seq import StepSeq
-from bucketserve.runtime.worker.tensor_parallel.tp_rank import STOP, rank_main
+from bucketserve.runtime.worker.tensor_parallel.tp_rank import STOP, RunnerFactory, rank_main
 
 _GROUP_IDS = itertools.count()
 
@@ -78,7 +78,8 @@ class TensorParallelRunner(ModelRunner):
             rank_config = config
             if device_type == "cuda":
                 rank_config = replace(config, device=f"cuda:{rank}")
-            args = (rank_config, rank, size, backend, store.port, name, timeout_s, threads, child)
+            args = (rank_config, rank, size, backend, store.port, name, timeout_s, threads, child,
+                    self._rank_runner())  # fmt: skip
             process = ctx.Process(target=rank_main, args=args, daemon=True, name=f"{name}-{rank}")
             process.start()
             child.close()
@@ -86,12 +87,21 @@ class TensorParallelRunner(ModelRunner):
         tp = TPGroup.create(backend, store, 0, size, name, timeout_s)
         self._store = store
         try:
-            super().__init__(config, tp)
+            self._init_head(config, tp)
             self._wait_ready(timeout_s)
         except BaseException:
             self.shutdown()
             raise
         self._finalizer = weakref.finalize(self, _stop, self.ranks, tp)
+
+    def _init_head(self, config: ModelRunnerConfig, tp: TPGroup) -> None:
+        """Build this rank's runner over its end of the group (a pipeline stage's head
+        builds its stage's)."""
+        ModelRunner.__init__(self, config, tp)
+
+    def _rank_runner(self) -> RunnerFactory | None:
+        """What each other rank builds over its end (None: a ModelRunner)."""
+        return None
 
     @property
     def tensor_parallel_size(self) -> int:
