@@ -104,6 +104,7 @@ def test_two_ranks_equal_one_and_transformers(llama):
 
 
 @pytest.mark.slow  # two inductor compiles of every region (~40 s each on 2 cores)
+@pytest.mark.parametrize("llama", [4], ids=["kv_split"], indirect=True)  # regions alike
 def test_two_ranks_in_graphs_mode(llama):
     """The all-reduces and the logits' all-gather run inside the compiled regions (custom
     ops inductor leaves opaque)."""
