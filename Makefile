@@ -38,12 +38,12 @@ lint: $(STAMP)
 # builds benchmarks/peers/.venv on first use, then the offline table (float32) and one
 # served sweep per workload (`vllm serve` vs `bucketserve serve` shapes under
 # `vllm bench serve`, both with their default prefix caching): random prompts, shared
-# prefixes, multi-turn conversations.
+# prefixes, multi-turn conversations, JSON-schema extraction (llguidance on both).
 # More: make bench-peers PEERS_ARGS='--dtype bfloat16' SERVED_ARGS='--seeds 0,1'
 #       SERVED_WORKLOADS=prefix
 PEERS_ARGS ?=
 SERVED_ARGS ?=
-SERVED_WORKLOADS ?= random prefix multiturn
+SERVED_WORKLOADS ?= random prefix multiturn structured
 bench-peers: $(STAMP)
 	PYTHON=$(PYTHON) bash benchmarks/peers/setup.sh
 	$(PY) -m benchmarks.peers.offline $(PEERS_ARGS)

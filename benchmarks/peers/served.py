@@ -5,8 +5,10 @@ time, under the same `vllm bench serve` sweep from vLLM's own client.
     python -m benchmarks.peers.served --workload prefix --systems vllm,bucketserve-colocated
 
 `--workload` picks what is sent: `random` (the default), `prefix` (a few long shared
-prefixes) or `multiturn` (conversations resending their history); `served_workloads.py`
-says how each is built and its default rates and sizes.
+prefixes), `multiturn` (conversations resending their history) or `structured` (JSON
+extraction under a JSON schema, llguidance on both servers; each run also reports the share
+of replies that validate); `served_workloads.py` says how each is built and its default
+rates and sizes.
 
 Both servers run with their defaults, automatic prefix caching on (`--no-prefix-caching`
 turns it off in both, the setting of the earlier comparisons), and each run starts from an
@@ -207,6 +209,7 @@ def start(
             "--port", str(port), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
             "--max-model-len", str(args.max_model_len),
             *([] if caching else ["--no-enable-prefix-caching"]),
+            *served_workloads.vllm_serve_args(args),
         ]
         return Server(system, argv, {**peer_env(), **env}, port)
     shape, local = _shape_mode(system)
@@ -242,9 +245,11 @@ def bench_argv(
         str(PEER_BIN / "vllm"), "bench", "serve",
         *served_workloads.dataset_args(args, dataset),
         "--base-url", f"http://127.0.0.1:{server.port}",
-        "--model", SERVED_NAME, "--tokenizer", str(model), "--ignore-eos",
+        "--model", SERVED_NAME, "--tokenizer", str(model),
+        *(["--ignore-eos"] if served_workloads.ignores_eos(args) else []),
         "--num-prompts", str(args.num_prompts), "--request-rate", f"{rate:g}",
-        "--seed", str(args.seed), "--temperature", "0", "--save-result", "--save-detailed",
+        "--seed", str(args.seed), "--temperature", f"{getattr(args, 'temperature', 0.0):g}",
+        "--save-result", "--save-detailed",
         "--result-dir", str(out), "--result-filename", name,
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90",
     ]
@@ -255,7 +260,8 @@ def bench(
     dataset: Path | None = None,
 ) -> dict:
     """One `vllm bench serve` run from an empty prefix cache; its saved result with
-    per-request details, and `prefix_cache_hit_rate` over the run."""
+    per-request details, `prefix_cache_hit_rate` over the run and, for the structured
+    workload, `schema_valid`."""
     name = f"{server.name}-r{rate:g}-s{args.seed}.json"
     if not server.reset_prefix_cache():
         print(f"warning: {server.name} did not reset its prefix cache before this run",
@@ -267,6 +273,9 @@ def bench(
     time.sleep(STATS_WAIT_S)
     raw = json.loads((out / name).read_text())
     raw["prefix_cache_hit_rate"] = hit_rate(before, server.prefix_cache_counts())
+    valid = served_workloads.schema_valid(args, raw)
+    if valid is not None:
+        raw["schema_valid"] = valid
     return raw
 
 
@@ -290,6 +299,7 @@ def summarize(raw: dict, rate: float, slo_ttft: float, slo_tpot: float) -> dict[
         "tpot_p90_ms": raw["p90_tpot_ms"],
         "slo_attainment": sum(ok) / total if total else 0.0,
         "prefix_cache_hit_rate": raw.get("prefix_cache_hit_rate", math.nan),
+        **({"schema_valid": raw["schema_valid"]} if "schema_valid" in raw else {}),
     }
 
 
@@ -423,7 +433,8 @@ def main() -> None:
     plot(results, args.out / "served.png")
     print(f"workload {args.workload}, medians over seeds {seeds}")
     header = f"{'system':28} {'R':>4} {'ok/fail':>8} {'tok/s':>7} {'TTFT p50/p90 s':>15} " \
-             f"{'TPOT p50/p90 ms':>16} {'hit':>5} {'SLO':>5}"
+             f"{'TPOT p50/p90 ms':>16} {'hit':>5} {'SLO':>5}" \
+             + (f" {'valid':>5}" if args.workload == "structured" else "")
     print(header)
     for system, runs in results.items():
         for r in runs:
@@ -432,7 +443,8 @@ def main() -> None:
                   f"{r['output_tok_s']:7.1f} {r['ttft_p50_s']:7.2f}/{r['ttft_p90_s']:<7.2f} "
                   f"{r['tpot_p50_ms']:8.0f}/{r['tpot_p90_ms']:<7.0f} "
                   + (f"{hit:5.0%}" if not math.isnan(hit) else f"{'-':>5}")
-                  + f" {r['slo_attainment']:5.0%}")
+                  + f" {r['slo_attainment']:5.0%}"
+                  + (f" {r['schema_valid']:5.0%}" if "schema_valid" in r else ""))
     print("rate at 80 % SLO:", {s: round(v, 2) if v else v for s, v in at.items()})
     above = [s for s, runs in results.items() if runs[-1]["slo_attainment"] >= 0.8]
     if above:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.peers import harness, served, served_workloads
+from benchmarks.peers import harness, served, served_workloads, structured
 from benchmarks.peers.conversations import ConversationSpec, conversation_prompts
 from benchmarks.peers.offline import prefix_workload
 
@@ -124,6 +124,53 @@ def test_bench_argv_per_workload() -> None:
         assert "--ignore-eos" in argv and option(argv, "--request-rate") == "1.5"
     with pytest.raises(ValueError):
         bench_argv(served_args("--workload", "multiturn"))
+
+
+TICKET = {"customer": {"name": "Ann", "email": "ann@example.com", "plan": "pro"},
+          "category": "bug", "priority": "low", "summary": "It crashes.",
+          "items": [{"product": "app", "quantity": 1}], "refund_requested": False}
+
+
+@pytest.mark.usefixtures("launched")
+def test_structured_workload_sends_its_schema_to_llguidance_on_both_servers(
+    tmp_path: Path,
+) -> None:
+    args = served_args("--workload", "structured")
+    assert (args.rates, args.num_prompts, args.output_len) == ("0.25,0.5,0.75,1", 40, 256)
+    path = served_workloads.prepare(args, Path("/m"), tmp_path)
+    rows = [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
+    assert sorted(rows) == sorted((structured.prompts() * 7)[:40])
+    assert rows == [json.loads(line)["prompt"] for line in
+                    served_workloads.prepare(args, Path("/m"), tmp_path).read_text().splitlines()]
+    argv = bench_argv(args, path)
+    assert option(argv, "--dataset-name") == "custom"
+    assert option(argv, "--endpoint") == "/v1/chat/completions"
+    assert option(argv, "--custom-output-len") == "256"
+    assert json.loads(option(argv, "--extra-body"))["response_format"]["json_schema"][
+        "schema"] == structured.SCHEMA
+    assert "--ignore-eos" not in argv  # the grammar ends the reply
+    assert option(argv, "--temperature") == "0"
+    assert option(bench_argv(served_args("--workload", "structured", "--temperature", "0.7"),
+                             path), "--temperature") == "0.7"
+    vllm = served._start("vllm", Path("/model"), args).argv
+    assert json.loads(option(vllm, "--structured-outputs-config")) == {"backend": "guidance"}
+    assert "--structured-outputs-config" not in served._start(
+        "vllm", Path("/model"), served_args()).argv
+
+
+def test_structured_runs_report_the_share_of_replies_that_validate() -> None:
+    good, cut = json.dumps(TICKET), json.dumps(TICKET)[:40]
+    wrong = json.dumps({**TICKET, "priority": "whenever"})
+    assert structured.valid_fraction([good, cut, wrong, good, ""], ["", "", "", "", "503"],
+                                     total=5) == 0.4
+    args = served_args("--workload", "structured")
+    raw = {"completed": 2, "num_prompts": 2, "output_throughput": 10.0, "p50_ttft_ms": 100.0,
+           "p90_ttft_ms": 300.0, "p50_tpot_ms": 20.0, "p90_tpot_ms": 40.0,
+           "ttfts": [0.1, 0.2], "itls": [[0.02], [0.02]], "errors": ["", ""],
+           "generated_texts": [good, cut]}
+    raw["schema_valid"] = served_workloads.schema_valid(args, raw)
+    assert served.summarize(raw, 1.0, 4.0, 0.25)["schema_valid"] == 0.5
+    assert served_workloads.schema_valid(served_args(), raw) is None
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +319,8 @@ def test_vllm_bench_serve_takes_every_workload(tmp_path: Path, tiny_model_dir: P
     jsonl = served_workloads.prepare(turns, tiny_model_dir, tmp_path)
     runs = [bench_argv(served_args(*a))[3:] for a in ([], ["--workload", "prefix"])]
     runs.append(bench_argv(turns, jsonl)[3:])
+    ticket = served_args("--workload", "structured", "--num-prompts", "6")
+    runs.append(bench_argv(ticket, served_workloads.prepare(ticket, tiny_model_dir, tmp_path))[3:])
     result = subprocess.run(
         [str(PEER_VENV / "bin" / "python"), "-c", CHECK_IN_PEER_VENV,
          json.dumps([runs, str(jsonl), str(tiny_model_dir)])],

@@ -181,11 +181,18 @@ class StructuredOutputManager:
 
     def _ll_executor(self) -> llguidance.LLExecutor:
         if self._executor is None:
-            # a few threads at most: on a CPU worker they share the cores with the forward
-            self._executor = llguidance.LLExecutor(max(1, min(4, (os.cpu_count() or 1) // 8)))
+            # a few threads at most: on a CPU worker they share the cores with the forward,
+            # and a pinned worker's cores are its affinity, not the host's
+            self._executor = llguidance.LLExecutor(max(1, min(4, _usable_cpus() // 8)))
         return self._executor
 
     def _evict(self) -> None:
         old = self._calls - _EVICT_AFTER
         for seq_id in [s for s, g in self._grammars.items() if g.used < old]:
             del self._grammars[seq_id]
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
