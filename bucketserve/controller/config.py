@@ -123,15 +123,19 @@ class ControllerConfig:
                 "batches; the colocated shape has none (its engine prefills within its "
                 "steps): leave decode_pace out or use shape 'disaggregated'"
             )
-        prefill = self.prefill_placement.pipeline_parallel_size
-        decode = self.decode_placement.pipeline_parallel_size
-        if not self.colocated and prefill != decode:
-            raise ValueError(
-                f"controller.prefill.pipeline_parallel_size ({prefill}) and "
-                f"controller.decode.pipeline_parallel_size ({decode}) must be equal: prefill "
-                "stage i hands the KV of its layers to decode stage i, which must hold the "
-                "same layers"
-            )
+        for key, why in (
+            ("pipeline_parallel_size", "stage i hands the KV of its layers to decode stage i, "
+             "which must hold the same layers"),
+            ("tensor_parallel_size", "rank r hands its KV heads to decode rank r, which must "
+             "hold the same heads"),
+        ):  # fmt: skip
+            prefill = getattr(self.prefill_placement, key)
+            decode = getattr(self.decode_placement, key)
+            if not self.colocated and prefill != decode:
+                raise ValueError(
+                    f"controller.prefill.{key} ({prefill}) and controller.decode.{key} "
+                    f"({decode}) must be equal: prefill {why}"
+                )
         for role in ("decode",) if self.colocated else ("prefill", "decode"):
             tp = self.placement(role).tensor_parallel_size
             if tp > 1 and not self.colocated and self.placement(role).pipeline_parallel_size > 1:
@@ -146,14 +150,8 @@ class ControllerConfig:
                     "needs mode 'ray': in local mode a worker's ranks are its child "
                     "processes, which no KV transport reaches"
                 )
-        prefill_tp = self.prefill_placement.tensor_parallel_size
-        decode_tp = self.decode_placement.tensor_parallel_size
-        if not self.colocated and prefill_tp != decode_tp:
-            raise ValueError(
-                f"controller.prefill.tensor_parallel_size ({prefill_tp}) and "
-                f"controller.decode.tensor_parallel_size ({decode_tp}) must be equal: prefill "
-                "rank r hands its KV heads to decode rank r, which must hold the same heads"
-            )
+        prefill = self.prefill_placement.pipeline_parallel_size
+        decode = self.decode_placement.pipeline_parallel_size
         if self.transport == "collective" and max(prefill, decode) > 1:
             raise ValueError(
                 "transport 'collective' pairs whole workers on their devices; stage groups "

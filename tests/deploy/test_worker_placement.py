@@ -150,16 +150,10 @@ def test_a_tensor_parallel_worker_gets_a_bundle_with_a_card_per_rank() -> None:
     assert RankGroupPlacement(worker_resources(cpu4, "none"), cpu4).bundles() == [{"CPU": 1.0}] * 4
 
 
-@pytest.mark.slow
-def test_a_tp2_prefill_and_a_tp2_decode_worker_get_four_distinct_cards() -> None:
-    """With four fake Gaudi cards, each worker's placement group (its actor in bundle 0,
-    its other rank's actor in bundle 1, as WorkerPool starts them) holds two; none shared."""
+@pytest.fixture(scope="module")
+def hpu4_probe() -> Any:
+    """A Ray of four fake Gaudi cards and an actor class that reports the card it got."""
     import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from bucketserve.controller.config import PlacementConfig
-    from bucketserve.controller.stage_group import RankGroupPlacement
-    from bucketserve.controller.worker_pool import worker_resources
 
     @ray.remote
     class Probe:
@@ -169,20 +163,40 @@ def test_a_tp2_prefill_and_a_tp2_decode_worker_get_four_distinct_cards() -> None
     ray.shutdown()
     ray.init(num_cpus=4, resources={"HPU": 4}, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
+    yield Probe
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_a_tp2_prefill_and_a_tp2_decode_worker_get_four_distinct_cards(hpu4_probe) -> None:
+    """With four fake Gaudi cards, each worker's placement group (its actor in bundle 0,
+    its other rank's actor in bundle 1, as WorkerPool starts them) holds two; none shared."""
+    import ray
+    from ray.util import remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from bucketserve.controller.config import PlacementConfig
+    from bucketserve.controller.stage_group import RankGroupPlacement
+    from bucketserve.controller.worker_pool import worker_resources
+
+    tp2 = PlacementConfig(tensor_parallel_size=2, num_cpus=0.5)
+    probes, groups = [], []
     try:
-        tp2 = PlacementConfig(tensor_parallel_size=2, num_cpus=0.5)
-        probes = []
         for _role in ("prefill", "decode"):
             pg, head, rank = RankGroupPlacement(worker_resources(tp2, "hpu"), tp2).create()
-            probes.append(Probe.options(**head).remote())
+            groups.append(pg)
+            probes.append(hpu4_probe.options(**head).remote())
             opts = {k: v for k, v in rank.items() if k != "placement_group"}
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1)
-            probes.append(Probe.options(**opts, scheduling_strategy=strategy).remote())
+            probes.append(hpu4_probe.options(**opts, scheduling_strategy=strategy).remote())
         cards = ray.get([p.cards.remote() for p in probes], timeout=120)
         assert [len(c) for c in cards] == [1, 1, 1, 1]
         assert len({c[0] for c in cards}) == 4
     finally:
-        ray.shutdown()
+        for probe in probes:
+            ray.kill(probe)
+        for pg in groups:
+            remove_placement_group(pg)
 
 
 # -- tensor parallelism x pipeline stages: a card per rank of every stage --------------------
@@ -203,11 +217,12 @@ def test_a_tp2_pp2_worker_gets_its_own_bundle_and_a_card_per_rank_of_each_stage(
 
 
 @pytest.mark.slow
-def test_a_tp2_pp2_worker_gets_four_distinct_cards() -> None:
+def test_a_tp2_pp2_worker_gets_four_distinct_cards(hpu4_probe) -> None:
     """With four fake Gaudi cards, one worker of two stages of two ranks: its actor in
     bundle 0 without a card, each stage's actor and its other rank's actor (in the bundles
     the stage actor places them in) a card each; none shared."""
     import ray
+    from ray.util import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from bucketserve.controller.config import PlacementConfig
@@ -215,27 +230,20 @@ def test_a_tp2_pp2_worker_gets_four_distinct_cards() -> None:
     from bucketserve.controller.worker_pool import worker_resources
     from bucketserve.kv_worker.stage_actor import stage_bundle
 
-    @ray.remote
-    class Probe:
-        def cards(self) -> list[str]:
-            return list(ray.get_runtime_context().get_accelerator_ids().get("HPU", []))
-
-    ray.shutdown()
-    ray.init(num_cpus=4, resources={"HPU": 4}, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    tp2_pp2 = PlacementConfig(tensor_parallel_size=2, pipeline_parallel_size=2, num_cpus=0.5)
+    pg, head, stage = StageGroupPlacement(worker_resources(tp2_pp2, "hpu"), tp2_pp2).create()
+    opts = {k: v for k, v in stage.items() if k != "placement_group"}
+    probes = [hpu4_probe.options(**head).remote()] + [
+        hpu4_probe.options(**opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=stage_bundle(s, 2) + r)).remote()
+        for s in (0, 1) for r in (0, 1)
+    ]  # fmt: skip
     try:
-        tp2_pp2 = PlacementConfig(tensor_parallel_size=2, pipeline_parallel_size=2, num_cpus=0.5)
-        pg, head, stage = StageGroupPlacement(worker_resources(tp2_pp2, "hpu"), tp2_pp2).create()
-        opts = {k: v for k, v in stage.items() if k != "placement_group"}
-        ranks = [
-            Probe.options(**opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=stage_bundle(s, 2) + r)).remote()
-            for s in (0, 1) for r in (0, 1)
-        ]  # fmt: skip
-        cards = ray.get([Probe.options(**head).remote().cards.remote()]
-                        + [p.cards.remote() for p in ranks], timeout=120)  # fmt: skip
+        cards = ray.get([p.cards.remote() for p in probes], timeout=120)
         assert cards[0] == []
         assert [len(c) for c in cards[1:]] == [1, 1, 1, 1]
         assert len({c[0] for c in cards[1:]}) == 4
     finally:
-        ray.shutdown()
+        for probe in probes:
+            ray.kill(probe)
+        remove_placement_group(pg)
