@@ -22,6 +22,7 @@ from bucketserve.deploy.service_runner import flag_overrides
 from bucketserve.gateway.gateway_config import GatewayConfig
 from bucketserve.gateway.tenant_spec import TenantSettings
 from bucketserve.runtime.worker.device import DTYPES
+from tests.gguf_reads import one_parse_per_gguf
 
 DEPLOY = Path(__file__).resolve().parents[2] / "bucketserve" / "deploy"
 EXAMPLES = sorted(p for p in DEPLOY.glob("serve*.yaml"))
@@ -35,9 +36,10 @@ def write(tmp_path: Path, data: Any, name: str = "serve.yaml") -> Path:
 
 def test_every_shipped_example_passes_config_check(capsys: pytest.CaptureFixture[str]) -> None:
     assert [p.name for p in EXAMPLES] == ["serve-gaudi.yaml", "serve-local.yaml", "serve.yaml"]
-    for path in EXAMPLES:
-        assert run_check(argparse.Namespace(file=path)) == 0, capsys.readouterr().err
-        assert f"{path}: valid" in capsys.readouterr().out
+    with one_parse_per_gguf():  # the embedded model's metadata, read once for the three
+        for path in EXAMPLES:
+            assert run_check(argparse.Namespace(file=path)) == 0, capsys.readouterr().err
+            assert f"{path}: valid" in capsys.readouterr().out
 
 
 def test_the_yaml_lands_in_the_typed_configs(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -145,14 +147,15 @@ def test_late_prompts_yield_for_8_s_unless_the_yaml_says_otherwise() -> None:
 
 
 def test_prefix_caching_is_on_in_every_worker_unless_the_yaml_turns_it_off(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_model_dir: Path
 ) -> None:
     from bucketserve.bucket_manager.config import BucketManagerConfig
     from bucketserve.controller.worker_pool import WorkerPool
 
+    model = {"model": {"path": str(tiny_model_dir)}}  # the check reads no GGUF's metadata
     for given, want in ((None, True), (True, True), (False, False)):
         kv = {} if given is None else {"kv_cache": {"enable_prefix_caching": given}}
-        path = write(tmp_path, kv)
+        path = write(tmp_path, {**model, **kv})
         assert run_check(argparse.Namespace(file=path)) == 0, capsys.readouterr().err
         assert f"prefix caching {'on' if want else 'off'}" in capsys.readouterr().out
         controller = ServeConfig.load(path).controller

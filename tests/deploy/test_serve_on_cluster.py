@@ -50,7 +50,8 @@ def ray_cluster() -> Iterator[dict[str, str]]:
              '--resources={"HPU": 1, "decode_node": 1}', *common)
         yield env
     finally:
-        stop_cluster(Path(temp_dir))
+        # Ray's GCS and autoscaler monitor ignore SIGTERM: a short grace, then SIGKILL
+        stop_cluster(Path(temp_dir), grace_s=2.0)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

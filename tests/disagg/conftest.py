@@ -1,7 +1,9 @@
-"""The workload and its in-process reference, computed once for the disaggregated tests."""
+"""The workload and its in-process reference, computed once for the disaggregated tests, and
+the local Ray session of the tests with worker actors."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,3 +34,19 @@ def long_work() -> Work:
 @pytest.fixture(scope="session")
 def long_reference(tiny_model_dir: Path, long_work: Work) -> list[list[int]]:
     return reference_outputs(tiny_model_dir, long_work)
+
+
+@pytest.fixture(scope="package")
+def ray_cards() -> Iterator[None]:
+    """One local Ray session, 4 CPUs and 4 fake Gaudi cards (`resources={"HPU": 4}`), for
+    test_pipeline_ray and test_ray: started once, not once a module. Tests that do not ask
+    for cards place every actor on CPU."""
+    import ray
+
+    ray.shutdown()
+    ray.init(
+        num_cpus=4, resources={"HPU": 4}, include_dashboard=False, log_to_driver=False,
+        configure_logging=False,
+    )
+    yield
+    ray.shutdown()

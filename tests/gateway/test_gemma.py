@@ -34,6 +34,14 @@ def test_served_gemma_completes_like_transformers_and_refuses_chat(
                "--model", str(gemma_gguf)]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
     try:
+        # transformers on the converted weights (equal to its own GGUF loader's:
+        # test_gguf_gemma), while the service starts
+        tok = AutoTokenizer.from_pretrained(gemma_dir)
+        model = AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval()
+        ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            want = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :]
+        del model
         http = re.search(r"HTTP\s+(\S+)", _read_banner(proc, log)).group(1)
         body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}
         status, completion, _ = http_post(f"{http}/v1/completions", body)
@@ -46,12 +54,6 @@ def test_served_gemma_completes_like_transformers_and_refuses_chat(
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    # transformers on the converted weights (equal to its own GGUF loader's: test_gguf_gemma)
-    tok = AutoTokenizer.from_pretrained(gemma_dir)
-    model = AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval()
-    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        want = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :]
     assert completion["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)
     usage = completion["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (ids.shape[1], 12)

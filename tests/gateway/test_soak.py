@@ -1,4 +1,4 @@
-"""benchmarks/soak.py's pieces on a 10-second toy run against the in-process gateway (no
+"""benchmarks/soak.py's pieces on a 6-second toy run against the in-process gateway (no
 faults: those need worker processes): every request ends typed, nothing is lost or leaked,
 every malformed request is refused as invalid, and the table says so."""
 
@@ -15,7 +15,7 @@ from benchmarks.soak_traffic import Traffic
 
 @pytest.mark.slow
 def test_a_toy_soak_loses_nothing_and_refuses_every_malformed_request(open_server: Any) -> None:
-    config = SoakConfig(minutes=10 / 60, rate=3.0, cancel_fraction=0.3, max_tokens=16,
+    config = SoakConfig(minutes=6 / 60, rate=3.0, cancel_fraction=0.3, max_tokens=16,
                         fault_every_s=6.0, faults=False, seed=1, drain_s=60.0, stall_s=120.0)
     traffic = Traffic(open_server.grpc_target, open_server.http_url, open_server.model_name,
                       stall_s=config.stall_s)

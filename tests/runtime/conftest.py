@@ -58,3 +58,19 @@ def gemm_backend(request, monkeypatch) -> Iterator[str]:
     yield backend
     gemm_plan.cpu_gemm_backend.cache_clear()
     kernels.load.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def smollm_prompts(smollm_dir) -> list[list[int]]:
+    """The latency demo's eight chat prompts on SmolLM2, as token ids."""
+    from tests.runtime.smollm_chat import chat_prompts
+
+    return chat_prompts(smollm_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm_reference(smollm_dir, smollm_prompts):
+    """transformers' greedy output for them, computed once for every test comparing with it."""
+    from tests.runtime.smollm_chat import transformers_reference
+
+    return transformers_reference(smollm_dir, smollm_prompts)

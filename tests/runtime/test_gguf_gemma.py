@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM,
 
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.io.weights import convert_gguf, iter_safetensors
+from tests.gguf_reads import one_parse_per_gguf
 
 # HF name -> llama.cpp name, written out independently of the converter's own table.
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
@@ -162,15 +163,18 @@ def test_gemma_sentencepiece_vocab_tokenizes_like_transformers(tiny_gemma, tmp_p
 
 @pytest.fixture(scope="module")
 def hf_gemma(gemma_gguf: Path):
-    """transformers' own GGUF loader: the reference, float32."""
-    model = AutoModelForCausalLM.from_pretrained(
-        gemma_gguf.parent, gguf_file=gemma_gguf.name, dtype=torch.float32
-    )
-    return model.eval()
+    """transformers' own GGUF loader: the reference model (float32) and tokenizer."""
+    with one_parse_per_gguf():
+        model = AutoModelForCausalLM.from_pretrained(
+            gemma_gguf.parent, gguf_file=gemma_gguf.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gemma_gguf.parent, gguf_file=gemma_gguf.name)
+    return model.eval(), tokenizer
 
 
 @pytest.mark.gemma
-def test_gemma_conversion_matches_transformers_gguf_loader(gemma_gguf, gemma_dir, hf_gemma):
+def test_gemma_conversion_matches_transformers_gguf_loader(gemma_dir, hf_gemma):
+    hf_model, theirs = hf_gemma
     config = json.loads((gemma_dir / "config.json").read_text())
     want = {
         "num_hidden_layers": 18, "hidden_size": 640, "intermediate_size": 2048,
@@ -180,14 +184,13 @@ def test_gemma_conversion_matches_transformers_gguf_loader(gemma_gguf, gemma_dir
         "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
     }  # fmt: skip
     assert {k: config[k] for k in want} == want
-    assert config["layer_types"] == list(hf_gemma.config.layer_types)
-    reference = hf_gemma.state_dict()
+    assert config["layer_types"] == list(hf_model.config.layer_types)
+    reference = hf_model.state_dict()
     converted = dict(iter_safetensors(gemma_dir))
     assert converted.keys() == reference.keys() - {"lm_head.weight"}
     for name, weight in converted.items():
         assert torch.equal(weight, reference[name]), name
     ours = tokenizers.Tokenizer.from_file(str(gemma_dir / "tokenizer.json"))
-    theirs = AutoTokenizer.from_pretrained(gemma_gguf.parent, gguf_file=gemma_gguf.name)
     for text in TEXTS:
         ids = ours.encode(text).ids
         assert ids == theirs(text)["input_ids"], text
@@ -207,12 +210,13 @@ PROMPTS = [
 def test_gemma_greedy_output_equals_transformers_on_the_same_gguf(gemma_gguf, hf_gemma):
     from bucketserve.runtime.engine.llm import LLM
 
+    hf_model, _ = hf_gemma
     llm = LLM(str(gemma_gguf), num_kv_blocks=256)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert len(outputs[-1].prompt_token_ids) > 512 + 64
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         ids = torch.tensor([out.prompt_token_ids])
         with torch.no_grad():
-            want = hf_gemma.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :]
+            want = hf_model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :]
         assert list(out.token_ids) == want.tolist(), prompt
     assert "France" in outputs[0].text

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.sequence import Sequence
@@ -18,8 +19,11 @@ from bucketserve.runtime.io.default_model import default_gguf_path
 from bucketserve.runtime.io.gguf_converter import GGUFConverter
 from bucketserve.runtime.io.weights import convert_gguf, iter_safetensors, resolve_model
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from tests.conftest import TINY_CONFIG
+from tests.gguf_reads import one_parse_per_gguf
 
 LINEAR_ROPE = {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+SMALL_VOCAB = 320  # SmolLM2's specials, its byte alphabet and its first merged tokens
 PROMPT = [19556, 216, 33, 34, 905, 28, 253, 1000, 2000, 3000, 4000]
 
 # HF name -> llama.cpp name, written out independently of the converter's own table.
@@ -57,8 +61,15 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def vocab() -> dict:
-    conv = GGUFConverter(default_gguf_path())
+def smollm_gguf_reads() -> dict[str, Any]:
+    """The parse of SmolLM2's GGUF, shared by the vocabulary below and transformers' loader."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def vocab(smollm_gguf_reads) -> dict:
+    with one_parse_per_gguf(smollm_gguf_reads):
+        conv = GGUFConverter(default_gguf_path())
     keys = ("tokens", "merges", "token_type")
     return {k: conv.field(f"tokenizer.ggml.{k}") for k in keys} | {
         "template": conv.field("tokenizer.chat_template")
@@ -117,8 +128,42 @@ def tiny_gguf(tiny_model_factory, vocab, tmp_path_factory) -> Path:
     return write_gguf(out, tiny_model_factory(**LINEAR_ROPE), vocab)
 
 
+def small_llama(out: Path, **overrides) -> Path:
+    """A seeded linear-rope tiny Llama over the SMALL_VOCAB first tokens, saved in `out`."""
+    config = LlamaConfig(**{**TINY_CONFIG, **LINEAR_ROPE, "vocab_size": SMALL_VOCAB, **overrides})
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_vocab(vocab) -> dict:
+    """The vocabulary's first SMALL_VOCAB tokens and the merges among them: for the tests
+    that convert a GGUF without reading its text, as SmolLM2's ~150k vocabulary entries
+    take the GGUF reader seconds to parse in every conversion."""
+    tokens = vocab["tokens"][:SMALL_VOCAB]
+    known = set(tokens)
+    merges = [
+        m for m in vocab["merges"]
+        if all(part in known for part in m.split(" ", 1)) and m.replace(" ", "", 1) in known
+    ]  # fmt: skip
+    assert merges
+    return {**vocab, "tokens": tokens, "token_type": vocab["token_type"][:SMALL_VOCAB],
+            "merges": merges}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def small_gguf(small_vocab, tmp_path_factory) -> Path:
+    """A small-vocabulary tiny model as an F32 GGUF, written once."""
+    out = tmp_path_factory.mktemp("small_gguf")
+    return write_gguf(out / "small.gguf", small_llama(out / "hf"), small_vocab)
+
+
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch) -> Path:
+    from bucketserve.runtime.cpu import kernels
+
+    kernels.load()  # from the machine's cache: not compiled again into this empty one
     monkeypatch.setenv("BUCKETSERVE_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache" / "models"
 
@@ -160,12 +205,10 @@ def test_gguf_conversion_undoes_llama_cpp_layout(tiny_model_factory, tiny_gguf, 
     assert hf_tok.chat_template == vocab["template"]
 
 
-def test_quantized_gguf_dequantizes_close_to_the_original(
-    tiny_model_factory, vocab, cache_dir, tmp_path
-):
-    hf_dir = tiny_model_factory(**LINEAR_ROPE)
+def test_quantized_gguf_dequantizes_close_to_the_original(small_vocab, cache_dir, tmp_path):
+    hf_dir = small_llama(tmp_path / "hf")
     path = write_gguf(
-        tmp_path / "tiny-q8.gguf", hf_dir, vocab, qtype=gguf.GGMLQuantizationType.Q8_0
+        tmp_path / "tiny-q8.gguf", hf_dir, small_vocab, qtype=gguf.GGMLQuantizationType.Q8_0
     )
     original = dict(iter_safetensors(hf_dir))
     converted = dict(iter_safetensors(resolve_model(path)))
@@ -176,27 +219,25 @@ def test_quantized_gguf_dequantizes_close_to_the_original(
         assert (converted[name] - w).abs().max() <= bound, name
 
 
-def test_conversion_is_cached_and_keyed_by_content(
-    tiny_model_factory, tiny_gguf, vocab, cache_dir, tmp_path
-):
+def test_conversion_is_cached_and_keyed_by_content(small_gguf, small_vocab, cache_dir, tmp_path):
     path = tmp_path / "tiny.gguf"
-    path.write_bytes(tiny_gguf.read_bytes())
+    path.write_bytes(small_gguf.read_bytes())
     first = resolve_model(path)
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert resolve_model(str(path)) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
-    write_gguf(path, tiny_model_factory(**LINEAR_ROPE, rms_norm_eps=1e-6), vocab)
+    write_gguf(path, small_llama(tmp_path / "hf", rms_norm_eps=1e-6), small_vocab)
     assert resolve_model(path) != first
 
 
-def test_failed_conversion_leaves_no_cache(tiny_gguf, cache_dir, monkeypatch):
+def test_failed_conversion_leaves_no_cache(small_gguf, cache_dir, monkeypatch):
     def crash(self, out, progress=True):
         (Path(out) / "config.json").write_text("{}")
         raise RuntimeError("killed mid-conversion")
 
     monkeypatch.setattr(GGUFConverter, "write", crash)
     with pytest.raises(RuntimeError, match="killed"):
-        convert_gguf(tiny_gguf)
+        convert_gguf(small_gguf)
     assert list(cache_dir.iterdir()) == []
 
 
@@ -208,9 +249,10 @@ def test_failed_conversion_leaves_no_cache(tiny_gguf, cache_dir, monkeypatch):
     ],
 )
 def test_unsupported_gguf_is_rejected_before_caching(
-    tiny_model_factory, vocab, cache_dir, tmp_path, arch, opts, message
+    small_vocab, cache_dir, tmp_path, arch, opts, message
 ):
-    path = write_gguf(tmp_path / "bad.gguf", tiny_model_factory(**LINEAR_ROPE), vocab, arch, **opts)
+    hf_dir = small_llama(tmp_path / "hf")
+    path = write_gguf(tmp_path / "bad.gguf", hf_dir, small_vocab, arch, **opts)
     with pytest.raises(ValueError, match=message):
         resolve_model(path)
     assert not cache_dir.exists() or list(cache_dir.iterdir()) == []
@@ -271,7 +313,7 @@ def test_incomplete_checkpoint_is_rejected(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.smollm
-def test_smollm_conversion_matches_transformers_gguf_loader(smollm_dir):
+def test_smollm_conversion_matches_transformers_gguf_loader(smollm_dir, smollm_gguf_reads):
     config = json.loads((smollm_dir / "config.json").read_text())
     expected = {
         "num_hidden_layers": 30,
@@ -289,6 +331,8 @@ def test_smollm_conversion_matches_transformers_gguf_loader(smollm_dir):
     }
     assert {k: config[k] for k in expected} == expected
     gguf_path = default_gguf_path()
-    reference = hf_last_logits(gguf_path.parent, gguf_file=gguf_path.name)
-    torch.testing.assert_close(last_logits(smollm_dir), reference, atol=2e-3, rtol=0)
-    assert int(last_logits(smollm_dir).argmax()) == int(reference.argmax())
+    with one_parse_per_gguf(smollm_gguf_reads):
+        reference = hf_last_logits(gguf_path.parent, gguf_file=gguf_path.name)
+    ours = last_logits(smollm_dir)
+    torch.testing.assert_close(ours, reference, atol=2e-3, rtol=0)
+    assert int(ours.argmax()) == int(reference.argmax())
