@@ -75,14 +75,17 @@ def test_2_stage_prefill_and_decode_groups_take_two_cards_each_match_one_stage_a
                 for a in spans for b in spans
             ), spans
 
-            # one fault window for both groups, so their restarts overlap: decode stage 1 once
-            # request 0 streams, prefill stage 0 with it (mid-batch, or between); the decode
-            # group's requests are prefilled again on the new prefill group
+            victim = infos["decode-0"]["stages"][1]["actor"]
             first = asyncio.Event()
             run = asyncio.ensure_future(generate_signalling(controller, long_work, first))
             await first.wait()
-            for name, stage in (("decode-0", 1), ("prefill-0", 0)):
-                ray.kill(ray.get_actor(infos[name]["stages"][stage]["actor"]), no_restart=True)
+            ray.kill(ray.get_actor(victim), no_restart=True)
+            assert tokens(await run) == long_reference
+
+            victim = infos["prefill-0"]["stages"][0]["actor"]  # mid-batch, or between
+            run = asyncio.ensure_future(generate(controller, long_work, "prefill-kill"))
+            await asyncio.sleep(0.1)
+            ray.kill(ray.get_actor(victim), no_restart=True)
             assert tokens(await run) == long_reference
             for _ in range(600):  # its death is noticed by a call or the next stats poll
                 if controller.pool.by_name("prefill-0").restarts == 1:
