@@ -39,7 +39,7 @@ def long_reference(tiny_model_dir: Path, long_work: Work) -> list[list[int]]:
 @pytest.fixture(scope="package")
 def ray_cards() -> Iterator[None]:
     """One local Ray session, 4 CPUs and 4 fake Gaudi cards (`resources={"HPU": 4}`), for
-    test_pipeline_ray and test_ray: started once, not once a module. Tests that do not ask
+    the Ray tests of this package: started once, not once a module. Tests that do not ask
     for cards place every actor on CPU."""
     import ray
 

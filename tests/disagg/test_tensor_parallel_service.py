@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -183,19 +182,6 @@ def test_a_rank_ships_its_shard_with_the_step_it_was_begun_for() -> None:
 # -- Ray -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_session() -> Iterator[None]:
-    import ray
-
-    ray.shutdown()
-    ray.init(
-        num_cpus=4, resources={"HPU": 4}, include_dashboard=False, log_to_driver=False,
-        configure_logging=False,
-    )
-    yield
-    ray.shutdown()
-
-
 def tp_config(model_dir: Path, tp: int, **options: Any) -> ControllerConfig:
     placement = PlacementConfig(accelerator="none", tensor_parallel_size=tp)
     return controller_config(
@@ -207,7 +193,7 @@ def tp_config(model_dir: Path, tp: int, **options: Any) -> ControllerConfig:
 
 @pytest.mark.slow
 def test_a_colocated_tp2_decode_worker_gives_the_greedy_tokens_of_one_rank(
-    ray_session: None, tiny_model_dir: Path, work: list, reference: list
+    ray_cards: None, tiny_model_dir: Path, work: list, reference: list
 ) -> None:
     import ray
 
@@ -226,7 +212,7 @@ def test_a_colocated_tp2_decode_worker_gives_the_greedy_tokens_of_one_rank(
 
 @pytest.mark.slow
 def test_a_rank_killed_mid_request_restarts_its_worker_and_loses_nothing(
-    ray_session: None, tiny_model_dir: Path, long_work: list, long_reference: list
+    ray_cards: None, tiny_model_dir: Path, long_work: list, long_reference: list
 ) -> None:
     from bucketserve.controller.controller import Controller
 
@@ -260,7 +246,7 @@ def test_a_rank_killed_mid_request_restarts_its_worker_and_loses_nothing(
 
 @pytest.mark.slow
 def test_disaggregated_tp2_ranks_hand_their_kv_shards_to_the_matching_decode_ranks_and_survive_rank_kills(  # noqa: E501
-    ray_session: None, tiny_model_dir: Path, work: list, reference: list, long_work: list,
+    ray_cards: None, tiny_model_dir: Path, work: list, reference: list, long_work: list,
     long_reference: list,
 ) -> None:
     """Two KV heads over two ranks: decode rank 1's pool holds only head 1, which only
@@ -325,7 +311,7 @@ def test_disaggregated_tp2_ranks_hand_their_kv_shards_to_the_matching_decode_ran
 
 @pytest.mark.slow
 def test_disaggregated_tp2_with_replicated_kv_heads_over_the_collective_transport(
-    ray_session: None, tiny_model_factory: Any, work: list
+    ray_cards: None, tiny_model_factory: Any, work: list
 ) -> None:
     """One KV head on two ranks: each rank holds a copy; every rank pair has its own gloo
     group, so rank 1's copy reaches decode rank 1 without passing through rank 0."""

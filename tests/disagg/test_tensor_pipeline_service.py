@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,17 +44,6 @@ def test_tp2_pp2_loads_and_reaches_the_decode_worker_as_a_stage_group(
     assert decode.engine.tensor_parallel_size == 2 and decode.pipeline_parallel_size == 2
     group = _group_placement(worker_resources(TP2_PP2, "hpu"), TP2_PP2)
     assert isinstance(group, StageGroupPlacement) and len(group.bundles()) == 5  # head + 4
-
-
-@pytest.fixture(scope="module")
-def ray_cards() -> Iterator[None]:
-    import ray
-
-    ray.shutdown()
-    ray.init(num_cpus=4, resources={"HPU": 4}, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)  # fmt: skip
-    yield
-    ray.shutdown()
 
 
 @pytest.mark.slow  # a worker, two stage actors and two rank actors, started twice
