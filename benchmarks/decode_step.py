@@ -6,9 +6,11 @@ rounds: the compute bound `2 * num_params * B / GEMM FLOP/s` for three GEMM
 measurements, the memory bound (weights + the batch's K/V read once, at the
 measured read bandwidth), the roofline (the larger of the oneDNN compute bound
 and the memory bound), all taken in the same run, and transformers' own decode
-step (DynamicCache, same batch and context) as the baseline.
+step (DynamicCache, same batch and context) as the baseline. With `--prefixes`
+the same step again with the rows' contexts over that many shared cached prefixes.
 
     python -m benchmarks.decode_step [--batch 32] [--context 200] [--rounds 5]
+        [--prefixes G --shared-context 768]
 """
 
 from __future__ import annotations
@@ -91,14 +93,31 @@ def step_bytes(runner: ModelRunner, batch: int, context: int) -> int:
     return weights + kv * runner.kv_cache.dtype.itemsize
 
 
-def decode_batch(runner: ModelRunner, batch: int, context: int) -> list[Sequence]:
-    """`batch` sequences with `context` tokens of KV in the pool, each one token from done."""
-    blocks_per_seq = -(-(context + 1) // runner.block_size)
+def decode_batch(
+    runner: ModelRunner, batch: int, context: int, first_block: int = 0,
+    prefixes: int = 0, shared_context: int = 0,
+) -> list[Sequence]:
+    """`batch` sequences with `context` tokens of KV in the pool, each one token from done,
+    their blocks from `first_block` on. With `prefixes` G, row i's first `shared_context`
+    tokens (whole blocks) sit in the blocks of cached prefix i % G, as prefix caching
+    leaves them (rows of one prefix interleaved with the others')."""
+    bs = runner.block_size
+    blocks_per_seq = -(-(context + 1) // bs)
+    shared = shared_context // bs if prefixes else 0
+    prefix_tables = [
+        list(range(first_block + g * shared, first_block + (g + 1) * shared))
+        for g in range(prefixes)
+    ]
+    next_block = first_block + prefixes * shared
     seqs = []
     for i in range(batch):
         tokens = [(7919 * (i + 1) * (j + 3)) % 40000 + 100 for j in range(context)]
         seq = Sequence(tokens, SamplingParams(temperature=0))
-        seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        own = blocks_per_seq - shared
+        seq.block_table = (prefix_tables[i % prefixes] if prefixes else []) + list(
+            range(next_block, next_block + own)
+        )
+        next_block += own
         seqs.append(seq)
     for start in range(0, batch, 8):  # prefill 8 sequences at a time
         chunk = seqs[start : start + 8]
@@ -129,26 +148,41 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prefixes", type=int, default=0,
+                        help="also time a batch whose rows share this many cached prefixes")
+    parser.add_argument("--shared-context", type=int, default=768,
+                        help="tokens of each row's context in its shared prefix (--prefixes)")
     parser.add_argument("--out", default="benchmarks/results/decode_step.json")
     args = parser.parse_args()
 
     blocks = args.batch * (-(-(args.context + 1) // 16))
-    runner = ModelRunner(ModelRunnerConfig(device="cpu", dtype="float32", num_kv_blocks=blocks))
+    runner = ModelRunner(
+        ModelRunnerConfig(device="cpu", dtype="float32", num_kv_blocks=2 * blocks + 1)
+    )
     params = runner.model_config.num_params
     seqs = decode_batch(runner, args.batch, args.context)
+    shared = (
+        decode_batch(runner, args.batch, args.context, blocks, args.prefixes, args.shared_context)
+        if args.prefixes
+        else None
+    )
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(runner.model_dir, dtype=torch.float32).eval()
     rounds: dict[str, list[float]] = {
         k: []
         for k in (
-            "runner_ms", "transformers_ms", "mkl_gflops", "onednn_gflops", "model_gflops",
-            "read_gbps",
+            "runner_ms", "shared_prefix_ms", "transformers_ms", "mkl_gflops", "onednn_gflops",
+            "model_gflops", "read_gbps",
         )
     }
     for _ in range(args.rounds):  # interleaved, so drift on a shared machine hits all alike
         step = 1000 * timed(lambda: runner.execute(seqs, [1] * args.batch), args.steps)
         rounds["runner_ms"].append(step)
+        if shared:
+            rounds["shared_prefix_ms"].append(
+                1000 * timed(lambda: runner.execute(shared, [1] * args.batch), args.steps)
+            )
         rounds["transformers_ms"].append(
             transformers_step_ms(hf, args.batch, args.context, args.steps)
         )
@@ -156,10 +190,19 @@ def main() -> None:
         rounds["onednn_gflops"].append(square_gemm_flops(lambda a, b: linear(a, b)) / 1e9)
         rounds["model_gflops"].append(model_gemm_flops(runner, args.batch) / 1e9)
         rounds["read_gbps"].append(read_bandwidth() / 1e9)
-    med = {k: statistics.median(v) for k, v in rounds.items()}
+    med = {k: statistics.median(v) for k, v in rounds.items() if v}
     step_gflop = 2 * params * args.batch / 1e9
     rows = [
         ("ModelRunner decode step", f"{med['runner_ms']:.1f} ms", ""),
+        *(
+            [(
+                f"  rows over {args.prefixes} shared prefixes of {args.shared_context}",
+                f"{med['shared_prefix_ms']:.1f} ms",
+                f"x{med['shared_prefix_ms'] / med['runner_ms']:.2f} of the above",
+            )]
+            if shared
+            else []
+        ),
         (
             "transformers decode step",
             f"{med['transformers_ms']:.1f} ms",

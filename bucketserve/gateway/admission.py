@@ -8,8 +8,9 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from numbers import Integral, Real
 from typing import Any, TypeVar
 
@@ -73,7 +74,7 @@ class Admission:
         """Tokenizes text and chat in the pool, then checks and submits synchronously, so no
         other request interleaves between the checks and the submit. A token-id prompt
         needs no tokenizer: it is admitted without leaving the event loop."""
-        try:
+        with self.counted():
             self._open(api_key)
             priority(inp.priority)  # cheap checks before any tokenizing
             if inp.sampling.get("structured_outputs") is not None:
@@ -83,6 +84,13 @@ class Admission:
             else:
                 prompt = await self.off_loop(self._prompt, inp)
             return self._admit(inp, prompt, api_key)
+
+    @contextmanager
+    def counted(self) -> Iterator[None]:
+        """A refusal raised inside counts in `request_rejected_total` by its code: the
+        edge's checks of a request's body (HTTP, gRPC) and admission's own."""
+        try:
+            yield
         except BucketServeError as exc:
             self.metrics.record_rejection(exc.code.name)
             raise
@@ -136,11 +144,8 @@ class Admission:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def tenant(self, api_key: str | None) -> TenantSpec:
-        try:
+        with self.counted():
             return self.registry.authenticate(api_key)
-        except BucketServeError as exc:
-            self.metrics.record_rejection(exc.code.name)
-            raise
 
     async def abort(self, request_id: str, tenant: TenantSpec) -> bool:
         """Cancel a running request of `tenant`; False if none runs under that id."""

@@ -112,14 +112,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise DeadlineExceededError("the deadline passed before the request was admitted")
         api_key = _api_key(context)
         self.admission.tenant(api_key)  # who asks, before their request is looked at
-        try:
+        with self.admission.counted():
             _check_sizes(request, self.admission.limits)
             _check_known(request)
             inp = request_to_input(request)
             tools = self._tools(inp)
-        except BucketServeError as exc:
-            self.admission.metrics.record_rejection(exc.code.name)
-            raise
         return await self.admission.admit(inp, api_key), tools
 
     def _tools(self, inp: GenerateInput) -> RequestTools | None:

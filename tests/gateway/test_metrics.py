@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,14 @@ def test_metrics_parse_and_move_with_traffic(
         done = [client.generate(p, params) for p in ("Hello", "The sky is", "One two three")]
         with pytest.raises(InvalidArgumentError, match="request_id"):
             client.generate("x", SamplingParams(temperature=0), request_id="r" * 300)
+    bad = urllib.request.Request(  # refused while its body is read: counted all the same
+        f"{fresh_server.http_url}/v1/completions",
+        data=b'{"prompt": "x", "max_tokens": ',  # cut short: not JSON
+        headers={"Content-Type": "application/json", "Authorization": "Bearer slo-key"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(bad, timeout=30)
+    assert refused.value.code == 400
     wait_until_idle(loop_thread, backend)
     after = scrape(fresh_server)
     model, tenant = fresh_server.model_name, "slo"
@@ -96,7 +105,7 @@ def test_metrics_parse_and_move_with_traffic(
     assert value(after, "bucketserve:time_to_first_token_seconds_count") == 3
     assert value(after, "bucketserve:inter_token_latency_seconds_count") == 15
     assert value(after, "bucketserve:request_queue_time_seconds_count") == 3
-    assert value(after, "bucketserve:request_rejected_total", code="INVALID_ARGUMENT") == 1
+    assert value(after, "bucketserve:request_rejected_total", code="INVALID_ARGUMENT") == 2
     assert value(after, "bucketserve:slo_attainment", tenant=tenant) == 1.0  # 60 s targets
     with Client(fresh_server.grpc_target, api_key="slo-key") as client:
         client.generate("Hello", params, ttft_slo_s=1e-9)  # the request's own target: missed

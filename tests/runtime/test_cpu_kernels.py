@@ -66,6 +66,32 @@ def test_kernel_matches_gather_and_sdpa(
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_sharing_a_cached_prefix_in_any_order_match_gather_and_sdpa(
+    kernel, dtype: torch.dtype
+) -> None:
+    """Rows of two cached prefixes, interleaved, plus rows of their own: the kernel runs
+    rows by their first block, and each row's output must still land in its own place."""
+    heads, kv_heads, dim, block_size, max_blocks = 9, 3, 64, 16, 5
+    k_cache, v_cache = pool(kv_heads, 40, block_size, dim, dtype)
+    prefixes = {0: [1, 2, 3], 1: [4, 5, 6]}
+    own, tables, context = iter(range(7, 40)), [], []
+    for r in range(9):
+        shared = prefixes.get(r % 3, [])  # rows 2, 5, 8 share nothing
+        table = shared + [next(own) for _ in range(max_blocks - len(shared))]
+        tables.append(table)
+        context.append(3 * block_size + 1 + r)
+    tables, context = torch.tensor(tables), torch.tensor(context)
+    q = queries(len(context), heads, kv_heads, dim, dtype, qkv_view=False)
+    scale = dim**-0.5
+
+    got = kernel.paged_decode(q, k_cache, v_cache, tables, context.to(torch.int32), scale)
+    mask = rect_mask((context - 1).view(-1, 1), max_blocks * block_size, heads // kv_heads, dtype)
+    want = attend_rect(q, k_cache, v_cache, tables, mask, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "block_size"),
     # 80: four-vector column blocks and a single-vector rest

@@ -162,13 +162,14 @@ class OpenAIApi:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         deadline = _Deadline(self.config.http_request_timeout_s)
         api_key = self._tenant(request)
-        text = await read_text(request, self.config.max_message_bytes)
-        oai = await self._parse(
-            text, partial(OpenAIRequest.parse, chat=chat, limits=self.admission.limits)
-        )
-        self._check_model(oai.model)
-        if oai.tools is not None:
-            oai.tools.check_parser(self.tool_parser)
+        with self.admission.counted():
+            text = await read_text(request, self.config.max_message_bytes)
+            oai = await self._parse(
+                text, partial(OpenAIRequest.parse, chat=chat, limits=self.admission.limits)
+            )
+            self._check_model(oai.model)
+            if oai.tools is not None:
+                oai.tools.check_parser(self.tool_parser)
         gen = await deadline.run(self.admission.admit(oai.input, api_key), None)
         request[GENERATION] = gen
         prompt_tokens = len(gen.request.prompt_token_ids)

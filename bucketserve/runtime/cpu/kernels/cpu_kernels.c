@@ -255,6 +255,40 @@ static void attend_row(const void *q, int64_t q_stride, const void *k_cache, con
     }
 }
 
+// Rows that share a cached prefix share its first block: run them one after another, so
+// the prefix's keys and values are still in cache for the next row. The order of `rows`
+// rows by first block (ties and rows without context by index); NULL if out of memory.
+struct row_key {
+    int64_t block;
+    int row;
+};
+
+static int by_first_block(const void *a, const void *b) {
+    const struct row_key *x = a, *y = b;
+    if (x->block != y->block) return x->block < y->block ? -1 : 1;
+    return x->row - y->row;
+}
+
+static int *rows_by_first_block(const int64_t *block_tables, const int64_t *starts,
+                                const int32_t *context_lens, int rows, int max_blocks) {
+    struct row_key *keys = malloc(sizeof(struct row_key) * (rows + 1));
+    int *order = malloc(sizeof(int) * (rows + 1));
+    if (keys && order) {
+        for (int r = 0; r < rows; r++) {
+            const int64_t at = starts ? starts[r] : (int64_t)r * max_blocks;
+            keys[r].block = context_lens[r] > 0 ? block_tables[at] : -1;
+            keys[r].row = r;
+        }
+        qsort(keys, rows, sizeof(struct row_key), by_first_block);
+        for (int r = 0; r < rows; r++) order[r] = keys[r].row;
+    } else {
+        free(order);
+        order = NULL;
+    }
+    free(keys);
+    return order;
+}
+
 // Row r's blocks start at block_tables + starts[r] (a flat block list, vllm-gaudi's decode
 // layout) when `starts` is given, else at block_tables + r * max_blocks (one table per row).
 static int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
@@ -264,14 +298,17 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_cache, co
                         int64_t head_stride, float scale, int window, int threads, int bf16) {
     const int group = heads / kv_heads;
     if (dim > MAX_DIM || dim % DIM_UNIT || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
+    int *order = rows_by_first_block(block_tables, starts, context_lens, rows, max_blocks);
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
-    for (int r = 0; r < rows; r++) {
+    for (int i = 0; i < rows; i++) {
         for (int kvh = 0; kvh < kv_heads; kvh++) {
+            const int r = order ? order[i] : i;
             const int64_t at = starts ? starts[r] : (int64_t)r * max_blocks;
             attend_row(q, q_stride, k_cache, v_cache, block_tables + at, context_lens[r], window,
                        out, r, kvh, heads, group, dim, block_size, head_stride, scale, bf16);
         }
     }
+    free(order);
     return 0;
 }
 
@@ -757,10 +794,12 @@ static int paged_prefill(const void *q, int64_t q_stride, const void *k_cache, c
     float *V = malloc(sizeof(float) * (chunk_keys * dim * kv_heads + 1));
     int32_t *item_seq = malloc(sizeof(int32_t) * (items + 1));
     int32_t *item_tile = malloc(sizeof(int32_t) * (items + 1));
-    int ok = Kt && V && item_seq && item_tile;
+    int *order = rows_by_first_block(block_tables, NULL, context_lens, seqs, max_blocks);
+    int ok = Kt && V && item_seq && item_tile && order;
     if (ok) {
         int64_t i = 0;
-        for (int s = 0; s < seqs; s++) {
+        for (int k = 0; k < seqs; k++) {
+            const int s = order[k];
             const int n = query_start[s + 1] - query_start[s];
             const int tiles = n > 1 ? (n + per_tile - 1) / per_tile : context_lens[s] > 0;
             for (int t = tiles - 1; t >= 0; t--, i++) {
@@ -834,6 +873,7 @@ static int paged_prefill(const void *q, int64_t q_stride, const void *k_cache, c
     free(V);
     free(item_seq);
     free(item_tile);
+    free(order);
     return ok ? 0 : -2;
 }
 
