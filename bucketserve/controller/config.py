@@ -70,7 +70,9 @@ class ControllerConfig:
     batch joins the engine as soon as the pool has room, tenant priorities still order
     the prompts waiting for the token budget; a prompt past its TTFT deadline yields to
     those on time it would make late, for at most `scheduler.late_yield_s`, which bounds
-    the TTFT tail an overload gives the prompts that yield.
+    the TTFT tail an overload gives the prompts that yield. A prompt longer than
+    `scheduler.long_prefill_token_threshold` (512) computes in chunks of that size, one long
+    prompt at a time, so a short prompt arriving meanwhile waits for a chunk, not the whole.
     `decode_pace` (disaggregated only): while a prefill batch for a decode worker is in
     flight, its steps wait until a running request would otherwise get its next token
     later than this fraction of its TPOT target, so a prefill worker on the same cores gets
@@ -80,7 +82,9 @@ class ControllerConfig:
 
     runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
     scheduler: SchedulerConfig = field(
-        default_factory=lambda: SchedulerConfig(scheduling_policy="priority", late_yield_s=8.0)
+        default_factory=lambda: SchedulerConfig(
+            scheduling_policy="priority", late_yield_s=8.0, long_prefill_token_threshold=512
+        )
     )
     pipeline_depth: int = 1
     prefill_kv_blocks: int | None = None

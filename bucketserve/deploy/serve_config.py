@@ -316,6 +316,8 @@ def _controller(s: ServeSettings, runner: ModelRunnerConfig) -> ControllerConfig
                 max_num_seqs=decode.max_num_seqs,
                 max_num_batched_tokens=decode.max_num_batched_tokens,
                 enable_chunked_prefill=decode.enable_chunked_prefill,
+                long_prefill_token_threshold=decode.long_prefill_token_threshold,
+                max_long_partial_prefills=decode.max_long_partial_prefills,
                 watermark=decode.watermark,
                 scheduling_policy=decode.scheduling_policy,
                 slo_admission=decode.slo_admission,

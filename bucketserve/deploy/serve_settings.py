@@ -138,6 +138,13 @@ class DecodeSettings(PlacementSettings):
     enable_chunked_prefill: bool = True
     """Prefill a long prompt over several steps (the colocated shape, and recomputing a
     preempted sequence)."""
+    long_prefill_token_threshold: int = Field(512, ge=0)
+    """A prompt with more tokens than this left to compute is long: it computes at most
+    this many a step, so a short prompt arriving meanwhile waits for a chunk, not the
+    whole prompt (vLLM's knob; its offline `LLM` default, like ours, is 0: off)."""
+    max_long_partial_prefills: int = Field(1, ge=1)
+    """Long prompts in progress at once; the next starts when one has its first token,
+    while shorter prompts start beside them."""
     watermark: float = Field(0.01, ge=0, lt=1)
     """Share of the KV blocks kept free before admitting more."""
     scheduling_policy: Literal["fcfs", "priority"] = "priority"

@@ -159,6 +159,14 @@ def test_token_budget_with_chunked_prefill_gives_the_same_tokens(tiny_runner):
     )
 
 
+def test_long_prompts_in_threshold_chunks_one_at_a_time_give_the_same_tokens(tiny_runner):
+    prompts, params = token_prompts(5, seed=3), varied_params(5)
+    assert max(len(p) for p in prompts) > 4
+    engine = LLMEngine.from_kwargs(runner=tiny_runner, long_prefill_token_threshold=4)
+    assert drain_all(engine, prompts, params) == reference(tiny_runner, prompts, params)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
 def drain_all(engine: LLMEngine, prompts, params, check=None) -> list[list[int]]:
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     streams = drain(engine, check)

@@ -86,6 +86,68 @@ def test_no_chunking_needs_a_budget_for_the_longest_sequence():
         make(max_num_batched_tokens=100, enable_chunked_prefill=False)
 
 
+def test_a_long_prompt_computes_in_chunks_of_the_threshold_and_short_ones_start_beside_it():
+    s = make(long_prefill_token_threshold=8)
+    s.add(seq("long", 20, max_tokens=3))
+    assert run(s) == [("long", 8)]  # not the whole budget
+    s.add(seq("short", 5, max_tokens=3))  # arrives mid-prompt: waits for a chunk only
+    assert run(s) == [("long", 8), ("short", 5)]
+    assert run(s) == [("long", 4), ("short", 1)]  # the last chunk samples
+    assert s.get("long").num_output_tokens == 1
+
+
+def test_one_long_prompt_at_a_time_until_it_has_its_first_token():
+    s = make(long_prefill_token_threshold=8)
+    for name in ("first", "second"):
+        s.add(seq(name, 12, max_tokens=2))
+    s.add(seq("short", 3, max_tokens=2))
+    # second is long too: it keeps its place while short passes it
+    assert run(s) == [("first", 8), ("short", 3)]
+    # first's last chunk still holds the place: second would lengthen the step it ends in
+    assert run(s) == [("first", 4), ("short", 1)]
+    assert run(s) == [("first", 1), ("second", 8)]
+    assert run(s) == [("second", 4)]
+
+
+def test_more_long_prompts_at_once_when_allowed_and_none_when_off():
+    s = make(long_prefill_token_threshold=8, max_long_partial_prefills=2)
+    for name in ("a", "b", "c"):
+        s.add(seq(name, 12, max_tokens=2))
+    assert run(s) == [("a", 8), ("b", 8)]
+    off = make(max_num_batched_tokens=30)
+    for name in ("a", "b", "c"):
+        off.add(seq(name, 12, max_tokens=2))
+    assert run(off) == [("a", 12), ("b", 12), ("c", 6)]
+    whole = make(max_num_batched_tokens=256, enable_chunked_prefill=False,
+                 long_prefill_token_threshold=8)  # no chunks without chunked prefill
+    for name in ("a", "b"):
+        whole.add(seq(name, 12, max_tokens=2))
+    assert run(whole) == [("a", 12), ("b", 12)]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_the_long_prefill_threshold_is_a_count_of_tokens(bad):
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be an integer"):
+        make(long_prefill_token_threshold=bad)
+    with pytest.raises(ValueError, match="max_long_partial_prefills must be a positive"):
+        make(max_long_partial_prefills=0)
+
+
+def test_a_prompt_waiting_for_a_prefix_in_flight_lets_the_ones_behind_it_start():
+    s = Scheduler(SchedulerConfig(watermark=0.0), BlockManager(64, 4, enable_prefix_caching=True),
+                  256, eos_token_ids=[EOS])
+    s.add(seq("first", 10, max_tokens=2))
+    first = s.schedule()  # first's blocks are named, its step not run yet
+    s.add(seq("same_prefix", 10, max_tokens=2))
+    s.add(Sequence([70, 71, 72], SamplingParams(max_tokens=2), seq_id="other"))
+    # "other" starts; "same_prefix" keeps its place and finds the prefix cached next step
+    assert plan(s.schedule(max_seqs=4)) == [("other", 3)]
+    assert [q.seq_id for q in s.waiting] == ["same_prefix"]
+    s.update(first, [5])
+    nxt = s.schedule()
+    assert ("same_prefix", 2) in plan(nxt)  # 8 of its 10 tokens were cached
+
+
 def test_preemption_takes_the_newest_and_it_resumes_with_its_tokens():
     s = make(num_blocks=4, block_size=4)
     s.add(seq("old", 4, max_tokens=10))

@@ -35,6 +35,13 @@ class SchedulerConfig:
     at the cost of some of the SLOs the yielding keeps.
     `enable_prefix_caching`: a prompt whose leading full blocks are cached starts after them
     (`BlockManager`); the engine builds its block manager with it.
+    `long_prefill_token_threshold` (vLLM's knobs of these names): a prompt with more tokens
+    than this left to compute is long; it computes at most this many a step, and at most
+    `max_long_partial_prefills` long prompts are in progress at once, while shorter ones
+    start beside them in the same steps. On a CPU a prefill chunk of a few hundred tokens
+    already runs its GEMMs at the cores' peak, so batching two long prompts together gains
+    no throughput and only holds back the first's first token and everything queued behind
+    both. 0 (or chunked prefill off): off, a prompt takes what the step's budget leaves.
     """
 
     max_num_seqs: int = 64
@@ -45,6 +52,8 @@ class SchedulerConfig:
     slo_admission: bool = True
     late_yield_s: float | None = None
     enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    max_long_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
         y = self.late_yield_s
@@ -52,10 +61,15 @@ class SchedulerConfig:
             raise ValueError(
                 f"late_yield_s must be a number of seconds > 0, or null for no bound, got {y!r}"
             )
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_long_partial_prefills"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        t = self.long_prefill_token_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be an integer >= 0 (0: off), got {t!r}"
+            )
         if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if self.scheduling_policy not in POLICIES:
@@ -112,6 +126,10 @@ class Scheduler:
         self._forks: dict[int | str, list[Sequence]] = {}  # parent id -> samples waiting for it
         self._in_flight: set[int | str] = set()
         self._watermark_blocks = int(config.watermark * block_manager.num_total_blocks)
+        # chunks need chunked prefill; without it every prompt runs whole
+        self._long_threshold = (
+            config.long_prefill_token_threshold if config.enable_chunked_prefill else 0
+        )
         # what steps cost, learned from those run: SLO-aware admission and decode pacing
         self.step_times = StepTimes()
         self.slo = (
@@ -267,7 +285,7 @@ class Scheduler:
             preempted |= evicted
             if not room:
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(self._chunk(seq.num_uncomputed_tokens), budget)
             self._schedule(out, seq, n, scheduled, now)
             budget -= n
         if not preempted:
@@ -322,6 +340,8 @@ class Scheduler:
         now: float,
     ) -> None:
         bm, slo = self.block_manager, self.slo
+        skip: set[int | str] = set()  # waiting sequences that cannot start this step
+        num_long = sum(1 for s in self.running if self._in_long_prefill(s))
         while (
             self.waiting
             and budget > 0
@@ -329,20 +349,28 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             if slo is None:
-                seq = self.waiting.front
+                seq = self.waiting.first(skip)
             else:
                 backlog = slo.backlog(self.running)
 
                 def lead(seq: Sequence, ahead: int, backlog: int = backlog) -> float:
                     return slo.lead_s(seq, backlog + ahead)
 
-                seq = self.waiting.peek(now, lead, self.config.late_yield_s)
-                if not slo.allows(seq, self.running, now, backlog):
+                seq = self.waiting.peek(now, lead, self.config.late_yield_s, skip)
+                if seq is not None and not slo.allows(seq, self.running, now, backlog):
                     return
+            if seq is None:
+                return
             fresh = not seq.block_table and seq.num_computed_tokens == 0
             if fresh and bm.waits_for(seq):
-                return  # its prefix is being computed: next step it is cached
-            n = seq.num_uncomputed_tokens - (bm.num_cached_tokens(seq) if fresh else 0)
+                skip.add(seq.seq_id)  # its prefix is being computed: next step it is cached
+                continue
+            left = seq.num_uncomputed_tokens - (bm.num_cached_tokens(seq) if fresh else 0)
+            long = self._is_long(left)
+            if long and num_long >= self.config.max_long_partial_prefills:
+                skip.add(seq.seq_id)  # keeps its place; shorter prompts go beside the long
+                continue
+            n = self._chunk(left)
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     return
@@ -361,6 +389,21 @@ class Scheduler:
             self.running.append(seq)
             self._schedule(out, seq, n, scheduled, now)
             budget -= n
+            num_long += long
+
+    def _in_long_prefill(self, seq: Sequence) -> bool:
+        """Whether running `seq` is a prompt still being computed over several steps (long,
+        or cut by the budget); its last chunk counts, so the next long prompt starts once
+        this one has its first token."""
+        return self._long_threshold > 0 and seq.num_uncomputed_tokens > 1
+
+    def _is_long(self, num_tokens: int) -> bool:
+        """Whether a prompt with `num_tokens` left to compute is long."""
+        return 0 < self._long_threshold < num_tokens
+
+    def _chunk(self, num_tokens: int) -> int:
+        """What a step computes of `num_tokens` left (the budget aside)."""
+        return self._long_threshold if self._is_long(num_tokens) else num_tokens
 
     def _schedule(
         self, out: SchedulerOutput, seq: Sequence, n: int, scheduled: set[int | str], now: float

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from bucketserve.runtime.core.sequence import Sequence
 
@@ -48,15 +48,22 @@ class WaitingQueue:
         """The first sequence in queue order."""
         return self._seqs[0]
 
+    def first(self, skip: Collection[int | str] = ()) -> Sequence | None:
+        """The first sequence in queue order whose id is not in `skip` (None: no such one)."""
+        return next((seq for seq in self._seqs if seq.seq_id not in skip), None)
+
     def peek(
         self,
         now: float,
         lead_s: Callable[[Sequence, int], float] | None = None,
         yield_s: float | None = None,
-    ) -> Sequence:
+        skip: Collection[int | str] = (),
+    ) -> Sequence | None:
         """The sequence to start next at time `now` (monotonic), among those of the front's
         priority: the first in queue order, unless it is late and starting it first would
         make one behind it that is still on time late too; then the first on time.
+        Sequences whose ids are in `skip` (those that cannot start this step) are passed
+        over as if absent; None if every sequence is.
 
         `lead_s(seq, ahead)`: the seconds `seq` needs from its start to its first token
         when `ahead` more prompt tokens are computed before it (none given: no time, so
@@ -65,12 +72,16 @@ class WaitingQueue:
         below capacity it loses no more time than queue order gives it. `yield_s`: a
         sequence late by more than this has yielded enough and keeps its place, so an
         overload's late requests wait a bounded time, not until the overload ends."""
-        front = self.front
+        front = self.first(skip)
+        if front is None:
+            return None
         lead_s = lead_s or _no_lead
         late: Sequence | None = None  # the first in queue order that may yield
         first_on_time: Sequence | None = None
         ahead = 0  # prompt tokens of the sequences on time between `late` and the one looked at
         for seq in self._seqs:
+            if seq.seq_id in skip:
+                continue
             if seq.priority != front.priority and self.policy == "priority":
                 break
             overdue = yield_s is not None and seq.is_late(now - yield_s)
