@@ -141,7 +141,7 @@ class DecodeSettings(PlacementSettings):
     long_prefill_token_threshold: int = Field(512, ge=0)
     """A prompt with more tokens than this left to compute is long: it computes at most
     this many a step, so a short prompt arriving meanwhile waits for a chunk, not the
-    whole prompt (vLLM's knob; its offline `LLM` default, like ours, is 0: off)."""
+    whole prompt (vLLM's knob, off there by default); 0: off, as in the offline `LLM`."""
     max_long_partial_prefills: int = Field(1, ge=1)
     """Long prompts in progress at once; the next starts when one has its first token,
     while shorter prompts start beside them."""

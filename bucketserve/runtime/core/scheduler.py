@@ -39,9 +39,10 @@ class SchedulerConfig:
     than this left to compute is long; it computes at most this many a step, and at most
     `max_long_partial_prefills` long prompts are in progress at once, while shorter ones
     start beside them in the same steps. On a CPU a prefill chunk of a few hundred tokens
-    already runs its GEMMs at the cores' peak, so batching two long prompts together gains
-    no throughput and only holds back the first's first token and everything queued behind
-    both. 0 (or chunked prefill off): off, a prompt takes what the step's budget leaves.
+    already runs its GEMMs near the cores' peak, so batching two long prompts together gains
+    little and holds back the first's first token and everything queued behind both; under
+    a burst of long prompts the smaller steps cost some TTFT (`docs/performance.md`).
+    0 (or chunked prefill off): off, a prompt takes what the step's budget leaves.
     """
 
     max_num_seqs: int = 64
