@@ -18,7 +18,7 @@ class WaitingQueue:
     lowest `Sequence.priority` first, then earliest arrival; a sequence put back keeps its
     place by that key, so it still goes before later arrivals of its priority.
 
-    Under either policy `peek` (the order of the scheduler's SLO admission; `front` is the
+    Under either policy `peek` (the order of the scheduler's SLO admission; `first` is the
     plain one) lets a sequence whose TTFT deadline has passed (`Sequence.is_late`) yield to
     those of its priority that can still meet their own, when serving it first would make
     one of them late too: so a burst past capacity costs the SLO of the requests it
@@ -42,11 +42,6 @@ class WaitingQueue:
 
     def __reversed__(self) -> Iterator[Sequence]:
         return reversed(self._seqs)
-
-    @property
-    def front(self) -> Sequence:
-        """The first sequence in queue order."""
-        return self._seqs[0]
 
     def first(self, skip: Collection[int | str] = ()) -> Sequence | None:
         """The first sequence in queue order whose id is not in `skip` (None: no such one)."""
