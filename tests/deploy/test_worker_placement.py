@@ -161,8 +161,8 @@ def hpu4_probe() -> Any:
             return list(ray.get_runtime_context().get_accelerator_ids().get("HPU", []))
 
     ray.shutdown()
-    ray.init(num_cpus=4, resources={"HPU": 4}, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    ray.init(address="local", num_cpus=4, resources={"HPU": 4}, include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
     yield Probe
     ray.shutdown()
 

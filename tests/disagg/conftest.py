@@ -45,7 +45,11 @@ def ray_cards() -> Iterator[None]:
 
     ray.shutdown()
     ray.init(
-        num_cpus=4, resources={"HPU": 4}, include_dashboard=False, log_to_driver=False,
+        address="local",
+        num_cpus=4,
+        resources={"HPU": 4},
+        include_dashboard=False,
+        log_to_driver=False,
         configure_logging=False,
     )
     yield

@@ -19,6 +19,27 @@ def test_committed_stubs_match_the_proto() -> None:
     assert regenerate.stale_files() == []
 
 
+def test_only_the_generators_version_stamps_are_ignored() -> None:
+    stubs = regenerate.PROTO_DIR / "bucketserve" / "v1"
+    grpc_stub = (stubs / "serving_pb2_grpc.py").read_bytes()
+    restamped = grpc_stub.replace(
+        b"GRPC_GENERATED_VERSION = '1.85.1'", b"GRPC_GENERATED_VERSION = '9.9.9'"
+    )
+    assert restamped != grpc_stub
+    assert regenerate.unstamped(restamped) == regenerate.unstamped(grpc_stub)
+    renamed = grpc_stub.replace(
+        b"/bucketserve.v1.Generation/Generate'", b"/bucketserve.v1.Generation/Gen'"
+    )
+    assert renamed != grpc_stub
+    assert regenerate.unstamped(renamed) != regenerate.unstamped(grpc_stub)
+    pb_stub = (stubs / "serving_pb2.py").read_bytes()
+    newer = pb_stub.replace(b"Version: 7.35.1", b"Version: 8.0.0").replace(
+        b"7,\n    35,\n    1,", b"8,\n    0,\n    0,"
+    )
+    assert newer != pb_stub
+    assert regenerate.unstamped(newer) == regenerate.unstamped(pb_stub)
+
+
 def test_package_is_versioned() -> None:
     assert pb.DESCRIPTOR.package == "bucketserve.v1"
     assert "Generation" in pb.DESCRIPTOR.services_by_name

@@ -9,6 +9,7 @@ The include root is the repository root, so the stubs import each other as
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -16,6 +17,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 PROTO_DIR = Path(__file__).resolve().parent
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+# The generator's own release, stamped into the stubs as the oldest runtime they accept:
+# a newer grpcio-tools or protobuf changes these lines and nothing the .proto says.
+STAMPS = (
+    re.compile(rb"^GRPC_GENERATED_VERSION = '[^']*'$", re.M),
+    re.compile(rb"^# Protobuf Python Version: .*$", re.M),
+    re.compile(rb"(ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.\w+,)[\s\d,]*"),
+)
 
 
 def proto_files() -> list[Path]:
@@ -44,15 +52,24 @@ def generate(out_dir: Path) -> list[Path]:
     return [path for stem in stems for s in SUFFIXES if (path := Path(f"{stem}{s}")).is_file()]
 
 
+def unstamped(stub: bytes) -> bytes:
+    for stamp in STAMPS:
+        stub = stamp.sub(rb"\1" if stamp.groups else b"", stub)
+    return stub
+
+
 def stale_files() -> list[str]:
-    """Stub paths whose committed content differs from a fresh generation."""
+    """Stub paths whose committed content differs from a fresh generation, version stamps
+    aside."""
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(Path(tmp))
         stale = []
         for path in fresh:
             rel = path.relative_to(tmp)
             committed = ROOT / rel
-            if not committed.is_file() or committed.read_bytes() != path.read_bytes():
+            if not committed.is_file() or unstamped(committed.read_bytes()) != unstamped(
+                path.read_bytes()
+            ):
                 stale.append(str(rel))
         return stale
 

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from bucketserve.runtime.io.gguf_file import GGUFFile
 from bucketserve.runtime.io.gguf_tokenizer import GGUFTokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
@@ -60,26 +61,21 @@ class GGUFConverter:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        try:
-            self.reader = gguf.GGUFReader(str(self.path))
-        except (ValueError, OSError) as e:
-            raise ValueError(f"{self.path} is not a readable GGUF file: {e}") from e
+        self.file = GGUFFile(self.path)
         self.arch = self.field("general.architecture")
         if self.arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"GGUF architecture {self.arch!r} is not supported; "
                 f"supported: {SUPPORTED_ARCHITECTURES}"
             )
-        self.tensor_names = {t.name for t in self.reader.tensors}
+        self.tensor_names = set(self.file.tensors)
         self.tokenizer = GGUFTokenizer(self.field, self.arch)
 
     def field(self, key: str, default: Any = _MISSING) -> Any:
-        f = self.reader.fields.get(key)
-        if f is None:
-            if default is _MISSING:
-                raise ValueError(f"GGUF file {self.path.name} lacks metadata {key!r}")
-            return default
-        return f.contents()
+        value = self.file.fields.get(key, default)
+        if value is _MISSING:
+            raise ValueError(f"GGUF file {self.path.name} lacks metadata {key!r}")
+        return value
 
     def _arch_field(self, key: str, default: Any = _MISSING) -> Any:
         return self.field(f"{self.arch}.{key}", default)
@@ -200,15 +196,15 @@ class GGUFConverter:
     def check_quant_types(self) -> None:
         """Fail fast, before any work, on a tensor type the gguf package can't dequantize."""
         seen: set[gguf.GGMLQuantizationType] = set()
-        for t in self.reader.tensors:
-            if t.tensor_type in seen:
+        for t in self.file.tensors.values():
+            if t.type in seen:
                 continue
-            seen.add(t.tensor_type)
+            seen.add(t.type)
             try:
-                gguf.quants.dequantize(t.data[:1], t.tensor_type)
+                gguf.quants.dequantize(t.data[: gguf.GGML_QUANT_SIZES[t.type][1]], t.type)
             except (NotImplementedError, ValueError, KeyError) as e:
                 raise ValueError(
-                    f"GGUF tensor {t.name} uses quantization {t.tensor_type.name}, which cannot be "
+                    f"GGUF tensor {t.name} uses quantization {t.type.name}, which cannot be "
                     f"dequantized here ({e}); use an F32/F16/BF16/Q8_0/Q4_K-family export"
                 ) from e
 
@@ -220,12 +216,11 @@ class GGUFConverter:
         config = config or self.config_dict()
         heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
         tensors = tqdm(
-            self.reader.tensors, desc=f"converting {self.path.name}", disable=not progress
+            self.file.tensors.values(), desc=f"converting {self.path.name}", disable=not progress
         )
         for t in tensors:
             name = self._hf_name(t.name)
-            shape = tuple(reversed([int(d) for d in t.shape]))
-            data = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+            data = gguf.quants.dequantize(t.data, t.type).reshape(t.shape).astype(np.float32)
             proj = name.split(".")[-2]
             if self.arch == "llama" and proj in heads:
                 data = _unpermute(data, heads[proj])
