@@ -18,10 +18,12 @@ from typing import Any
 
 from bucketserve.bucket_manager.monitor import BucketMetrics
 from bucketserve.kv_transfer.kv_format import KVBlockHandle
+from bucketserve.runtime.core.block_manager import TenantCacheStats
 from bucketserve.runtime.core.logprobs import TokenLogprob
 from bucketserve.runtime.core.outputs import RequestOutput
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.sequence import FinishReason
+from bucketserve.runtime.core.tenant_tag import DEFAULT_TENANT, TenantTag
 from bucketserve.runtime.io.tokenizer import Tokenizer
 
 # -- gateway <-> controller ----------------------------------------------------------------
@@ -40,6 +42,7 @@ class ServeRequest:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None  # narrows the tenant's prefix-cache domain (vLLM's field)
 
 
 @dataclass
@@ -95,6 +98,11 @@ class QueueFullError(ServiceError):
         self.retry_after_s = retry_after_s
 
 
+class SloShedError(QueueFullError):
+    """The queue ahead would make the request miss its TTFT target: refused at once
+    (`shed: predicted`), RESOURCE_EXHAUSTED / HTTP 429 with the seconds to retry after."""
+
+
 class NoWorkersError(ServiceError):
     """No live prefill or decode worker can take the request (UNAVAILABLE / HTTP 503)."""
 
@@ -131,6 +139,7 @@ class ServiceStats:
     transfer_s: float = 0.0  # KV send + receive time, summed over transfers
     worker_restarts: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    requests_shed: dict[str, int] = field(default_factory=dict)  # by tenant (SloShedError)
 
     def worker(self, name: str) -> WorkerStats:
         for stats in self.workers:
@@ -171,6 +180,7 @@ class WorkerRequest:
     # A duration, not a time: the worker's clock may be another node's.
     ttft_left_s: float | None = None
     tpot_s: float | None = None  # its TPOT target (the request's or its tenant's)
+    tenant: TenantTag = DEFAULT_TENANT  # fair share and prefix-cache domain
 
     @property
     def request_id(self) -> str:
@@ -243,6 +253,12 @@ class WorkerStats:
     kv_export: str = ""  # graphs mode: per_layer, or after_graph where a graph runs whole
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    tenant_cache: dict[str, TenantCacheStats] = field(default_factory=dict)  # by tenant
+    # what computing prompts costs it, as measured (None until measured): seconds per prompt
+    # token, and (an engine that prefills within its decode steps) a decode step's seconds
+    prefill_token_s: float | None = None
+    decode_step_s: float | None = None
+    prompt_tokens_to_come: int = 0  # prompt tokens queued or in progress, not yet computed
 
 
 @dataclass

@@ -146,6 +146,29 @@ class BucketManager:
             self._enqueue(request, key[-1], key)
         self.monitor.unrecord(batch)
 
+    def charge_output(self, tenant: str, tokens: int) -> None:
+        """`tenant` was served `tokens` more output tokens: its fair share counts prompt and
+        output tokens alike (prompt tokens are counted as its batches are formed)."""
+        self.tenants[tenant].served_tokens += tokens
+
+    def tokens_ahead(self, tenant: str, own: int) -> float:
+        """The queued prompt tokens served before a new request of `tenant` that computes
+        `own` tokens: its tenant's queue, every tenant of a better priority's, and of each
+        tenant of the same priority what its weight lets it be served meanwhile (weighted
+        fair share: at most its own queue)."""
+        me = self.tenants[tenant]
+        mine = me.queued_tokens
+        ahead = float(mine)
+        for other in self.tenants.values():
+            if other is me or not other.queued_tokens:
+                continue
+            if other.config.priority < me.config.priority:
+                ahead += other.queued_tokens
+            elif other.config.priority == me.config.priority:
+                turn = (mine + own) * other.config.weight / me.config.weight
+                ahead += min(other.queued_tokens, turn)
+        return ahead
+
     def snapshot(self) -> BucketMetrics:
         by_bucket = [
             {"low": b.low, "up": b.up, "queued": len(b), "by_tenant": b.queue_lengths()}
@@ -212,13 +235,16 @@ class BucketManager:
             self._catch_up(tenant)
         self.buckets.push(key, request)
         tenant.queued += 1
+        tenant.queued_tokens += request.effective_len
         tenant.track(request, seq)
         self._entries[request.request_id] = _Entry(request, key)
         self._queued_kv_tokens += request.kv_tokens(self.config.batching.count_output_tokens)
 
     def _dequeue(self, bucket: RequestBucket, entry: _Entry) -> None:
         request = bucket.pop(entry.request.tenant, entry.key)
-        self.tenants[request.tenant].queued -= 1
+        tenant = self.tenants[request.tenant]
+        tenant.queued -= 1
+        tenant.queued_tokens -= request.effective_len
         del self._entries[request.request_id]
         self._queued_kv_tokens -= request.kv_tokens(self.config.batching.count_output_tokens)
 

@@ -13,10 +13,12 @@ from typing import Any
 
 from bucketserve import envs
 from bucketserve.bucket_manager.policy import Policy, TenantClass
+from bucketserve.runtime.core.tenant_tag import TenantTag
 from bucketserve.utils.checks import check_choice, check_int, check_number
 
 BUCKET_FILE_ENV = "BUCKETSERVE_BUCKET_FILE"
 STRATEGIES = ("exponential", "linear", "file", "unified")
+SHED_MODES = ("never", "predicted")
 
 
 def _build(cls: type, data: Any, where: str, nested: dict[str, Any] | None = None) -> Any:
@@ -205,6 +207,12 @@ class TenantConfig:
     may use sjf or ljf. `max_wait_s` is the aging bound: a request that waited
     that long is served next whatever its length, its tenant's priority or fair
     share, so a low-priority tenant waits, but never starves (None: no aging).
+
+    `cache_domain`: the prefix-cache domain its blocks are named in (None: its own name;
+    tenants naming one domain share their cached prefixes). `cache_share`: the fraction
+    of a pool's evictable blocks it may hold while others want room (None: no bound).
+    `shed`: `predicted` answers a request at once with a retry-after when the queue ahead
+    would make it miss its TTFT target; `never` queues it (offline tenants always queue).
     """
 
     name: str
@@ -215,6 +223,9 @@ class TenantConfig:
     max_wait_s: float | None = 30.0
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
+    cache_domain: str | None = None
+    cache_share: float | None = None
+    shed: str = "never"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -237,6 +248,23 @@ class TenantConfig:
             value = getattr(self, name)
             if value is not None:
                 check_number(f"{where}: {name}", value, 1e-9)
+        if self.cache_domain is not None and (
+            not isinstance(self.cache_domain, str) or not self.cache_domain
+        ):
+            raise ValueError(f"{where}: cache_domain must be a non-empty string or null")
+        if self.cache_share is not None:
+            check_number(f"{where}: cache_share", self.cache_share, 1e-9, 1.0)
+        check_choice(f"{where}: shed", self.shed, SHED_MODES)
+
+    def tag(self, cache_salt: str | None = None) -> TenantTag:
+        """What the engine core knows of a request of this tenant."""
+        return TenantTag(self.name, self.weight, self.cache_domain or self.name, cache_salt)
+
+    @property
+    def sheds(self) -> bool:
+        """Whether a request predicted to miss its TTFT target (its own, else the tenant's)
+        is refused at once."""
+        return self.shed == "predicted" and self.tenant_class is TenantClass.ONLINE
 
 
 @dataclass(frozen=True)

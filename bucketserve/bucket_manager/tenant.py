@@ -15,6 +15,7 @@ class Tenant:
         self.config = config
         self.served_tokens = 0.0
         self.queued = 0
+        self.queued_tokens = 0  # prompt tokens its queued requests compute
         self._arrivals: list[tuple[float, int, BucketRequest]] = []  # lazy-deletion heap
 
     @property
@@ -23,7 +24,8 @@ class Tenant:
 
     @property
     def share(self) -> float:
-        """Prompt tokens served per unit of weight: equal weights get equal prefill tokens."""
+        """Tokens served (prompt and output) per unit of weight: equal weights get equal
+        tokens."""
         return self.served_tokens / self.config.weight
 
     def rank(self) -> tuple[int, float, str]:

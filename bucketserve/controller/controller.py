@@ -52,6 +52,7 @@ from bucketserve.messages import (
     QueueFullError,
     ServeRequest,
     ServiceStats,
+    SloShedError,
     StepOutput,
     TokenDelta,
 )
@@ -145,8 +146,9 @@ class Controller:
         """Queue `request`; its deltas come out of the returned async iterator, the last with
         `finished=True`. The request was validated at the edge (the gateway's admission);
         raises (queuing nothing) ValueError for an id in use or a tenant the bucket manager
-        does not serve, QueueFullError at the queue bound, NoWorkersError without live
-        workers."""
+        does not serve, QueueFullError at the queue bound, SloShedError when its tenant
+        sheds (`shed: predicted`) and the queue ahead would make it miss its TTFT target,
+        NoWorkersError without live workers."""
         if self._state != "running":
             raise NoWorkersError(f"the controller is {self._state}; call start() first")
         if request.request_id in self._requests:
@@ -160,6 +162,7 @@ class Controller:
         if not self.pool.serving():
             raise NoWorkersError("no live prefill or decode worker; retry once they restart")
         state = RequestState(request, RequestStream(request.request_id, self.abort))
+        self._shed_if_late(state)
         self.dispatcher.queue(state)
         params = request.sampling_params
         for i in range(state.n):
@@ -168,6 +171,24 @@ class Controller:
         self._requests[request.request_id] = state
         self.monitor.submitted()
         return state.stream
+
+    def _shed_if_late(self, state: RequestState) -> None:
+        """Refuse `state` now if its tenant sheds and its forecast TTFT misses its target."""
+        tenant = self.buckets.tenants.get(state.request.tenant)
+        if tenant is None or not tenant.config.sheds:
+            return
+        target = state.request.slo_ttft_s or tenant.config.ttft_slo_s
+        forecast = None if target is None else self.dispatcher.forecast_ttft(state)
+        if forecast is None or forecast <= target:
+            return
+        self.monitor.shed[tenant.name] += 1
+        wait = max(1.0, forecast - target)
+        raise SloShedError(
+            f"tenant {tenant.name!r}: with the prompts queued ahead its first token would "
+            f"come in about {forecast:.2f} s, past its TTFT target of {target:g} s; retry "
+            f"after {wait:.0f} s",
+            retry_after_s=wait,
+        )
 
     async def abort(self, request_id: str) -> bool:
         """Cancel a request: its final delta says `cancelled` and its KV blocks are freed
@@ -320,6 +341,8 @@ class Controller:
         out = state.accept(delta, self.outputs)
         if out is None:
             return
+        if out.token_ids:
+            self.buckets.charge_output(state.request.tenant, len(out.token_ids))
         state.stream.put(out)
         if out.finish_reason is None:
             return

@@ -21,7 +21,9 @@ import time
 from collections.abc import Callable, Hashable, Iterator
 
 from bucketserve.bucket_manager.bucket_manager import BucketManager
+from bucketserve.bucket_manager.config import TenantConfig
 from bucketserve.bucket_manager.prefill_batch import PrefillBatch
+from bucketserve.bucket_manager.prefill_cost import PrefillCost
 from bucketserve.bucket_manager.request import BucketRequest
 from bucketserve.controller.config import ControllerConfig
 from bucketserve.controller.handoff import Admitted, Handoff
@@ -72,6 +74,12 @@ class Dispatcher:
     def queue(self, state: RequestState) -> None:
         """Queue `state` for a prefill of everything it has so far."""
         state.phase, state.decode_worker = "queued", None
+        self.buckets.add(self.bucket_request(state))
+        self.wake()
+
+    def bucket_request(self, state: RequestState) -> BucketRequest:
+        """`state` as the bucket manager queues it: its tokens so far as the prompt, the
+        prefix the best worker holds of them as cached."""
         left = state.request.sampling_params.max_tokens - len(state.output_token_ids)
         hint = self.limits.max_tokens_hint(left, state.num_tokens)
         if state.n > 1:  # per sample: n samples' growth must fit the pool together
@@ -79,14 +87,41 @@ class Dispatcher:
         request = state.bucket_request(hint)
         if self.pd.cache_aware:
             request = self._with_prefix(request, state)
-        self.buckets.add(request)
-        self.wake()
+        return request
+
+    def forecast_ttft(self, state: RequestState) -> float | None:
+        """The seconds until `state`'s first token if queued now, priced by the workers'
+        measured prompt costs (`PrefillCost`): the prompt tokens the bucket manager serves
+        before it (`BucketManager.tokens_ahead`: its tenant's priority and fair share),
+        those already sent to workers, and its own. None until the workers measured."""
+        c = self.config
+        workers = [
+            h for h in self.pool.role("decode" if c.colocated else "prefill", alive=True)
+            if h.stats is not None and h.stats.prefill_token_s is not None
+        ]  # fmt: skip
+        if not workers:
+            return None
+        token_s = sum(h.stats.prefill_token_s for h in workers) / len(workers)
+        if c.colocated:
+            steps = [h.stats.decode_step_s for h in workers if h.stats.decode_step_s is not None]
+            cost = PrefillCost(
+                token_s, sum(steps) / len(steps) if steps else 0.0,
+                c.scheduler.max_num_batched_tokens, len(workers),
+            )  # fmt: skip
+            sent = sum(h.stats.prompt_tokens_to_come for h in workers)
+        else:
+            cost = PrefillCost(token_s, workers=len(workers))
+            sent = sum(self.pd.prefill_queued.values()) * self.limits.block_size
+        request = self.bucket_request(state)
+        own = request.effective_len
+        return cost.seconds(self.buckets.tokens_ahead(request.tenant, own) + sent + own)
 
     def _with_prefix(self, request: BucketRequest, state: RequestState) -> BucketRequest:
         """`request` with its blocks' hashes, and the prefix the worker that would compute it
         best holds as its cached length (none for prompt logprobs: every position computes)."""
         tokens = [*state.request.prompt_token_ids, *state.output_token_ids]
-        hashes = tuple(block_hashes(tokens, self.limits.block_size))
+        root = self._tenant(state).tag(state.request.cache_salt).cache_root
+        hashes = tuple(block_hashes(tokens, self.limits.block_size, root=root))
         index, cached = self._compute_cache(), 0
         if index is not None and state.request.sampling_params.prompt_logprobs is None:
             cached = self.pd.expected_cached(index, hashes, request.prompt_len)
@@ -261,7 +296,10 @@ class Dispatcher:
     def _worker_request(self, state: RequestState) -> WorkerRequest:
         """`state` as a worker's engine takes it: ranked by its tenant's priority, then its
         own, as the bucket manager ranks it; due by its (or its tenant's) TTFT target."""
-        return state.worker_request(self.buckets.tenants[state.request.tenant].config)
+        return state.worker_request(self._tenant(state))
+
+    def _tenant(self, state: RequestState) -> TenantConfig:
+        return self.buckets.tenants[state.request.tenant].config
 
     # -- colocated: one call -----------------------------------------------------------------
 

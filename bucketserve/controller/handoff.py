@@ -124,8 +124,11 @@ class Handoff:
         token_ids = [
             [*by_id[rid].prompt_token_ids, *by_id[rid].output_token_ids] for rid, _ in self.need
         ]
+        roots = [by_id[rid].tenant.cache_root for rid, _ in self.need]
         try:
-            reservation = await decode.call("reserve", self.need, self.lease_ttl_s, token_ids)
+            reservation = await decode.call(
+                "reserve", self.need, self.lease_ttl_s, token_ids, roots
+            )
         except ReservationError as exc:  # its free count moved on since our last report
             logger.info("reservation on %s failed: %s", decode.name, exc)
             return Prefilled(put_back=True, poll=decode)

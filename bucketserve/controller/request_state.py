@@ -17,6 +17,7 @@ from bucketserve.messages import (
 )
 from bucketserve.runtime.core.logprobs import TokenLogprob
 from bucketserve.runtime.core.output_processor import OutputProcessor
+from bucketserve.runtime.core.tenant_tag import TenantTag
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,8 @@ class RequestState:
             left = target - (time.monotonic() - r.arrival_time)
         priority = (tenant.priority if tenant else 0, r.priority)
         tpot = r.slo_tpot_s or (tenant.tpot_slo_s if tenant else None)
-        return WorkerRequest(r, list(self.output_token_ids), priority, left, tpot)
+        tag = tenant.tag(r.cache_salt) if tenant else TenantTag(cache_salt=r.cache_salt)
+        return WorkerRequest(r, list(self.output_token_ids), priority, left, tpot, tag)
 
     def bucket_request(self, max_tokens: int) -> BucketRequest:
         """What the bucket manager queues: this state (as the payload) under the request's

@@ -15,6 +15,7 @@ class ServiceMonitor:
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
         self.reasons: Counter[str] = Counter()
+        self.shed: Counter[str] = Counter()  # tenant -> requests refused as predicted late
         self.transfer_s = 0.0  # KV send + receive time, summed over transfers
 
     def submitted(self) -> None:
@@ -58,4 +59,5 @@ class ServiceMonitor:
             transfer_s=self.transfer_s,
             worker_restarts=worker_restarts,
             finish_reasons=dict(self.reasons),
+            requests_shed=dict(self.shed),
         )

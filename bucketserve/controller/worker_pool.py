@@ -172,15 +172,21 @@ class WorkerPool:
         return PrefillWorkerConfig(
             runner=runner,
             tensor_parallel_size=self.config.prefill_placement.tensor_parallel_size,
+            cache_shares=self._cache_shares(),
             **self._shared("prefill", index),
         )
+
+    def _cache_shares(self) -> dict[str, float] | None:
+        """Each tenant's bound on a pool's evictable blocks (those with one)."""
+        shares = {t.name: t.cache_share for t in self.buckets.tenants if t.cache_share}
+        return shares or None
 
     def decode_config(self, index: int) -> DecodeWorkerConfig:
         c = self.config
         return DecodeWorkerConfig(
             engine=EngineConfig(
                 c.role_runner("decode"),
-                c.scheduler,
+                dataclasses.replace(c.scheduler, cache_shares=self._cache_shares()),
                 c.pipeline_depth,
                 tensor_parallel_size=c.decode_placement.tensor_parallel_size,
             ),

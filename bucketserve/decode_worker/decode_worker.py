@@ -30,6 +30,7 @@ from bucketserve.messages import (
     WorkerStats,
     deltas_of,
 )
+from bucketserve.runtime.core.block_hash import ROOT_HASH, BlockHash
 from bucketserve.runtime.core.outputs import RequestOutput
 from bucketserve.runtime.core.sequence import Sequence as Seq
 from bucketserve.runtime.engine.llm_engine import LLMEngine
@@ -165,15 +166,18 @@ class DecodeWorker(KVWorker):
         requests: Sequence[tuple[str, int]],
         ttl_s: float | None = None,
         token_ids: Sequence[Sequence[int]] | None = None,
+        roots: Sequence[BlockHash] | None = None,
     ) -> Reservation:
         """Hold `n` blocks for each `(request_id, n)` under one lease; raises ReservationError
         (reserving nothing) when they are not free. With each request's `token_ids` (prompt
-        and tokens generated so far), its leading blocks this pool's prefix cache holds are
-        taken as they are: the handle's `num_cached_blocks` tells the prefill not to send
-        them."""
+        and tokens generated so far) and cache domain (`roots`: `TenantTag.cache_root`), its
+        leading blocks this pool's prefix cache holds in that domain are taken as they are:
+        the handle's `num_cached_blocks` tells the prefill not to send them."""
         ids, counts = _check_reservation(requests)
         if token_ids is not None and len(token_ids) != len(ids):
             raise ValueError(f"{len(ids)} requests to reserve for but {len(token_ids)} token lists")
+        if roots is not None and len(roots) != len(ids):
+            raise ValueError(f"{len(ids)} requests to reserve for but {len(roots)} cache roots")
         ttl = self.config.lease_ttl_s if ttl_s is None else ttl_s
         with self.engine.lock:
             self._check_alive()
@@ -186,7 +190,10 @@ class DecodeWorker(KVWorker):
                 )
             split, cached = [], []
             for i, n in enumerate(counts):
-                blocks, hits = bm.reserve_prefix(() if token_ids is None else token_ids[i], n)
+                tokens = () if token_ids is None else token_ids[i]
+                blocks, hits = bm.reserve_prefix(
+                    tokens, n, ROOT_HASH if roots is None else roots[i]
+                )
                 split.append(blocks)
                 cached.append(min(hits, n - 1))
             lease = self.leases.open(ids, split, ttl)
@@ -307,6 +314,7 @@ class DecodeWorker(KVWorker):
                     priority=request.priority,
                     ttft_deadline=None if left is None else now + left,
                     tpot_target=request.tpot_s,
+                    tenant=request.tenant,
                 )
             except ValueError as exc:
                 result.rejected[request.request_id] = str(exc)
@@ -372,6 +380,14 @@ class DecodeWorker(KVWorker):
                 batches=self._steps,
                 prefix_cache_queries=bm.prefix_cache_queries,
                 prefix_cache_hits=bm.prefix_cache_hits,
+                tenant_cache=bm.tenant_stats(),
+                prefill_token_s=sched.step_times.prefill_token_s,
+                decode_step_s=sched.step_times.decode_s,
+                prompt_tokens_to_come=sum(
+                    s.num_uncomputed_tokens
+                    for s in (*sched.waiting, *sched.running)
+                    if s.num_uncomputed_tokens > 1
+                ),
                 **self.pipeline_stats(),
                 **self.graph_fields(),
             )
@@ -533,6 +549,7 @@ class DecodeWorker(KVWorker):
                     output_token_ids=request.output_token_ids[:-1],
                     priority=request.priority,
                     tpot_target=request.tpot_s,
+                    tenant=request.tenant,
                 )
             except (ValueError, IndexError) as exc:
                 self.block_manager.release(blocks)

@@ -26,7 +26,7 @@ from bucketserve.gateway.gateway_config import GatewayConfig
 from bucketserve.gateway.generate_input import GenerateInput
 from bucketserve.gateway.generation import Generation
 from bucketserve.gateway.metrics import GatewayMetrics
-from bucketserve.gateway.request_limits import RequestLimits, priority
+from bucketserve.gateway.request_limits import RequestLimits, cache_salt, priority
 from bucketserve.gateway.tenant_registry import TenantRegistry
 from bucketserve.gateway.tenant_spec import TenantSpec
 from bucketserve.messages import ServeRequest
@@ -77,6 +77,7 @@ class Admission:
         with self.counted():
             self._open(api_key)
             priority(inp.priority)  # cheap checks before any tokenizing
+            cache_salt(inp.cache_salt)
             if inp.sampling.get("structured_outputs") is not None:
                 await self._structured(inp)
             if inp.prompt_token_ids is not None and inp.prompt is None and inp.messages is None:
@@ -230,6 +231,7 @@ class Admission:
             prompt_text=text,
             slo_ttft_s=_positive("ttft_slo_s", inp.slo_ttft_s),
             slo_tpot_s=_positive("tpot_slo_s", inp.slo_tpot_s),
+            cache_salt=cache_salt(inp.cache_salt),
         )
 
     def _prompt(self, inp: GenerateInput) -> Prompt:

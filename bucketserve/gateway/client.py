@@ -34,7 +34,7 @@ from bucketserve.runtime.core.sampling_params import SamplingParams
 class Client(ClientBase):
     """Calls raise the BucketServeError subclass of the status they got (InvalidArgumentError,
     AuthenticationError, ResourceExhaustedError with retry_after_s, ...). Keyword options of
-    generate / stream / chat: request_id, priority, ttft_slo_s, tpot_slo_s, timeout."""
+    generate / stream / chat: request_id, priority, ttft_slo_s, tpot_slo_s, cache_salt, timeout."""
 
     def __init__(self, target: str = DEFAULT_TARGET, **kwargs: Any) -> None:
         super().__init__(target, **kwargs)

@@ -88,6 +88,7 @@ def build_input(
     priority: int = 0,
     ttft_slo_s: float | None = None,
     tpot_slo_s: float | None = None,
+    cache_salt: str | None = None,
     timeout: float | None = None,
     tools: Sequence[Tool | dict[str, Any]] | None = None,
     tool_choice: ToolChoice | str | None = None,
@@ -95,7 +96,8 @@ def build_input(
 ) -> GenerateInput:
     """The request the SDK sends; SamplingParams checks its values before anything is sent.
     (`timeout` belongs to the call, not the request.) `tools`: Tools or OpenAI's
-    {"type": "function", "function": {...}}; `tool_choice`: a ToolChoice or its mode."""
+    {"type": "function", "function": {...}}; `tool_choice`: a ToolChoice or its mode.
+    `cache_salt`: only requests with the same salt share cached prompt blocks."""
     params = SamplingParams() if sampling_params is None else sampling_params
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -107,6 +109,7 @@ def build_input(
         priority=priority,
         slo_ttft_s=ttft_slo_s,
         slo_tpot_s=tpot_slo_s,
+        cache_salt=cache_salt,
     )
     _set_tools(inp, tools, tool_choice, parallel_tool_calls)
     if isinstance(prompt, str):

@@ -20,6 +20,7 @@ class GenerateInput:
     priority: int = 0
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    cache_salt: str | None = None  # narrows the tenant's prefix-cache domain
     tools: list[dict[str, Any]] | None = None  # chat: rendered by the template (HF's `tools`)
     tool_choice: str | None = None  # none / auto / required (None: auto)
     tool_function: str | None = None  # tool_choice naming a function: exactly one call of it

@@ -136,6 +136,41 @@ class _ServiceCollector(Collector):
             yield from _service_metrics(self.stats())
 
 
+def _tenant_cache_metrics(workers: list[Any]) -> Iterator[Metric]:
+    """Each tenant's prefix-cache figures, summed over the workers' pools."""
+    totals: dict[str, list[int]] = {}
+    for w in workers:
+        for tenant, s in w.tenant_cache.items():
+            sums = totals.setdefault(tenant, [0, 0, 0, 0])
+            for i, value in enumerate((s.cached_blocks, s.queries, s.hits, s.evictions)):
+                sums[i] += value
+    families = (
+        GaugeMetricFamily(
+            P + "prefix_cache_tenant_blocks",
+            "Cached KV blocks a tenant's requests named, still cached.", labels=["tenant"],
+        ),
+        CounterMetricFamily(
+            P + "prefix_cache_tenant_queries",
+            "Prompt tokens of a tenant looked up in the prefix caches.", labels=["tenant"],
+        ),
+        CounterMetricFamily(
+            P + "prefix_cache_tenant_hits",
+            "Prompt tokens of a tenant found in the prefix caches (its own domain only).",
+            labels=["tenant"],
+        ),
+        CounterMetricFamily(
+            P + "prefix_cache_tenant_evictions",
+            "Cached blocks a tenant named, evicted to make room (its cache_share decides "
+            "whose go first).",
+            labels=["tenant"],
+        ),
+    )  # fmt: skip
+    for tenant, sums in sorted(totals.items()):
+        for family, value in zip(families, sums, strict=True):
+            family.add_metric([tenant], value)
+    yield from families
+
+
 def _service_metrics(stats: Any) -> Iterator[Metric]:
     def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
         return GaugeMetricFamily(P + name, doc, value=value)
@@ -209,6 +244,16 @@ def _service_metrics(stats: Any) -> Iterator[Metric]:
         "Prompt tokens found in the workers' prefix caches.",
         sum(w.prefix_cache_hits for w in workers),
     )
+    yield from _tenant_cache_metrics(workers)
+    shed = CounterMetricFamily(
+        P + "requests_shed",
+        "Requests refused at once (429) because the queue ahead would make them miss their "
+        "TTFT target (tenants with shed: predicted).",
+        labels=["tenant"],
+    )
+    for tenant, n in sorted(stats.requests_shed.items()):
+        shed.add_metric([tenant], n)
+    yield shed
     yield counter(
         "slo_admission_holds",
         "Decode steps that held a new prompt back to keep running requests' TPOT targets.",

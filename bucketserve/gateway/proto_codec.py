@@ -83,6 +83,7 @@ def request_to_input(request: pb.GenerateRequest) -> GenerateInput:
         priority=request.priority,
         slo_ttft_s=request.ttft_slo_s if request.HasField("ttft_slo_s") else None,
         slo_tpot_s=request.tpot_slo_s if request.HasField("tpot_slo_s") else None,
+        cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
         sampling=_sampling_from(request.sampling_params),
     )
     if request.sampling_params.HasField("structured_outputs"):
@@ -255,6 +256,8 @@ def input_to_request(inp: GenerateInput, stream: bool) -> pb.GenerateRequest:
         request.ttft_slo_s = inp.slo_ttft_s
     if inp.slo_tpot_s is not None:
         request.tpot_slo_s = inp.slo_tpot_s
+    if inp.cache_salt is not None:
+        request.cache_salt = inp.cache_salt
     if inp.prompt is not None:
         request.text = inp.prompt
     elif inp.prompt_token_ids is not None:

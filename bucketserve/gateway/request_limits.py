@@ -169,3 +169,17 @@ def _shown(value: Any) -> str:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+MAX_CACHE_SALT = 256  # characters of a request's cache_salt
+
+
+def cache_salt(value: Any) -> str | None:
+    """A request's `cache_salt`: None, or 1 to MAX_CACHE_SALT characters."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_CACHE_SALT:
+        raise InvalidArgumentError(
+            f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got {_shown(value)}"
+        )
+    return value

@@ -89,6 +89,17 @@ class TenantSettings(Settings):
     """Prompt + output tokens per second (null: no bound)."""
     token_burst: float | None = Field(None, ge=1)
     """Tokens the rate limit lets through at once (null: 10 s of token_rate_limit)."""
+    cache_domain: str | None = Field(None, min_length=1)
+    """The prefix-cache domain its requests read and name cached blocks in (null: the
+    tenant's own, so no other tenant's request hits its blocks; tenants that trust each
+    other name one domain to share them). A request's `cache_salt` narrows it further."""
+    cache_share: float | None = Field(None, gt=0, le=1)
+    """The fraction of a KV pool's evictable cached blocks the tenant may hold while others
+    want room: eviction takes from the tenant most over its share first (null: no bound)."""
+    shed: Literal["never", "predicted"] = "never"
+    """predicted: a request the queue ahead would make miss its TTFT target (its own, else
+    the tenant's `ttft_slo_s`) is answered at once with 429 and Retry-After (gRPC
+    RESOURCE_EXHAUSTED with RetryInfo) instead of queueing; offline tenants always queue."""
 
     @field_validator("api_keys", "api_key_sha256", mode="before")
     @classmethod
@@ -105,7 +116,8 @@ class TenantSettings(Settings):
     def tenant_config(self) -> TenantConfig:
         return TenantConfig(
             self.name, self.tenant_class, self.policy, self.priority, self.weight,
-            self.max_wait_s, self.ttft_slo_s, self.tpot_slo_s,
+            self.max_wait_s, self.ttft_slo_s, self.tpot_slo_s, self.cache_domain,
+            self.cache_share, self.shed,
         )
 
     def spec(self) -> TenantSpec:

@@ -21,4 +21,5 @@ class PrefillWorkerConfig(WorkerConfig):
     name: str = "prefill-0"
     runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
     enable_prefix_caching: bool = True
+    cache_shares: dict[str, float] | None = None  # tenant -> bound on evictable blocks
     tensor_parallel_size: int = 1

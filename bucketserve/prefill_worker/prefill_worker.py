@@ -29,6 +29,8 @@ from bucketserve.runtime.worker.tensor_parallel.tp_runner import (
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+MIN_MEASURED_TOKENS = 32  # a batch's seconds per token are learned from batches this long
+TOKEN_S_ALPHA = 0.2  # the newest batch's weight in the moving average
 
 
 class PrefillCapacityError(RuntimeError):
@@ -84,7 +86,10 @@ class PrefillWorker(KVWorker):
             config.tensor_parallel_size,
         ))
         self.block_manager = BlockManager(
-            self.runner.num_kv_blocks, self.runner.block_size, config.enable_prefix_caching
+            self.runner.num_kv_blocks,
+            self.runner.block_size,
+            config.enable_prefix_caching,
+            config.cache_shares,
         )
         self.eos_token_ids = self.runner.eos_token_ids
         self.leases = LeaseTable(f"{self.name}.{self.boot_id}", self._free_lease)
@@ -92,6 +97,7 @@ class PrefillWorker(KVWorker):
         self._lock = threading.Lock()  # block manager + leases
         self._run_lock = threading.Lock()  # one batch at a time (into the stages, if any)
         self._batches = 0
+        self._token_s: float | None = None
         self._graph_misses = 0
         self._kv_bytes = 0
         self._stop = threading.Event()
@@ -143,6 +149,14 @@ class PrefillWorker(KVWorker):
                 self._run_lock.release()
         return result
 
+    def _learn_token_s(self, seconds: float, tokens: int) -> None:
+        """The seconds a prompt token costs here: a moving average over batches of at least
+        MIN_MEASURED_TOKENS (what the controller's TTFT forecast prices prompts with)."""
+        if tokens >= MIN_MEASURED_TOKENS:
+            new = seconds / tokens
+            old = self._token_s
+            self._token_s = new if old is None else old + TOKEN_S_ALPHA * (new - old)
+
     def release(self, lease_id: str) -> bool:
         """The decode side has the batch: free its blocks. False if the lease already ended."""
         with self._lock:
@@ -174,6 +188,8 @@ class PrefillWorker(KVWorker):
                 kv_bytes_sent=self._kv_bytes,
                 prefix_cache_queries=bm.prefix_cache_queries,
                 prefix_cache_hits=bm.prefix_cache_hits,
+                tenant_cache=bm.tenant_stats(),
+                prefill_token_s=self._token_s,
                 **self.pipeline_stats(),
                 **self.graph_fields(),
             )
@@ -267,6 +283,7 @@ class PrefillWorker(KVWorker):
                 self.group_failed(RankDeadError(f"a tensor-parallel prefill failed: {exc!r}"))
             raise
         compute_s = time.perf_counter() - start - send_s[0]
+        self._learn_token_s(compute_s, sum(len(s) - s.num_computed_tokens for s in seqs))
         try:
             payload = sender.finish() if ships else None
         except RankDeadError as exc:
@@ -382,6 +399,7 @@ def _sequence(request: WorkerRequest) -> Sequence:
         request.sampling_params,
         seq_id=request.request_id,
         output_token_ids=request.output_token_ids,
+        tenant=request.tenant,
     )
 
 

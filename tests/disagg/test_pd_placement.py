@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bucketserve.bucket_manager import BucketRequest, PrefillBatch
+from bucketserve.bucket_manager import BucketRequest, PrefillBatch, TenantConfig
 from bucketserve.controller.controller import Controller
 from bucketserve.controller.pd_scheduler import PDScheduler
 from bucketserve.controller.prefix_index import PrefixIndex
@@ -293,7 +293,9 @@ def test_served_requests_sharing_a_prefix_follow_it_and_match_the_engine(
                 # decode-0 (where the first went: equal rooms) books 5 blocks elsewhere
                 controller.pool.role("decode")[0].pending_blocks = 5
             stats = await controller.drain(30)
-            holders = controller.dispatcher.pd.decode_cache.holders(hashes(prefix)[0])
+            root = TenantConfig("default").tag().cache_root  # a service without tenants
+            first = block_hashes(prefix, BS, root=root)[0]
+            holders = controller.dispatcher.pd.decode_cache.holders(first)
         finally:
             await controller.shutdown()
         return outputs, stats, holders

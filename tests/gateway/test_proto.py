@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import re
+import tomllib
+
+from packaging.requirements import Requirement
+from packaging.version import Version
+
 from bucketserve.gateway.generate_input import GenerateInput
 from bucketserve.gateway.proto import regenerate
 from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2 as pb
@@ -19,25 +25,39 @@ def test_committed_stubs_match_the_proto() -> None:
     assert regenerate.stale_files() == []
 
 
+STUBS = regenerate.PROTO_DIR / "bucketserve" / "v1"
+
+
 def test_only_the_generators_version_stamps_are_ignored() -> None:
-    stubs = regenerate.PROTO_DIR / "bucketserve" / "v1"
-    grpc_stub = (stubs / "serving_pb2_grpc.py").read_bytes()
-    restamped = grpc_stub.replace(
-        b"GRPC_GENERATED_VERSION = '1.85.1'", b"GRPC_GENERATED_VERSION = '9.9.9'"
-    )
+    grpc_stub = (STUBS / "serving_pb2_grpc.py").read_bytes()
+    restamped = re.sub(rb"VERSION = '[^']*'", b"VERSION = '9.9.9'", grpc_stub)
     assert restamped != grpc_stub
     assert regenerate.unstamped(restamped) == regenerate.unstamped(grpc_stub)
-    renamed = grpc_stub.replace(
-        b"/bucketserve.v1.Generation/Generate'", b"/bucketserve.v1.Generation/Gen'"
-    )
+    method = b"/bucketserve.v1.Generation/Generate'"
+    renamed = grpc_stub.replace(method, b"/bucketserve.v1.Generation/Gen'")
     assert renamed != grpc_stub
     assert regenerate.unstamped(renamed) != regenerate.unstamped(grpc_stub)
-    pb_stub = (stubs / "serving_pb2.py").read_bytes()
-    newer = pb_stub.replace(b"Version: 7.35.1", b"Version: 8.0.0").replace(
-        b"7,\n    35,\n    1,", b"8,\n    0,\n    0,"
-    )
+    pb_stub = (STUBS / "serving_pb2.py").read_bytes()
+    newer = re.sub(rb"Version: [\d.]+", b"Version: 8.0.0", pb_stub)
+    newer = re.sub(rb"(Domain\.PUBLIC,)\s*\d+,\s*\d+,\s*\d+,", rb"\1 8, 0, 0,", newer)
     assert newer != pb_stub
     assert regenerate.unstamped(newer) == regenerate.unstamped(pb_stub)
+
+
+def test_the_declared_runtimes_are_ones_the_stubs_accept() -> None:
+    """pyproject's lowest grpcio and protobuf are no older than the stubs' stamps (the
+    releases they refuse to import under)."""
+    project = tomllib.loads((regenerate.ROOT / "pyproject.toml").read_text())["project"]
+    declared = {Requirement(r).name: Requirement(r).specifier for r in project["dependencies"]}
+    grpc = (STUBS / "serving_pb2_grpc.py").read_text()
+    pb_text = (STUBS / "serving_pb2.py").read_text()
+    stamps = {
+        "grpcio": re.search(r"GRPC_GENERATED_VERSION = '([^']+)'", grpc)[1],
+        "protobuf": re.search(r"Protobuf Python Version: ([\d.]+)", pb_text)[1],
+    }
+    for name, stamped in stamps.items():
+        lowest = min(Version(s.version) for s in declared[name] if s.operator == ">=")
+        assert lowest >= Version(stamped), f"pyproject must ask {name}>={stamped}"
 
 
 def test_package_is_versioned() -> None:

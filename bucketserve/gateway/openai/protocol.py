@@ -31,7 +31,7 @@ from pydantic import (
 
 from bucketserve.gateway.errors import InvalidArgumentError
 from bucketserve.gateway.openai.body import BodyRefused
-from bucketserve.gateway.request_limits import RequestLimits
+from bucketserve.gateway.request_limits import MAX_CACHE_SALT, RequestLimits
 
 Int = StrictInt
 Bool = StrictBool
@@ -196,6 +196,12 @@ class _GenerateBody(_Lenient):
     request_id: Str | None = None
     ttft_slo_s: Float | None = None
     tpot_slo_s: Float | None = None
+    cache_salt: Str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT,
+        description="vLLM's: only requests with the same salt share cached prefix blocks",
+    )
     # accepted, cannot change the output
     user: Str | None = None
     metadata: dict[str, Any] | None = None

@@ -193,6 +193,7 @@ def _input(req: Body) -> GenerateInput:
         priority=req.priority,
         slo_ttft_s=req.ttft_slo_s,
         slo_tpot_s=req.tpot_slo_s,
+        cache_salt=req.cache_salt,
     )
     if isinstance(req, ChatCompletionRequest):
         if req.max_completion_tokens is not None:

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Tokens
+from dataclasses import dataclass
 
-from bucketserve.runtime.core.block_hash import BlockHash, block_hashes
+from bucketserve.runtime.core.block_hash import ROOT_HASH, BlockHash, block_hashes
 from bucketserve.runtime.core.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class TenantCacheStats:
+    """One tenant's prefix-cache figures in one pool (`BlockManager.tenant_stats`)."""
+
+    cached_blocks: int = 0
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, found cached
+    evictions: int = 0  # cached blocks it named, evicted to make room
 
 
 class BlockManager:
@@ -23,11 +34,24 @@ class BlockManager:
     the least recently freed end only when a block must be taken. A new sequence (or one
     resuming after preemption) starts with every leading block already cached, its last
     token always left to compute so the step samples. A hit is checked against the block's
-    tokens and its parent block, so a hash collision costs a miss, never wrong K/V.
+    tokens, its parent block and its chain's root (the sequence's cache domain,
+    `TenantTag.cache_root`), so a hash collision costs a miss, never wrong K/V, and no
+    sequence hits a block named in another domain.
+
+    Every cached block belongs to the tenant whose sequence named it. `cache_shares` (tenant
+    -> fraction) bounds a tenant's hold on the evictable blocks (cached, free) while others
+    want room: when the block the LRU would evict is a cached one, the LRU block of the
+    tenant most over its share (holding more than its fraction of all evictable blocks) goes
+    instead; tenants without a share are never over it. Per tenant it counts blocks held,
+    prompt tokens looked up and found cached, and cached blocks evicted.
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        cache_shares: Mapping[str, float] | None = None,
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
@@ -38,12 +62,20 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
         self._reserved: Counter[int] = Counter()
-        # the prefix cache: hash -> block, and per cached block its (hash, parent block, tokens)
+        # the prefix cache: hash -> block, and per cached block its
+        # (hash, parent block, tokens, root, owning tenant)
         self._cached: dict[BlockHash, int] = {}
-        self._meta: dict[int, tuple[BlockHash, int, tuple[int, ...]]] = {}
+        self._meta: dict[int, tuple[BlockHash, int, tuple[int, ...], BlockHash, str]] = {}
         self._pending: set[int] = set()  # named for a step not run yet: no K/V to read
+        self._shares = dict(cache_shares or {})
+        self._evictable: dict[str, OrderedDict[int, None]] = {}  # tenant -> its free cached
+        self._num_evictable = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up, as vLLM counts them
         self.prefix_cache_hits = 0  # of those, tokens found cached
+        self.cached_blocks_by_tenant: Counter[str] = Counter()
+        self.queries_by_tenant: Counter[str] = Counter()
+        self.hits_by_tenant: Counter[str] = Counter()
+        self.evictions_by_tenant: Counter[str] = Counter()
 
     @property
     def num_total_blocks(self) -> int:
@@ -64,6 +96,18 @@ class BlockManager:
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    def tenant_stats(self) -> dict[str, TenantCacheStats]:
+        """Per tenant: cached blocks it named that are still cached, prompt tokens looked
+        up and found cached, cached blocks evicted."""
+        counters = (
+            self.cached_blocks_by_tenant,
+            self.queries_by_tenant,
+            self.hits_by_tenant,
+            self.evictions_by_tenant,
+        )
+        tenants = sorted({t for counts in counters for t in counts})
+        return {t: TenantCacheStats(*(counts[t] for counts in counters)) for t in tenants}
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -103,8 +147,11 @@ class BlockManager:
             seq.num_computed_tokens = cached
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
+                hit = min(cached, seq.num_prompt_tokens)
                 self.prefix_cache_queries += seq.num_prompt_tokens
-                self.prefix_cache_hits += min(cached, seq.num_prompt_tokens)
+                self.prefix_cache_hits += hit
+                self.queries_by_tenant[seq.tenant.name] += seq.num_prompt_tokens
+                self.hits_by_tenant[seq.tenant.name] += hit
 
     def can_append(self, seq: Sequence) -> bool:
         return self._shortfall(seq) <= len(self._free)
@@ -127,7 +174,8 @@ class BlockManager:
         for block in seq.block_table[:min(done, full)]:
             self._pending.discard(block)
         self._pending.update(seq.block_table[done:full])
-        hashes = block_hashes(seq.token_ids, bs, seq.block_hashes, full)
+        root, owner = seq.tenant.cache_root, seq.tenant.name
+        hashes = block_hashes(seq.token_ids, bs, seq.block_hashes, full, root)
         parent = -1  # the cached block holding the prefix so far, verified
         for i in range(full):
             block = seq.block_table[i]
@@ -137,10 +185,11 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             other = self._cached.get(hashes[i])
             if other is None:
-                self._meta[block] = (hashes[i], parent, tokens)
+                self._meta[block] = (hashes[i], parent, tokens, root, owner)
                 self._cached[hashes[i]] = block
+                self.cached_blocks_by_tenant[owner] += 1
                 parent = block
-            elif self._meta[other][1:] == (parent, tokens):
+            elif self._meta[other][1:4] == (parent, tokens, root):
                 parent = other  # the same prefix, cached in another block
             else:
                 return  # a hash collision: what follows would claim another prefix
@@ -182,12 +231,15 @@ class BlockManager:
         """Take `num_blocks` blocks for a transfer that has no sequence yet."""
         return self.reserve_prefix((), num_blocks)[0]
 
-    def reserve_prefix(self, token_ids: Tokens[int], num_blocks: int) -> tuple[list[int], int]:
+    def reserve_prefix(
+        self, token_ids: Tokens[int], num_blocks: int, root: BlockHash = ROOT_HASH
+    ) -> tuple[list[int], int]:
         """Reserve `num_blocks` blocks for a transfer of `token_ids`' K/V: (the blocks, how
-        many leading ones already hold it from this pool's cache, so need no transfer)."""
+        many leading ones already hold it from this pool's cache in the domain of `root`, so
+        need no transfer)."""
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-        hits = self._hits_of(token_ids, [])[:num_blocks]
+        hits = self._hits_of(token_ids, [], root)[:num_blocks]
         fresh = num_blocks - len(hits)
         if fresh + sum(1 for b in hits if self._ref_counts[b] == 0) > len(self._free):
             raise ValueError(f"cannot reserve {num_blocks} blocks: {len(self._free)} are free")
@@ -228,13 +280,16 @@ class BlockManager:
         self._cached.clear()
         self._meta.clear()
         self._pending.clear()
+        self._evictable.clear()
+        self._num_evictable = 0
+        self.cached_blocks_by_tenant.clear()
         return n
 
     def waits_for(self, seq: Sequence) -> bool:
         """Whether `seq`'s cached prefix goes on in blocks a step in flight is computing:
         admitted later, it finds them cached instead of computing them twice."""
         return bool(self.enable_prefix_caching and self._pending) and self._walk(
-            seq.token_ids, seq.block_hashes
+            seq.token_ids, seq.block_hashes, seq.tenant.cache_root
         )[1]
 
     # -- internals ---------------------------------------------------------------------------
@@ -250,22 +305,66 @@ class BlockManager:
         seq.block_table.extend(self._take(num_blocks))
 
     def _take(self, num_blocks: int) -> list[int]:
-        blocks = [self._free.popitem(last=False)[0] for _ in range(num_blocks)]
-        for block in blocks:
+        blocks = []
+        for _ in range(num_blocks):
+            block = self._victim()
             self._ref_counts[block] = 1
+            if block in self._meta and block not in self._pending:
+                self.evictions_by_tenant[self._meta[block][4]] += 1
             self._evict(block)
+            blocks.append(block)
         return blocks
 
+    def _victim(self) -> int:
+        """The free block to take next: the LRU one, unless that holds a cached block and a
+        tenant is over its cache share; then that tenant's LRU evictable block."""
+        block = next(iter(self._free))
+        if self._shares and block in self._meta:
+            owner = self._most_over_share()
+            if owner is not None:
+                block = next(iter(self._evictable[owner]))
+        del self._free[block]
+        self._unlist(block)
+        return block
+
+    def _most_over_share(self) -> str | None:
+        total, worst, over = self._num_evictable, None, 0.0
+        for owner, blocks in self._evictable.items():
+            excess = len(blocks) - self._shares.get(owner, 1.0) * total
+            if excess > over:
+                worst, over = owner, excess
+        return worst
+
+    def _list(self, block: int) -> None:
+        """A cached block became free: evictable, in its owner's LRU."""
+        meta = self._meta.get(block)
+        if meta is not None:
+            self._evictable.setdefault(meta[4], OrderedDict())[block] = None
+            self._num_evictable += 1
+
+    def _unlist(self, block: int) -> None:
+        meta = self._meta.get(block)
+        if meta is not None:
+            blocks = self._evictable[meta[4]]
+            del blocks[block]
+            self._num_evictable -= 1
+            if not blocks:
+                del self._evictable[meta[4]]
+
     def _evict(self, block: int) -> None:
+        """Forget what `block` caches (it is not free: off the LRU, not evictable)."""
         self._pending.discard(block)
         meta = self._meta.pop(block, None)
-        if meta is not None and self._cached.get(meta[0]) == block:
-            del self._cached[meta[0]]
+        if meta is not None:
+            self.cached_blocks_by_tenant[meta[4]] -= 1
+            if self._cached.get(meta[0]) == block:
+                del self._cached[meta[0]]
 
     def _hold(self, block: int) -> None:
         """One more holder of a cached block (taken off the free LRU if nobody held it)."""
         if self._ref_counts[block] == 0:
             del self._free[block]
+            self._unlist(block)
         self._ref_counts[block] += 1
 
     def _decref(self, blocks: list[int]) -> None:
@@ -275,23 +374,30 @@ class BlockManager:
                 self._free[block] = None
                 if block in self._pending:  # its step may never have run
                     self._evict(block)
+                else:
+                    self._list(block)
 
     def _hits(self, seq: Sequence) -> list[int]:
         if seq.sampling_params.prompt_logprobs is not None:
             return []  # every prompt position's logits are wanted: compute them all
-        return self._hits_of(seq.token_ids, seq.block_hashes)
+        return self._hits_of(seq.token_ids, seq.block_hashes, seq.tenant.cache_root)
 
-    def _hits_of(self, token_ids: Tokens[int], known: list[BlockHash]) -> list[int]:
-        """The cached blocks holding `token_ids`' leading full blocks, all but its last token."""
-        return self._walk(token_ids, known)[0]
+    def _hits_of(
+        self, token_ids: Tokens[int], known: list[BlockHash], root: BlockHash = ROOT_HASH
+    ) -> list[int]:
+        """The cached blocks holding `token_ids`' leading full blocks, all but its last token,
+        in the domain of `root`."""
+        return self._walk(token_ids, known, root)[0]
 
-    def _walk(self, token_ids: Tokens[int], known: list[BlockHash]) -> tuple[list[int], bool]:
+    def _walk(
+        self, token_ids: Tokens[int], known: list[BlockHash], root: BlockHash
+    ) -> tuple[list[int], bool]:
         """(the leading cached blocks with K/V, whether the walk stopped at a pending one)."""
         if not self.enable_prefix_caching or not self._cached:
             return [], False
         bs = self.block_size
         usable = (len(token_ids) - 1) // bs
-        hashes = block_hashes(token_ids, bs, known, usable)
+        hashes = block_hashes(token_ids, bs, known, usable, root)
         hits: list[int] = []
         parent = -1
         for i in range(usable):
@@ -300,9 +406,13 @@ class BlockManager:
                 break
             if block in self._pending:
                 return hits, True
-            _, block_parent, tokens = self._meta[block]
-            if block_parent != parent or tokens != tuple(token_ids[i * bs : (i + 1) * bs]):
-                break  # a hash collision: a different prefix
+            _, block_parent, tokens, block_root, _ = self._meta[block]
+            if (
+                block_parent != parent
+                or block_root != root
+                or tokens != tuple(token_ids[i * bs : (i + 1) * bs])
+            ):
+                break  # a hash collision: a different prefix, or another domain's
             hits.append(block)
             parent = block
         return hits, False

@@ -10,6 +10,7 @@ from bucketserve.runtime.core.block_manager import BlockManager
 from bucketserve.runtime.core.scheduler_output import SchedulerOutput
 from bucketserve.runtime.core.sequence import FinishReason, Sequence, SequenceStatus, finish_reason
 from bucketserve.runtime.core.slo_admission import SloAdmission, StepTimes
+from bucketserve.runtime.core.virtual_token_counter import VirtualTokenCounter
 from bucketserve.runtime.core.waiting_queue import POLICIES, WaitingQueue
 
 
@@ -43,6 +44,8 @@ class SchedulerConfig:
     little and holds back the first's first token and everything queued behind both; under
     a burst of long prompts the smaller steps cost some TTFT (`docs/performance.md`).
     0 (or chunked prefill off): off, a prompt takes what the step's budget leaves.
+    `cache_shares`: tenant name -> the fraction of the evictable cached blocks it may hold
+    while others want room (`BlockManager`); tenants not named are not bounded.
     """
 
     max_num_seqs: int = 64
@@ -55,6 +58,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     max_long_partial_prefills: int = 1
+    cache_shares: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         y = self.late_yield_s
@@ -73,6 +77,11 @@ class SchedulerConfig:
             )
         if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        for tenant, share in (self.cache_shares or {}).items():
+            if isinstance(share, bool) or not isinstance(share, (int, float)):
+                raise ValueError(f"cache_shares[{tenant!r}] must be a number, got {share!r}")
+            if not 0 < share <= 1:
+                raise ValueError(f"cache_shares[{tenant!r}] must be in (0, 1], got {share!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {', '.join(POLICIES)}, "
@@ -97,6 +106,11 @@ class Scheduler:
     block and none is free, the newest running sequence (under the priority policy: of
     the lowest priority) is preempted by recompute: its blocks are freed, it keeps its
     tokens, and it goes back to the waiting queue (FCFS: to its front).
+
+    Under the priority policy tenants share the engine by their weights: a virtual token
+    counter (`fair`) charges each tenant the prompt and output tokens it is served, and
+    among tenants of one tenant priority the waiting queue admits the least served first
+    and preemption takes from the most served.
     """
 
     def __init__(
@@ -120,7 +134,8 @@ class Scheduler:
                 f"({self._length_limits}), got {config.max_num_batched_tokens}"
             )
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.fair = VirtualTokenCounter()
+        self.waiting = WaitingQueue(config.scheduling_policy, self.fair)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._seqs: dict[int | str, Sequence] = {}
@@ -149,7 +164,17 @@ class Scheduler:
         self._check_forks(seq, forks)
         self._seqs[seq.seq_id] = seq
         self._register_forks(seq, forks)
+        self._backlog(seq)
         self.waiting.push(seq)
+
+    def _backlog(self, seq: Sequence) -> None:
+        """`seq` joins the queue: its tenant's counter catches up if it had no work."""
+        tenant = seq.tenant.name
+        if self.waiting.fair is None:
+            return
+        active = self.waiting.tenants() | {s.tenant.name for s in self.running}
+        if tenant not in active:
+            self.fair.join(tenant, active)
 
     def check(self, seq: Sequence) -> None:
         """Raise ValueError if `add(seq)` would: `seq` is not new or can never run."""
@@ -182,6 +207,7 @@ class Scheduler:
         seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
         if self._on_token(seq, now):
             return True
+        self._backlog(seq)
         self.waiting.push(seq)
         return False
 
@@ -312,13 +338,19 @@ class Scheduler:
 
     def _newest_preemptible(self, scheduled: set[int | str]) -> Sequence | None:
         """The newest running sequence not in this or an earlier microbatch (priority
-        policy: the newest of the lowest priority)."""
+        policy: the newest of the lowest priority; among tenants of the lowest tenant
+        priority, of the most served)."""
         candidates = [
             s for s in self.running if s.seq_id not in self._in_flight and s.seq_id not in scheduled
         ]
         if not candidates:
             return None
         if self.config.scheduling_policy == "priority":
+            level, counter = self.waiting.level, self.fair.counter
+            worst = max(level(s) for s in candidates)
+            candidates = [s for s in candidates if level(s) == worst]
+            most = max(counter(s.tenant.name) for s in candidates)
+            candidates = [s for s in candidates if counter(s.tenant.name) == most]
             lowest = max(s.priority for s in candidates)
             candidates = [s for s in candidates if s.priority == lowest]
         return candidates[-1]
@@ -427,6 +459,8 @@ class Scheduler:
         for seq, n, token in zip(out.seqs, out.num_new_tokens, token_ids, strict=True):
             if self._land(seq):
                 continue
+            sampled = token is not None
+            self.fair.charge(seq.tenant, n - sampled, int(sampled))
             seq.num_computed_tokens += n
             self.block_manager.cache_computed(seq)
             if self._forks and seq.num_computed_tokens >= seq.num_prompt_tokens:

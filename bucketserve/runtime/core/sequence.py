@@ -10,6 +10,7 @@ from enum import Enum, auto
 
 from bucketserve.runtime.core.logprobs import TokenLogprob, logprob_of
 from bucketserve.runtime.core.sampling_params import SamplingParams
+from bucketserve.runtime.core.tenant_tag import DEFAULT_TENANT, TenantTag
 
 _seq_counter = itertools.count()
 
@@ -68,12 +69,14 @@ class Sequence:
         priority: Priority = 0,
         ttft_deadline: float | None = None,
         tpot_target: float | None = None,
+        tenant: TenantTag = DEFAULT_TENANT,
     ) -> None:
         """`output_token_ids`: tokens generated before, for a request that resumes elsewhere;
         `priority`: lower is scheduled first under the priority policy (an int, or a tuple
         of ints compared in order: the service's (tenant, request) pair); `ttft_deadline`:
         when (`time.monotonic()`) its first token is due, if it has a TTFT target;
-        `tpot_target`: the mean seconds per output token after the first it should keep."""
+        `tpot_target`: the mean seconds per output token after the first it should keep;
+        `tenant`: its fair share and prefix-cache domain."""
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.seq_id = next(_seq_counter) if seq_id is None else seq_id
@@ -86,6 +89,7 @@ class Sequence:
         self.priority = priority
         self.ttft_deadline = ttft_deadline
         self.tpot_target = tpot_target
+        self.tenant = tenant
         self.metrics = SequenceMetrics(self.arrival_time)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None

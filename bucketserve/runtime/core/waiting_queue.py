@@ -5,7 +5,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Collection, Iterator
 
-from bucketserve.runtime.core.sequence import Sequence
+from bucketserve.runtime.core.sequence import Priority, Sequence
+from bucketserve.runtime.core.virtual_token_counter import VirtualTokenCounter
 
 POLICIES = ("fcfs", "priority")
 
@@ -25,10 +26,16 @@ class WaitingQueue:
     overflows, not of every request behind it, while below capacity a late request does
     not wait behind others that can spare the time. Without deadlines (the offline engine)
     the order is the policy's alone.
+
+    With `fair` (a `VirtualTokenCounter`) under the priority policy, tenants of one tenant
+    priority (a priority tuple's first element) take turns by their counters: the queue
+    order is tenant priority, then the tenant's counter, then the rest of the priority and
+    arrival. With one tenant this is the priority order.
     """
 
-    def __init__(self, policy: str = "fcfs") -> None:
+    def __init__(self, policy: str = "fcfs", fair: VirtualTokenCounter | None = None) -> None:
         self.policy = policy
+        self.fair = fair if policy == "priority" else None
         self._seqs: list[Sequence] = []
 
     def __len__(self) -> int:
@@ -38,14 +45,34 @@ class WaitingQueue:
         return bool(self._seqs)
 
     def __iter__(self) -> Iterator[Sequence]:
-        return iter(self._seqs)
+        return iter(self._ordered())
 
     def __reversed__(self) -> Iterator[Sequence]:
-        return reversed(self._seqs)
+        return reversed(self._ordered())
+
+    def tenants(self) -> set[str]:
+        return {seq.tenant.name for seq in self._seqs}
 
     def first(self, skip: Collection[int | str] = ()) -> Sequence | None:
         """The first sequence in queue order whose id is not in `skip` (None: no such one)."""
-        return next((seq for seq in self._seqs if seq.seq_id not in skip), None)
+        return next((seq for seq in self._ordered() if seq.seq_id not in skip), None)
+
+    def _ordered(self) -> list[Sequence]:
+        """The queue in its order: kept sorted, but for the tenants' turns, sorted here."""
+        fair = self.fair
+        if fair is None or len(self._seqs) < 2:
+            return self._seqs
+        first = self._seqs[0].tenant.name
+        if all(seq.tenant.name == first for seq in self._seqs):
+            return self._seqs
+        return sorted(self._seqs, key=lambda seq: _fair_rank(seq, fair))
+
+    def level(self, seq: Sequence) -> Priority:
+        """What a sequence's turn is compared by before its arrival: its whole priority, or
+        its tenant priority alone when tenants take turns."""
+        if self.fair is not None and isinstance(seq.priority, tuple):
+            return seq.priority[0]
+        return seq.priority
 
     def peek(
         self,
@@ -67,17 +94,18 @@ class WaitingQueue:
         below capacity it loses no more time than queue order gives it. `yield_s`: a
         sequence late by more than this has yielded enough and keeps its place, so an
         overload's late requests wait a bounded time, not until the overload ends."""
-        front = self.first(skip)
+        ordered = self._ordered()
+        front = next((seq for seq in ordered if seq.seq_id not in skip), None)
         if front is None:
             return None
         lead_s = lead_s or _no_lead
         late: Sequence | None = None  # the first in queue order that may yield
         first_on_time: Sequence | None = None
         ahead = 0  # prompt tokens of the sequences on time between `late` and the one looked at
-        for seq in self._seqs:
+        for seq in ordered:
             if seq.seq_id in skip:
                 continue
-            if seq.priority != front.priority and self.policy == "priority":
+            if self.policy == "priority" and self.level(seq) != self.level(front):
                 break
             overdue = yield_s is not None and seq.is_late(now - yield_s)
             if not overdue and seq.is_late(now + lead_s(seq, 0)):
@@ -110,8 +138,13 @@ class WaitingQueue:
         self._seqs.remove(seq)
 
 
-def _rank(seq: Sequence) -> tuple[int, float]:
+def _rank(seq: Sequence) -> tuple[Priority, float]:
     return seq.priority, seq.arrival_time
+
+
+def _fair_rank(seq: Sequence, fair: VirtualTokenCounter) -> tuple:
+    p = seq.priority if isinstance(seq.priority, tuple) else (seq.priority,)
+    return p[0], fair.counter(seq.tenant.name), p[1:], seq.arrival_time
 
 
 def _no_lead(seq: Sequence, ahead: int) -> float:

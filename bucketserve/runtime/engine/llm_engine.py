@@ -20,6 +20,7 @@ from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.scheduler import Scheduler
 from bucketserve.runtime.core.scheduler_output import SchedulerOutput
 from bucketserve.runtime.core.sequence import Priority, Sequence
+from bucketserve.runtime.core.tenant_tag import DEFAULT_TENANT, TenantTag
 from bucketserve.runtime.engine.engine_config import EngineConfig
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 from bucketserve.runtime.worker.pipeline.pipeline_executor import PipelineExecutor, make_executor
@@ -88,6 +89,7 @@ class LLMEngine:
             self.runner.num_kv_blocks,
             self.runner.block_size,
             enable_prefix_caching=config.scheduler.enable_prefix_caching,
+            cache_shares=config.scheduler.cache_shares,
         )
         self.scheduler = Scheduler(
             config.scheduler,
@@ -128,6 +130,7 @@ class LLMEngine:
         priority: Priority = 0,
         ttft_deadline: float | None = None,
         tpot_target: float | None = None,
+        tenant: TenantTag = DEFAULT_TENANT,
     ) -> str:
         """Queue a prompt (text, or token ids shown as `prompt_text`); returns its request id.
         Raises ValueError, admitting nothing, if the request is malformed or can never fit.
@@ -141,10 +144,12 @@ class LLMEngine:
 
         `output_token_ids`: tokens it generated before (a request resumed elsewhere); they
         are prefilled with the prompt, count towards max_tokens, and its first output holds
-        them all, as after `add_prefilled_request`."""
+        them all, as after `add_prefilled_request`. `tenant`: whose it is (its fair share of
+        tokens under the priority policy, and the prefix-cache domain it reads and names
+        blocks in; `TenantTag(cache_salt=...)` alone is vLLM's `cache_salt`)."""
         with self.lock:
             request = self._prepare(
-                prompt, sampling_params, request_id, prompt_text, arrival_time, priority
+                prompt, sampling_params, request_id, prompt_text, arrival_time, priority, tenant
             )
             if ttft_deadline is not None:
                 if isinstance(ttft_deadline, bool) or not isinstance(ttft_deadline, (int, float)):
@@ -193,10 +198,11 @@ class LLMEngine:
         prompt_text: str | None,
         arrival_time: float | None,
         priority: Priority = 0,
+        tenant: TenantTag = DEFAULT_TENANT,
     ) -> EngineRequest:
         token_ids = self._encode(prompt)
         request = self._new_request(
-            token_ids, sampling_params, request_id, arrival_time, prompt_text, priority
+            token_ids, sampling_params, request_id, arrival_time, prompt_text, priority, tenant
         )
         if isinstance(prompt, str):
             request.prompt = prompt
@@ -251,6 +257,7 @@ class LLMEngine:
         output_token_ids: list[int] | tuple[int, ...] = (),
         priority: Priority = 0,
         tpot_target: float | None = None,
+        tenant: TenantTag = DEFAULT_TENANT,
     ) -> str:
         """Take a request whose K/V was written into `block_ids` (reserved with
         `block_manager.reserve`) and whose first token was sampled elsewhere; it joins
@@ -263,8 +270,9 @@ class LLMEngine:
         with self.lock:  # the ids come from the controller, validated at its edge
             token_ids = [int(t) for t in prompt_token_ids]
             request = self._new_request(
-                token_ids, sampling_params, request_id, arrival_time, priority=priority
-            )
+                token_ids, sampling_params, request_id, arrival_time, priority=priority,
+                tenant=tenant,
+            )  # fmt: skip
             if output_token_ids and len(request.samples) > 1:
                 raise ValueError("a request resumed with its outputs has one sample (n=1)")
             _set_tpot_target(request, tpot_target)
@@ -381,6 +389,7 @@ class LLMEngine:
         arrival_time: float | None,
         prompt_text: str | None = None,
         priority: Priority = 0,
+        tenant: TenantTag = DEFAULT_TENANT,
     ) -> EngineRequest:
         """The request's `n` sample sequences: sample 0 named `request_id`, sample i
         `request_id#i`, each with its settings (`SamplingParams.sample(i)`)."""
@@ -397,6 +406,9 @@ class LLMEngine:
             raise ValueError(
                 f"priority must be an integer (or a tuple of integers), got {priority!r}"
             )
+        weight = getattr(tenant, "weight", None)
+        if not isinstance(tenant, TenantTag) or not isinstance(weight, (int, float)) or weight <= 0:
+            raise ValueError(f"tenant must be a TenantTag with a weight > 0, got {tenant!r}")
         ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
         for seq_id in ids:
             if seq_id in self._requests or seq_id in self._owners:
@@ -404,7 +416,7 @@ class LLMEngine:
         settings = [params] if params.n == 1 else [params.sample(i) for i in range(params.n)]
         samples = [
             SampleState(
-                Sequence(list(token_ids), p, seq_id, arrival_time, priority=priority)
+                Sequence(list(token_ids), p, seq_id, arrival_time, priority=priority, tenant=tenant)
             )
             for p, seq_id in zip(settings, ids, strict=True)
         ]

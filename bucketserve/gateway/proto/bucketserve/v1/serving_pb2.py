@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n6bucketserve/gateway/proto/bucketserve/v1/serving.proto\x12\x0e\x62ucketserve.v1\"\xfc\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x0e\n\x01n\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12=\n\x12structured_outputs\x18\x11 \x01(\x0b\x32!.bucketserve.v1.StructuredOutputs\x12\x41\n\nlogit_bias\x18\x12 \x03(\x0b\x32-.bucketserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x04\n\x02_nB\x12\n\x10_prompt_logprobs\"\xb8\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x17.bucketserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"p\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12,\n\ntool_calls\x18\x03 \x03(\x0b\x32\x18.bucketserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x0c\x43hatMessages\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.bucketserve.v1.ChatMessage\"\xd7\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.bucketserve.v1.TokenIdsH\x00\x12,\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1c.bucketserve.v1.ChatMessagesH\x00\x12\x37\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1e.bucketserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x17\n\nttft_slo_s\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\ntpot_slo_s\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x0e\n\x06stream\x18\t \x01(\x08\x12#\n\x05tools\x18\n \x03(\x0b\x32\x14.bucketserve.v1.Tool\x12/\n\x0btool_choice\x18\x0b \x01(\x0b\x32\x1a.bucketserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x0c \x01(\x08H\x03\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_ttft_slo_sB\r\n\x0b_tpot_slo_sB\x16\n\x14_parallel_tool_calls\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"Z\n\nToolChoice\x12.\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.bucketserve.v1.ToolChoiceModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"F\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"j\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x05 \x01(\x01\"(\n\rRequestBucket\x12\x0b\n\x03low\x18\x01 \x01(\x05\x12\n\n\x02up\x18\x02 \x01(\x05\";\n\x0bShapeBucket\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\x05\x12\r\n\x05query\x18\x02 \x01(\x05\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x05\"\x85\x02\n\x05\x46inal\x12\x33\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1c.bucketserve.v1.FinishReason\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12$\n\x05usage\x18\x03 \x01(\x0b\x32\x15.bucketserve.v1.Usage\x12(\n\x07timings\x18\x04 \x01(\x0b\x32\x17.bucketserve.v1.Timings\x12\x35\n\x0erequest_bucket\x18\x05 \x01(\x0b\x32\x1d.bucketserve.v1.RequestBucket\x12\x31\n\x0cshape_bucket\x18\x06 \x01(\x0b\x32\x1b.bucketserve.v1.ShapeBucket\"\xc6\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12$\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x15.bucketserve.v1.Final\x12.\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1c.bucketserve.v1.TokenLogprob\x12\r\n\x05index\x18\x06 \x01(\x05\x12\x33\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1c.bucketserve.v1.FinishReason\x12\x35\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1c.bucketserve.v1.TokenLogprob\x12,\n\ntool_calls\x18\t \x03(\x0b\x32\x18.bucketserve.v1.ToolCall\"Y\n\x0cTokenLogprob\x12\x14\n\x07logprob\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\'\n\x03top\x18\x02 \x03(\x0b\x32\x1a.bucketserve.v1.TopLogprobB\n\n\x08_logprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"i\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x0e\n\x06tenant\x18\x05 \x01(\t*e\n\x0eToolChoiceMode\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x02*\xb3\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x32\xf3\x01\n\nGeneration\x12O\n\x08Generate\x12\x1f.bucketserve.v1.GenerateRequest\x1a .bucketserve.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.bucketserve.v1.AbortRequest\x1a\x1d.bucketserve.v1.AbortResponse\x12N\n\x0cGetModelInfo\x12#.bucketserve.v1.GetModelInfoRequest\x1a\x19.bucketserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n6bucketserve/gateway/proto/bucketserve/v1/serving.proto\x12\x0e\x62ucketserve.v1\"\xfc\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x0e\n\x01n\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12=\n\x12structured_outputs\x18\x11 \x01(\x0b\x32!.bucketserve.v1.StructuredOutputs\x12\x41\n\nlogit_bias\x18\x12 \x03(\x0b\x32-.bucketserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x04\n\x02_nB\x12\n\x10_prompt_logprobs\"\xb8\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x17.bucketserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"p\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12,\n\ntool_calls\x18\x03 \x03(\x0b\x32\x18.bucketserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x0c\x43hatMessages\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.bucketserve.v1.ChatMessage\"\xff\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.bucketserve.v1.TokenIdsH\x00\x12,\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1c.bucketserve.v1.ChatMessagesH\x00\x12\x37\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1e.bucketserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x17\n\nttft_slo_s\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\ntpot_slo_s\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x0e\n\x06stream\x18\t \x01(\x08\x12#\n\x05tools\x18\n \x03(\x0b\x32\x14.bucketserve.v1.Tool\x12/\n\x0btool_choice\x18\x0b \x01(\x0b\x32\x1a.bucketserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x0c \x01(\x08H\x03\x88\x01\x01\x12\x17\n\ncache_salt\x18\r \x01(\tH\x04\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_ttft_slo_sB\r\n\x0b_tpot_slo_sB\x16\n\x14_parallel_tool_callsB\r\n\x0b_cache_salt\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"Z\n\nToolChoice\x12.\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.bucketserve.v1.ToolChoiceModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"F\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"j\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x05 \x01(\x01\"(\n\rRequestBucket\x12\x0b\n\x03low\x18\x01 \x01(\x05\x12\n\n\x02up\x18\x02 \x01(\x05\";\n\x0bShapeBucket\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\x05\x12\r\n\x05query\x18\x02 \x01(\x05\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x05\"\x85\x02\n\x05\x46inal\x12\x33\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1c.bucketserve.v1.FinishReason\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12$\n\x05usage\x18\x03 \x01(\x0b\x32\x15.bucketserve.v1.Usage\x12(\n\x07timings\x18\x04 \x01(\x0b\x32\x17.bucketserve.v1.Timings\x12\x35\n\x0erequest_bucket\x18\x05 \x01(\x0b\x32\x1d.bucketserve.v1.RequestBucket\x12\x31\n\x0cshape_bucket\x18\x06 \x01(\x0b\x32\x1b.bucketserve.v1.ShapeBucket\"\xc6\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12$\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x15.bucketserve.v1.Final\x12.\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1c.bucketserve.v1.TokenLogprob\x12\r\n\x05index\x18\x06 \x01(\x05\x12\x33\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1c.bucketserve.v1.FinishReason\x12\x35\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1c.bucketserve.v1.TokenLogprob\x12,\n\ntool_calls\x18\t \x03(\x0b\x32\x18.bucketserve.v1.ToolCall\"Y\n\x0cTokenLogprob\x12\x14\n\x07logprob\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\'\n\x03top\x18\x02 \x03(\x0b\x32\x1a.bucketserve.v1.TopLogprobB\n\n\x08_logprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"i\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x0e\n\x06tenant\x18\x05 \x01(\t*e\n\x0eToolChoiceMode\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x02*\xb3\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x32\xf3\x01\n\nGeneration\x12O\n\x08Generate\x12\x1f.bucketserve.v1.GenerateRequest\x1a .bucketserve.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.bucketserve.v1.AbortRequest\x1a\x1d.bucketserve.v1.AbortResponse\x12N\n\x0cGetModelInfo\x12#.bucketserve.v1.GetModelInfoRequest\x1a\x19.bucketserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_TOOLCHOICEMODE']._serialized_start=3185
-  _globals['_TOOLCHOICEMODE']._serialized_end=3286
-  _globals['_FINISHREASON']._serialized_start=3289
-  _globals['_FINISHREASON']._serialized_end=3468
+  _globals['_TOOLCHOICEMODE']._serialized_start=3225
+  _globals['_TOOLCHOICEMODE']._serialized_end=3326
+  _globals['_FINISHREASON']._serialized_start=3329
+  _globals['_FINISHREASON']._serialized_end=3508
   _globals['_SAMPLINGPARAMS']._serialized_start=75
   _globals['_SAMPLINGPARAMS']._serialized_end=839
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=601
@@ -52,37 +52,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=1195
   _globals['_CHATMESSAGES']._serialized_end=1256
   _globals['_GENERATEREQUEST']._serialized_start=1259
-  _globals['_GENERATEREQUEST']._serialized_end=1730
-  _globals['_TOOL']._serialized_start=1732
-  _globals['_TOOL']._serialized_end=1793
-  _globals['_TOOLCHOICE']._serialized_start=1795
-  _globals['_TOOLCHOICE']._serialized_end=1885
-  _globals['_TOOLCALL']._serialized_start=1887
-  _globals['_TOOLCALL']._serialized_end=1957
-  _globals['_USAGE']._serialized_start=1959
-  _globals['_USAGE']._serialized_end=2039
-  _globals['_TIMINGS']._serialized_start=2041
-  _globals['_TIMINGS']._serialized_end=2147
-  _globals['_REQUESTBUCKET']._serialized_start=2149
-  _globals['_REQUESTBUCKET']._serialized_end=2189
-  _globals['_SHAPEBUCKET']._serialized_start=2191
-  _globals['_SHAPEBUCKET']._serialized_end=2250
-  _globals['_FINAL']._serialized_start=2253
-  _globals['_FINAL']._serialized_end=2514
-  _globals['_GENERATERESPONSE']._serialized_start=2517
-  _globals['_GENERATERESPONSE']._serialized_end=2843
-  _globals['_TOKENLOGPROB']._serialized_start=2845
-  _globals['_TOKENLOGPROB']._serialized_end=2934
-  _globals['_TOPLOGPROB']._serialized_start=2936
-  _globals['_TOPLOGPROB']._serialized_end=2983
-  _globals['_ABORTREQUEST']._serialized_start=2985
-  _globals['_ABORTREQUEST']._serialized_end=3019
-  _globals['_ABORTRESPONSE']._serialized_start=3021
-  _globals['_ABORTRESPONSE']._serialized_end=3053
-  _globals['_GETMODELINFOREQUEST']._serialized_start=3055
-  _globals['_GETMODELINFOREQUEST']._serialized_end=3076
-  _globals['_MODELINFO']._serialized_start=3078
-  _globals['_MODELINFO']._serialized_end=3183
-  _globals['_GENERATION']._serialized_start=3471
-  _globals['_GENERATION']._serialized_end=3714
+  _globals['_GENERATEREQUEST']._serialized_end=1770
+  _globals['_TOOL']._serialized_start=1772
+  _globals['_TOOL']._serialized_end=1833
+  _globals['_TOOLCHOICE']._serialized_start=1835
+  _globals['_TOOLCHOICE']._serialized_end=1925
+  _globals['_TOOLCALL']._serialized_start=1927
+  _globals['_TOOLCALL']._serialized_end=1997
+  _globals['_USAGE']._serialized_start=1999
+  _globals['_USAGE']._serialized_end=2079
+  _globals['_TIMINGS']._serialized_start=2081
+  _globals['_TIMINGS']._serialized_end=2187
+  _globals['_REQUESTBUCKET']._serialized_start=2189
+  _globals['_REQUESTBUCKET']._serialized_end=2229
+  _globals['_SHAPEBUCKET']._serialized_start=2231
+  _globals['_SHAPEBUCKET']._serialized_end=2290
+  _globals['_FINAL']._serialized_start=2293
+  _globals['_FINAL']._serialized_end=2554
+  _globals['_GENERATERESPONSE']._serialized_start=2557
+  _globals['_GENERATERESPONSE']._serialized_end=2883
+  _globals['_TOKENLOGPROB']._serialized_start=2885
+  _globals['_TOKENLOGPROB']._serialized_end=2974
+  _globals['_TOPLOGPROB']._serialized_start=2976
+  _globals['_TOPLOGPROB']._serialized_end=3023
+  _globals['_ABORTREQUEST']._serialized_start=3025
+  _globals['_ABORTREQUEST']._serialized_end=3059
+  _globals['_ABORTRESPONSE']._serialized_start=3061
+  _globals['_ABORTRESPONSE']._serialized_end=3093
+  _globals['_GETMODELINFOREQUEST']._serialized_start=3095
+  _globals['_GETMODELINFOREQUEST']._serialized_end=3116
+  _globals['_MODELINFO']._serialized_start=3118
+  _globals['_MODELINFO']._serialized_end=3223
+  _globals['_GENERATION']._serialized_start=3511
+  _globals['_GENERATION']._serialized_end=3754
 # @@protoc_insertion_point(module_scope)

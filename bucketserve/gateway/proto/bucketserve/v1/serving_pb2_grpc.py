@@ -5,7 +5,7 @@ import warnings
 
 from bucketserve.gateway.proto.bucketserve.v1 import serving_pb2 as bucketserve_dot_gateway_dot_proto_dot_bucketserve_dot_v1_dot_serving__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

@@ -1,0 +1,80 @@
+"""What the bucket manager tells the TTFT forecast: the prompt tokens served before a new
+request (its tenant's queue, better priorities whole, equal priorities by fair share), what
+they cost (PrefillCost), and fair shares that count output tokens; the tenant settings'
+checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from bucketserve.bucket_manager import TenantConfig
+from bucketserve.bucket_manager.prefill_cost import PrefillCost
+from tests.bucket_manager.helpers import make_manager, req
+
+A = TenantConfig("a", priority=0, weight=1.0)
+B = TenantConfig("b", priority=0, weight=3.0)
+URGENT = TenantConfig("urgent", priority=-1)
+LATER = TenantConfig("later", priority=1)
+
+
+def test_tokens_ahead_weigh_priority_and_fair_share() -> None:
+    m = make_manager(A, B, URGENT, LATER)
+    m.add(req("a1", 100, tenant="a"))
+    m.add(req("b1", 900, tenant="b"))
+    m.add(req("u1", 50, tenant="urgent"))
+    m.add(req("x1", 700, tenant="later"))
+    # a's new 20-token request: a's 100 queued, urgent's 50 whole, b's turn meanwhile
+    # (weight 3 to 1: 3 x (100 + 20) = 360 of its 900), nothing of `later`
+    assert m.tokens_ahead("a", 20) == 100 + 50 + 360
+    # b's: its own 900, a's whole 100 (its turn, 1/3 of 920, is larger), urgent's 50
+    assert m.tokens_ahead("b", 20) == 900 + 100 + 50
+    assert m.tokens_ahead("later", 10) == 700 + 100 + 900 + 50
+    m.add(req("a2", 60, tenant="a", cached_len=40))  # only its 20 computed tokens count
+    assert m.tokens_ahead("urgent", 1) == 50
+    assert m.tokens_ahead("a", 20) == 120 + 50 + 3 * 140
+    m.remove("a1")
+    assert m.tokens_ahead("a", 20) == 20 + 50 + 3 * 40
+
+
+def test_fair_shares_count_output_tokens() -> None:
+    m = make_manager(A, TenantConfig("c", priority=0, weight=1.0))
+    m.add(req("a1", 64, tenant="a"))
+    m.add(req("c1", 64, tenant="c"))
+    first = m.next_batch(1000, 128, 0.0)
+    assert first.tenant == "a"  # a tie: by name
+    m.charge_output("a", 500)  # a's long generation
+    m.add(req("a2", 64, tenant="a"))
+    assert m.next_batch(1000, 128, 0.0).tenant == "c"
+    assert m.snapshot().tokens_served_by_tenant["a"] == 64 + 500
+    assert m.next_batch(1000, 128, 0.0).tenant == "a"
+
+
+def test_prefill_cost_prices_steps_and_tokens_over_the_workers() -> None:
+    workers = PrefillCost(prefill_token_s=0.001, workers=2)
+    assert workers.seconds(1000) == pytest.approx(0.5)
+    colocated = PrefillCost(prefill_token_s=0.001, step_s=0.05, step_tokens=256)
+    assert colocated.seconds(100) == pytest.approx(0.05 + 0.1)  # one step
+    assert colocated.seconds(1000) == pytest.approx(4 * 0.05 + 1.0)  # four steps of 256
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"cache_share": 0.0}, "cache_share must be a number in"),
+        ({"cache_share": 1.5}, "cache_share must be a number in"),
+        ({"cache_domain": ""}, "cache_domain must be a non-empty string"),
+        ({"shed": "sometimes"}, "shed must be one of 'never', 'predicted'"),
+    ],
+)
+def test_tenant_cache_and_shed_settings_are_checked(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TenantConfig("t", **fields)
+
+
+def test_only_online_tenants_shed_and_a_domain_defaults_to_the_tenant() -> None:
+    assert TenantConfig("t", shed="predicted").sheds
+    assert not TenantConfig("t", "offline", "sjf", shed="predicted").sheds
+    assert not TenantConfig("t").sheds
+    assert TenantConfig("t").tag().cache_domain == "t"
+    tag = TenantConfig("t", weight=2.0, cache_domain="team").tag("salt")
+    assert (tag.name, tag.weight, tag.cache_domain, tag.cache_salt) == ("t", 2.0, "team", "salt")
