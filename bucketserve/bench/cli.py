@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bucketserve.bench.request import WORKLOADS
+
 RESULTS = Path("benchmarks/results/loadgen")
 
 
@@ -40,9 +42,11 @@ def register(subparsers: Any) -> None:
     load.add_argument("--duration", type=float, help="stop sending after this many seconds")
     load.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, s")
     work = p.add_argument_group("workload")
-    work.add_argument("--workload", choices=("short", "long", "mixed", "sharegpt"),
-                      default="mixed")
-    work.add_argument("--long-fraction", type=float, default=0.2)
+    work.add_argument("--workload", choices=WORKLOADS, default="mixed")
+    work.add_argument("--long-fraction", type=float, default=0.2,
+                      help="share of long requests (mixed), of documents (prefix-flood)")
+    work.add_argument("--system-prompt-len", type=int, default=1024,
+                      help="prefix-flood: tokens of the chat requests' shared system prompt")
     work.add_argument("--max-model-len", type=int, default=1024,
                       help="prompt + output stay within this (the server's model length)")
     work.add_argument("--output-mean", type=float, default=128.0,
@@ -71,7 +75,9 @@ def register(subparsers: Any) -> None:
                      help="start the service in several configurations and compare them")
     cmp.add_argument("--systems", help="comma-separated, from bucketserve,fcfs,fcfs-slo,fcfs-fit,"
                      "shape-only (default: bucketserve,fcfs,shape-only; bucketserve,fcfs with "
-                     "--padded or --execution graphs; fcfs-fit only then)")
+                     "--padded or --execution graphs; fcfs-fit only then), and the tenant "
+                     "pairs cache-shares,no-cache-shares (--workload prefix-flood) and "
+                     "shed,queue (the chat tenant's TTFT target: --slo-ttft)")
     cmp.add_argument("--serve-model", help="model the harness serves (default: embedded)")
     cmp.add_argument("--num-kv-blocks", type=int, help="decode KV pool of the started service")
     cmp.add_argument("--padded", action="store_true",
@@ -124,6 +130,7 @@ def build_config(args: argparse.Namespace) -> Any:
         name=args.workload, num_requests=args.num_requests, seed=args.seed,
         max_model_len=args.max_model_len, long_fraction=args.long_fraction, output=output,
         sharegpt_path=args.sharegpt_path, sharegpt_max_records=args.sharegpt_max_records,
+        system_prompt_len=args.system_prompt_len,
     )
     return BenchConfig(
         backend=args.backend, target=args.target, base_url=args.base_url,
@@ -176,7 +183,7 @@ def _compare(args: argparse.Namespace, config: Any) -> int:
                        num_kv_blocks=args.num_kv_blocks, padded=args.padded,
                        execution=args.execution, shape=args.shape,
                        batch_max_wait_s=args.batch_max_wait, decode_pace=args.decode_pace,
-                       tpot_slo_s=config.slo.tpot_s)
+                       tpot_slo_s=config.slo.tpot_s, ttft_slo_s=config.slo.ttft_s)
     names = args.systems or ("bucketserve,fcfs" if spec.pads else "bucketserve,fcfs,shape-only")
     systems = tuple(s.strip() for s in names.split(",") if s.strip())
     comparison = Comparison(config, spec, systems)

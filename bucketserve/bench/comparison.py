@@ -13,7 +13,12 @@
   prefilled requests);
 - `fcfs-fit`: as `fcfs`, with bucketserve's batch sizing to the warmed batch sizes
   (`BatchingConfig.fit_batch_buckets`), to separate what that alone buys (padded runs only);
-- `shape-only`: as `fcfs`, with every batch padded to the fixed shape buckets.
+- `shape-only`: as `fcfs`, with every batch padded to the fixed shape buckets;
+- `cache-shares` / `no-cache-shares`: a `chat` tenant and a `noisy` one (their requests the
+  `prefix-flood` workload's chat and doc kinds), with and without `NOISY_CACHE_SHARE` of the
+  evictable cached blocks for `noisy`: what the shares keep of chat's cached system prompt;
+- `shed` / `queue`: one `chat` tenant with the bench's TTFT target, `shed: predicted` or
+  `never`: what predicted shedding keeps of the admitted requests' SLO under overload.
 
 `ServiceSpec.padded` pads every system's batches to the shape buckets, as HPU and CUDA graphs
 do: it measures on the CPU the padding that request buckets save on that hardware (then
@@ -36,7 +41,11 @@ from bucketserve.bench.server_metrics import ServerMetrics
 from bucketserve.bench.service_harness import ServiceHarness
 from bucketserve.bench.tenant_mix import TenantShare
 
-SYSTEMS = ("bucketserve", "fcfs", "fcfs-slo", "fcfs-fit", "shape-only")
+SYSTEMS = (
+    "bucketserve", "fcfs", "fcfs-slo", "fcfs-fit", "shape-only", "cache-shares",
+    "no-cache-shares", "shed", "queue",
+)  # fmt: skip
+NOISY_CACHE_SHARE = 0.25
 TENANTS = [
     {"name": "chat", "api_keys": ["chat-key"]},
     {"name": "batch", "api_keys": ["batch-key"], "class": "offline", "policy": "sjf",
@@ -61,6 +70,7 @@ class ServiceSpec:
     # `tpot_slo_s` (the bench's), which the pacing keeps
     decode_pace: float | None = None
     tpot_slo_s: float | None = None
+    ttft_slo_s: float | None = None  # the `shed` / `queue` tenant's target
 
     def __post_init__(self) -> None:
         if self.decode_pace is not None:
@@ -123,6 +133,21 @@ def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, 
         return config, tenants, mix
     if name not in SYSTEMS:
         raise ValueError(f"system must be one of {SYSTEMS}, got {name!r}")
+    if name in ("cache-shares", "no-cache-shares"):
+        share = {"cache_share": NOISY_CACHE_SHARE} if name == "cache-shares" else {}
+        tenants = [
+            {"name": "chat", "api_keys": ["chat-key"]},
+            {"name": "noisy", "api_keys": ["noisy-key"], **share},
+        ]
+        mix = [TenantShare("chat", 1.0, "chat-key", "chat"),
+               TenantShare("noisy", 1.0, "noisy-key", "doc")]  # fmt: skip
+        return with_tenants(base, TenantRegistry.from_dict(tenants).bucket_configs()), tenants, mix
+    if name in ("shed", "queue"):
+        shed = "predicted" if name == "shed" else "never"
+        tenants = [{"name": "chat", "api_keys": ["chat-key"], "ttft_slo_s": spec.ttft_slo_s,
+                    "shed": shed}]  # fmt: skip
+        config = with_tenants(base, TenantRegistry.from_dict(tenants).bucket_configs())
+        return config, tenants, [TenantShare("chat", 1.0, "chat-key")]
     config = with_tenants(base, [TenantConfig("default", **targets)])
     one_bucket = dataclasses.replace(config.buckets.request_buckets, max_buckets=1)
     batching = dataclasses.replace(

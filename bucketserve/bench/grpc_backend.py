@@ -9,6 +9,7 @@ from dataclasses import asdict
 from bucketserve.bench.request import BenchRequest
 from bucketserve.bench.request_record import RequestRecord
 from bucketserve.gateway.async_client import AsyncClient
+from bucketserve.gateway.errors import ResourceExhaustedError
 from bucketserve.runtime.core.sampling_params import SamplingParams
 
 
@@ -44,6 +45,7 @@ class GrpcBackend:
                         _final(record, chunk)
         except Exception as exc:  # a failed request is a result, not a crash
             record.error = f"{type(exc).__name__}: {exc}"
+            record.refused = isinstance(exc, ResourceExhaustedError)
         if record.end_time is None and record.error is None:
             record.error = "the stream ended without a final message"
         return record

@@ -51,6 +51,8 @@ class BenchSummary:
     output_throughput: float  # output tokens/s
     slo_attainment: float
     goodput: float  # requests/s that met the SLO
+    refused: int  # answered at once with RESOURCE_EXHAUSTED / 429
+    admitted_slo_attainment: float | None  # of the requests not refused (None: none refused)
     uniform_slo_attainment: float | None  # base targets for all (None: no per-kind targets)
     ttft: dict[str, float | None]
     tpot: dict[str, float | None]
@@ -67,6 +69,7 @@ def summarize(
     records: Sequence[RequestRecord], slo: SLO, offered_rate: float | None = None
 ) -> BenchSummary:
     done = [r for r in records if r.ok]
+    refused = [r for r in records if r.refused]
     duration = span(records)
     per = 1.0 / duration if duration > 0 else 0.0
 
@@ -86,6 +89,10 @@ def summarize(
         output_throughput=sum(r.output_tokens for r in done) * per,
         slo_attainment=attainment(records, slo),
         goodput=sum(slo.met(r) for r in records) * per,
+        refused=len(refused),
+        admitted_slo_attainment=(
+            attainment([r for r in records if not r.refused], slo) if refused else None
+        ),
         uniform_slo_attainment=attainment(records, slo.uniform) if slo.per_kind else None,
         ttft=dist([r.ttft for r in done if r.ttft is not None]),
         tpot=dist([r.tpot for r in done if r.tpot is not None]),

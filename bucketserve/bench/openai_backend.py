@@ -49,6 +49,7 @@ class OpenAIBackend:
                 if response.status != 200:
                     text = (await response.text())[:300]
                     record.error = f"HTTP {response.status}: {text}"
+                    record.refused = response.status == 429
                     return record
                 await self._read(response, record)
         except Exception as exc:  # a failed request is a result, not a crash

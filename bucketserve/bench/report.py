@@ -36,6 +36,9 @@ def bench_table(result: dict[str, Any]) -> str:
             kinds.append(f"all by the base targets {100 * s['uniform_slo_attainment']:.1f}%")
         if len(kinds) > 1:
             lines.append(f"{'':>6} SLO: {', '.join(kinds)}")
+        if s.get("refused"):
+            lines.append(f"{'':>6} refused at once: {s['refused']}; SLO of the admitted "
+                         f"{100 * s['admitted_slo_attainment']:.1f}%")
         if run.get("server"):
             server = ", ".join(f"{k}={v:g}" for k, v in sorted(run["server"].items()))
             lines.append(f"{'':>6} server: {server}")

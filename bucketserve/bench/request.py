@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+WORKLOADS = ("short", "long", "mixed", "sharegpt", "prefix-flood")
+REQUEST_KINDS = ("short", "long", "sharegpt", "chat", "doc")  # the part a request comes from
+
 
 @dataclass(frozen=True)
 class BenchRequest:

@@ -25,6 +25,7 @@ class RequestRecord:
     server_completion_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    refused: bool = False  # answered at once with RESOURCE_EXHAUSTED / 429 (shed, quota)
     request_bucket: list[int] | None = None
     shape_bucket: list[int] | None = None
     server_timings: dict[str, float] = field(default_factory=dict)

@@ -22,6 +22,13 @@ COUNTERS = {
     "vllm:prompt_tokens_total": "prompt_tokens",
     "vllm:generation_tokens_total": "generation_tokens",
 }
+# per tenant: sample name -> report key, reported as `key:tenant` (counters, after - before)
+BY_TENANT = {
+    "bucketserve:prefix_cache_tenant_queries_total": "cache_queries",
+    "bucketserve:prefix_cache_tenant_hits_total": "cache_hits",
+    "bucketserve:prefix_cache_tenant_evictions_total": "cache_evictions",
+    "bucketserve:requests_shed_total": "shed",
+}
 GAUGES = {
     "bucketserve:padding_waste_ratio": "padding_waste_ratio",
     "bucketserve:request_buckets": "request_buckets",
@@ -77,6 +84,8 @@ def parse(text: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             key = COUNTERS.get(sample.name) or GAUGES.get(sample.name)
+            if sample.name in BY_TENANT:
+                key = f"{BY_TENANT[sample.name]}:{sample.labels.get('tenant', '')}"
             if key is not None:
                 out[key] = out.get(key, 0.0) + sample.value
     return out
@@ -92,4 +101,8 @@ def diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     padded = out.get("prefill_padded_tokens")
     if padded:  # the run's share of prefill compute spent on padding
         out["prefill_padding_share"] = 1 - out.get("prefill_batch_tokens", padded) / padded
+    for key in [k for k in out if k.startswith("cache_queries:")]:
+        tenant = key.partition(":")[2]
+        if out[key]:  # the run's prefix-cache hit rate of the tenant's prompt tokens
+            out[f"cache_hit_rate:{tenant}"] = out.get(f"cache_hits:{tenant}", 0.0) / out[key]
     return out

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from bucketserve.bench.request import REQUEST_KINDS
 from bucketserve.bench.request_record import RequestRecord
-from bucketserve.bench.workload import REQUEST_KINDS
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Seeded workloads: short (Alpaca-like), long (LongBench-like), mixed, and ShareGPT."""
+"""Seeded workloads: short (Alpaca-like), long (LongBench-like), mixed, ShareGPT, and
+prefix-flood (chat turns behind one shared system prompt beside long unique documents)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,20 @@ from typing import Any
 import numpy as np
 
 from bucketserve.bench.length_distribution import ALPACA, LONGBENCH, LengthDistribution
-from bucketserve.bench.request import BenchRequest
+from bucketserve.bench.request import WORKLOADS, BenchRequest
 from bucketserve.bench.sharegpt_reader import ShareGPTReader, first_exchange
 from bucketserve.bench.tenant_mix import TenantMix
 from bucketserve.bench.text_corpus import TextCorpus
 
-WORKLOADS = ("short", "long", "mixed", "sharegpt")
-REQUEST_KINDS = ("short", "long", "sharegpt")  # the part of a workload a request comes from
 OUTPUT = LengthDistribution(mean=128.0, sigma=0.5, low=8, high=512)
 
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    """`long_fraction`: share of long requests in `mixed`. Synthetic output lengths follow
-    `output`; ShareGPT's are its replies' token counts, clipped to `output.high`. Every
-    prompt + output fits `max_model_len`."""
+    """`long_fraction`: share of long requests in `mixed` (of `doc` ones in `prefix-flood`,
+    whose `chat` requests open with one `system_prompt_len`-token system prompt). Synthetic
+    output lengths follow `output`; ShareGPT's are its replies' token counts, clipped to
+    `output.high`. Every prompt + output fits `max_model_len`."""
 
     name: str = "mixed"
     num_requests: int = 100
@@ -35,6 +35,7 @@ class WorkloadConfig:
     output: LengthDistribution = OUTPUT
     sharegpt_path: str | None = None
     sharegpt_max_records: int = 0  # 0: read every complete record
+    system_prompt_len: int = 1024
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
@@ -43,6 +44,14 @@ class WorkloadConfig:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if not 0.0 <= self.long_fraction <= 1.0:
             raise ValueError(f"long_fraction must be in [0, 1], got {self.long_fraction}")
+        if self.name == "prefix-flood" and (
+            self.system_prompt_len + 64 + self.output.high > self.max_model_len
+        ):
+            raise ValueError(
+                f"a {self.system_prompt_len}-token system prompt, a question and up to "
+                f"{self.output.high} output tokens do not fit max_model_len "
+                f"{self.max_model_len}: shorten --system-prompt-len or the outputs"
+            )
         if self.max_model_len <= self.output.high + 8:
             raise ValueError(
                 f"max_model_len {self.max_model_len} leaves no room for prompts beside outputs "
@@ -82,21 +91,34 @@ class WorkloadGenerator:
 
     def _kinds(self, rng: np.random.Generator) -> list[str]:
         n, name = self.config.num_requests, self.config.name
-        if name != "mixed":
+        pair = {"mixed": ("long", "short"), "prefix-flood": ("doc", "chat")}.get(name)
+        if pair is None:
             return [name] * n
-        return ["long" if x else "short" for x in rng.random(n) < self.config.long_fraction]
+        return [pair[0] if x else pair[1] for x in rng.random(n) < self.config.long_fraction]
 
     def _synthetic(self, rng: np.random.Generator) -> list[tuple[str, int, int, str]]:
         kinds = self._kinds(rng)
         cap = self.max_prompt_len
+        system = ""
+        if "chat" in kinds:
+            system, _ = self.corpus.prompt(self.config.system_prompt_len, rng)
+        question_cap = cap - self.config.system_prompt_len - 16
         lengths = {
             "short": self.config.short.capped(cap).sample(rng, len(kinds)),
             "long": self.config.long.capped(cap).sample(rng, len(kinds)),
+            "chat": self.config.short.capped(question_cap).sample(rng, len(kinds)),
+            "doc": self.config.long.capped(cap - 16).sample(rng, len(kinds)),
         }
         outputs = self.config.output.sample(rng, len(kinds))
         items = []
         for i, kind in enumerate(kinds):
             text, n = self.corpus.prompt(lengths[kind][i], rng)
+            if kind == "chat":  # one shared prefix
+                text = f"{system}\n\nQuestion {i}: {text}"
+            elif kind == "doc":  # unique from its first block on
+                text = f"Document {i}. {text}"
+            if kind in ("chat", "doc"):
+                n = self.corpus.count(text)
             items.append((text, n, outputs[i], kind))
         return items
 

@@ -128,3 +128,23 @@ def test_a_comparison_run_over_the_tiny_model(tiny_model_dir: Path) -> None:
     tenants = {r.tenant for r in comparison.benches["bucketserve"].workload.requests}
     assert tenants == {"chat", "batch"}
     assert result["rate_at_target"]["ratios"] == {"bucketserve/shape-only": 1.0}
+
+
+def test_the_tenant_pairs_differ_only_in_the_setting_they_compare(tiny_model_dir: Path) -> None:
+    spec = ServiceSpec(model=str(tiny_model_dir), max_model_len=256, block_size=4,
+                       ttft_slo_s=1.5)  # fmt: skip
+    on, _, mix = system_setup("cache-shares", spec)
+    off, _, _ = system_setup("no-cache-shares", spec)
+    assert [(t.name, t.cache_share) for t in on.buckets.tenants] == [
+        ("chat", None), ("noisy", 0.25)
+    ]  # fmt: skip
+    assert [(t.name, t.cache_share) for t in off.buckets.tenants] == [
+        ("chat", None), ("noisy", None)
+    ]  # fmt: skip
+    assert [(t.name, t.kind) for t in mix] == [("chat", "chat"), ("noisy", "doc")]
+    shed, _, _ = system_setup("shed", spec)
+    queue, _, _ = system_setup("queue", spec)
+    assert [(t.shed, t.ttft_slo_s, t.sheds) for t in shed.buckets.tenants] == [
+        ("predicted", 1.5, True)
+    ]
+    assert [(t.shed, t.ttft_slo_s) for t in queue.buckets.tenants] == [("never", 1.5)]

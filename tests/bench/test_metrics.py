@@ -114,3 +114,14 @@ def test_slo_rejects_non_positive_targets() -> None:
         SLO(ttft_s=1.0, tpot_s=0.1, per_kind={"long": (20.0, 0.0)})
     with pytest.raises(ValueError, match="for the kinds"):
         SLO(ttft_s=1.0, tpot_s=0.1, per_kind={"offline": (20.0, 0.1)})
+
+
+def test_refused_requests_count_as_misses_and_apart() -> None:
+    slo = SLO(ttft_s=1.0, tpot_s=1.0)
+    refused = record(2, 0.0, None, None, 0, error="ResourceExhaustedError: late")
+    refused.refused = True
+    records = [record(0, 0.0, 0.5, 1.0, 4), record(1, 0.0, 2.5, 3.0, 4), refused]
+    summary = summarize(records, slo)
+    assert summary.slo_attainment == pytest.approx(1 / 3)
+    assert summary.refused == 1 and summary.admitted_slo_attainment == 0.5
+    assert summarize(records[:2], slo).admitted_slo_attainment is None

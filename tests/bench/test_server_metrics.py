@@ -103,3 +103,21 @@ def test_wait_idle_gives_up_on_a_server_that_stays_busy() -> None:
             ServerMetrics(endpoint.url).wait_idle(0.05, poll_s=0.01)
     finally:
         endpoint.server.shutdown()
+
+
+def test_tenant_cache_figures_and_sheds_are_kept_per_tenant() -> None:
+    page = """\
+# TYPE bucketserve:prefix_cache_tenant_queries counter
+bucketserve:prefix_cache_tenant_queries_total{tenant="chat"} QC
+bucketserve:prefix_cache_tenant_queries_total{tenant="noisy"} 900.0
+# TYPE bucketserve:prefix_cache_tenant_hits counter
+bucketserve:prefix_cache_tenant_hits_total{tenant="chat"} HC
+# TYPE bucketserve:requests_shed counter
+bucketserve:requests_shed_total{tenant="chat"} SC
+"""
+    before = parse(page.replace("QC", "100.0").replace("HC", "50.0").replace("SC", "1.0"))
+    after = parse(page.replace("QC", "500.0").replace("HC", "350.0").replace("SC", "4.0"))
+    delta = diff(before, after)
+    assert delta["cache_queries:chat"] == 400.0 and delta["cache_hits:chat"] == 300.0
+    assert delta["cache_hit_rate:chat"] == pytest.approx(0.75)
+    assert delta["shed:chat"] == 3.0 and "cache_hit_rate:noisy" not in delta

@@ -127,3 +127,22 @@ def test_corpus_cuts_real_text_to_the_exact_token_count(tokenizer) -> None:
     for n in [1, 2, 5, 17, 83, 200, 640, 1500]:
         text, got = corpus.prompt(n, rng)
         assert got == n == len(tokenizer.encode(text)), n
+
+
+def test_prefix_flood_chat_shares_a_system_prompt_and_documents_share_nothing(
+    tokenizer,
+) -> None:
+    requests = generate(
+        tokenizer, name="prefix-flood", long_fraction=0.5, system_prompt_len=256,
+        max_model_len=2048, num_requests=40,
+    )  # fmt: skip
+    chat = [tokenizer.encode(r.prompt) for r in requests if r.kind == "chat"]
+    docs = [tokenizer.encode(r.prompt) for r in requests if r.kind == "doc"]
+    assert len(chat) > 5 and len(docs) > 5
+    assert all(ids[:250] == chat[0][:250] for ids in chat)  # the shared system prompt
+    assert len({tuple(ids[:16]) for ids in docs}) == len(docs)  # unique from the first block
+    assert [r.prompt_len for r in requests] == [len(tokenizer.encode(r.prompt)) for r in requests]
+    assert all(r.prompt_len + r.max_tokens <= 2048 for r in requests)
+    with pytest.raises(ValueError, match=r"system prompt, a question .* do not fit"):
+        WorkloadConfig(name="prefix-flood", system_prompt_len=1000, max_model_len=1024,
+                       output=OUTPUT)  # fmt: skip
