@@ -84,6 +84,7 @@ class StreamDelta:
     index: int = 0  # the sample (choice) of an n > 1 request
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0  # of the prompt's, found in a prefix cache (usage, as vLLM's)
+    prefill_path: str | None = None  # final delta: local (its decode worker) or remote
 
 
 class ServiceError(Exception):
@@ -140,6 +141,7 @@ class ServiceStats:
     worker_restarts: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
     requests_shed: dict[str, int] = field(default_factory=dict)  # by tenant (SloShedError)
+    prefill_paths: dict[str, int] = field(default_factory=dict)  # local / remote prefills
 
     def worker(self, name: str) -> WorkerStats:
         for stats in self.workers:

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bucketserve.bucket_manager.config import BucketManagerConfig
+from bucketserve.controller.pd_scheduler import PREFILL_PATHS
 from bucketserve.runtime.core.scheduler import SchedulerConfig
 from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
-from bucketserve.utils.checks import check_pace
+from bucketserve.utils.checks import check_choice, check_pace
 
 
 @dataclass
@@ -73,6 +74,11 @@ class ControllerConfig:
     the TTFT tail an overload gives the prompts that yield. A prompt longer than
     `scheduler.long_prefill_token_threshold` (512) computes in chunks of that size, one long
     prompt at a time, so a short prompt arriving meanwhile waits for a chunk, not the whole.
+    `remote_prefill` (disaggregated only): `auto` sends each request to a prefill worker or
+    lets its decode worker prefill it in its own steps, whichever costs less now
+    (`PDScheduler.route`: its uncached tokens, each side's queue, the decode worker's running
+    requests and step budget, the KV's transfer time); `always` prefills every prompt on a
+    prefill worker, `never` none (the decode workers prefill, as colocated).
     `decode_pace` (disaggregated only): while a prefill batch for a decode worker is in
     flight, its steps wait until a running request would otherwise get its next token
     later than this fraction of its TPOT target, so a prefill worker on the same cores gets
@@ -109,6 +115,7 @@ class ControllerConfig:
     stats_interval_s: float = 1.0
     placement_timeout_s: float = 300.0  # for Ray to place a worker (an autoscaler adds nodes)
     decode_pace: float | None = None
+    remote_prefill: str = "auto"  # disaggregated: PREFILL_PATHS, per request by cost
 
     def __post_init__(self) -> None:
         """The rules that tie fields together; the config file's models check each value
@@ -121,6 +128,7 @@ class ControllerConfig:
         if self.mode == "ray" and self.transport == "inprocess":
             raise ValueError("transport 'inprocess' needs mode 'local': Ray actors are processes")
         check_pace("ControllerConfig.decode_pace", self.decode_pace)
+        check_choice("ControllerConfig.remote_prefill", self.remote_prefill, PREFILL_PATHS)
         if self.colocated and self.decode_pace is not None:
             raise ValueError(
                 "ControllerConfig.decode_pace holds decode steps for a prefill worker's "

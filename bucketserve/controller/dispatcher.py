@@ -35,15 +35,17 @@ from bucketserve.controller.outcomes import (
     Outcome,
     Requeue,
 )
-from bucketserve.controller.pd_scheduler import PDScheduler, subset
+from bucketserve.controller.pd_scheduler import PathCosts, PDScheduler, subset
 from bucketserve.controller.prefix_index import PrefixIndex
 from bucketserve.controller.request_state import RequestState
 from bucketserve.controller.service_limits import ServiceLimits
 from bucketserve.controller.service_monitor import ServiceMonitor
 from bucketserve.controller.worker_handle import Failure, WorkerHandle
 from bucketserve.controller.worker_pool import WorkerPool
+from bucketserve.kv_transfer.transport import LAYERWISE
 from bucketserve.messages import PrefillResult, WorkerRequest
 from bucketserve.runtime.core.block_hash import block_hashes
+from bucketserve.utils.moving_average import moving_average
 
 
 class Dispatcher:
@@ -67,6 +69,7 @@ class Dispatcher:
         caching = config.scheduler.enable_prefix_caching
         self.pd = PDScheduler(config.num_decode, limits.block_size, cache_aware=caching)
         self._epochs: dict[str, int] = {}  # each worker's life its index entries are from
+        self.handoff_s: float | None = None  # a handoff's calls beyond its compute and KV
         self._wake = asyncio.Event()
 
     # -- the queue ---------------------------------------------------------------------------
@@ -182,7 +185,10 @@ class Dispatcher:
         return self._dispatch_disaggregated()
 
     def _dispatch_disaggregated(self) -> list[Flight]:
-        pd, flights = self.pd, []
+        """Each batch's requests go to a prefill worker and hand their KV over, or straight
+        to their decode worker's engine, as `controller.remote_prefill` and each path's cost
+        say (`PDScheduler.route`)."""
+        pd, flights, mode = self.pd, [], self.config.remote_prefill
         limit = self.config.max_batches_per_prefill
         while len(self.buckets):
             prefills = self.pool.role("prefill", alive=True)
@@ -191,12 +197,17 @@ class Dispatcher:
             inflight = [h.inflight for h in prefills]
             p = pd.pick_prefill(free, inflight, limit)
             decode = self.pick_decode()
-            if p is None or decode is None:
+            if decode is None or (p is None and mode == "always"):
                 break
             batch = self._next_batch(decode)
             if batch is None:
                 break
             decode = self._place_decode(batch, decode)
+            local, batch = pd.route(batch, self._path_costs(decode, prefills, p), mode)
+            if local is not None:
+                flights.append(self._prefill_locally(decode, local))
+            if batch is None:
+                continue
             if skips_cached:
                 names = [h.name for h in prefills]
                 p = pd.place_prefill(batch, names, free, inflight, limit)
@@ -206,7 +217,7 @@ class Dispatcher:
                 self.buckets.requeue(rest)
             if batch is None:  # wait for handoffs to be acknowledged
                 break
-            states = self._take(batch, decode, "prefill")
+            states = self._take(batch, decode, "prefill", "remote")
             queued = pd.uncached_blocks(pd.prefill_cache, prefill.name, batch)
             pd.prefill_sent(prefill.name, queued)
             pd.dispatched(batch, self._decode_number(decode), prefill.name)
@@ -234,11 +245,45 @@ class Dispatcher:
             if batch is None:
                 break
             decode = self._place_decode(batch, decode)
-            states = self._take(batch, decode, "decode")
-            self.pd.dispatched(batch, self._decode_number(decode))
-            blocks = sum(n for _, n in self.pd.need(batch)) + self.pd.fork_blocks(batch)
-            flights.append(self._admit_prompts(decode, states, blocks))
+            flights.append(self._prefill_locally(decode, batch))
         return flights
+
+    def _prefill_locally(self, decode: WorkerHandle, batch: PrefillBatch) -> Flight:
+        """`batch` to `decode`'s engine, which prefills it within its decode steps."""
+        states = self._take(batch, decode, "decode", "local")
+        self.pd.dispatched(batch, self._decode_number(decode))
+        blocks = sum(n for _, n in self.pd.need(batch)) + self.pd.fork_blocks(batch)
+        return self._admit_prompts(decode, states, blocks)
+
+    def _path_costs(
+        self, decode: WorkerHandle, prefills: list[WorkerHandle], open_: int | None
+    ) -> PathCosts:
+        """What each path costs `decode`'s next batch now, from the workers' last reports
+        and the KV moved so far (`PathCosts`)."""
+        reports = [h.stats for h in prefills if h.stats is not None]
+        measured = [r.prefill_token_s for r in reports if r.prefill_token_s is not None]
+        queued = sum(self.pd.prefill_queued.values()) * self.limits.block_size
+        kv_format = self.pool.infos.get(decode.name, {}).get("kv_format")
+        moved = self.monitor.counts["kv_bytes"]
+        token_s = 0.0
+        if kv_format is not None and moved:
+            per_token = kv_format.chunk_bytes(1) * kv_format.num_layers / kv_format.block_size
+            token_s = self.monitor.transfer_s / moved * per_token
+        stats = decode.stats
+        return PathCosts(
+            prefill_token_s=sum(measured) / len(measured) if measured else None,
+            prefill_backlog_tokens=queued / max(1, len(prefills)),
+            prefill_open=open_ is not None,
+            transfer_token_s=token_s,
+            layerwise=stats is not None and stats.transport in LAYERWISE,
+            num_layers=kv_format.num_layers if kv_format is not None else 1,
+            handoff_s=self.handoff_s or 0.0,
+            decode_token_s=stats.prefill_token_s if stats else None,
+            decode_step_s=(stats.decode_step_s or 0.0) if stats else 0.0,
+            decode_backlog_tokens=stats.prompt_tokens_to_come if stats else 0,
+            decode_running=stats.running if stats else 0,
+            step_tokens=self.config.scheduler.max_num_batched_tokens,
+        )
 
     def pick_decode(self) -> WorkerHandle | None:
         """The decode worker the next batch reserves blocks on: the PDScheduler's choice over
@@ -281,16 +326,19 @@ class Dispatcher:
     def _next_batch(self, decode: WorkerHandle) -> PrefillBatch | None:
         return self.buckets.next_batch(decode.free_blocks, self.limits.block_size, time.monotonic())
 
-    @staticmethod
-    def _take(batch: PrefillBatch, decode: WorkerHandle, phase: str) -> list[RequestState]:
+    def _take(
+        self, batch: PrefillBatch, decode: WorkerHandle, phase: str, path: str
+    ) -> list[RequestState]:
         """The batch's requests (each queued entry carries its RequestState), now in `phase`
-        on their way to `decode`."""
+        on their way to `decode`, prefilled on `path` (local: by `decode` itself)."""
         states: list[RequestState] = [r.payload for r in batch.requests]
         now = time.monotonic()
         for state in states:
             state.phase, state.decode_worker = phase, decode.name
             state.dispatched_at = state.dispatched_at or now
             state.request_bucket, state.shape_bucket = batch.bucket, batch.shape
+            state.prefill_path = path
+        self.monitor.prefill_paths[path] += len(states)
         return states
 
     def _worker_request(self, state: RequestState) -> WorkerRequest:
@@ -339,11 +387,16 @@ class Dispatcher:
         """Drive `handoff`; the outcomes of each step it returns. `queued`: the blocks the
         prefill worker computes for it, queued there until its prefill ends."""
         try:
+            start = time.monotonic()
             try:
                 requests = [self._worker_request(s) for s in states]
                 prefilled = await handoff.run_prefill(batch, requests, self.limits.max_seq_len)
             finally:
                 self.pd.prefill_done(handoff.prefill.name, queued)
+            if prefilled.result is not None:  # what the calls took beyond compute and KV
+                r = prefilled.result
+                spent = max(0.0, time.monotonic() - start - r.compute_s - r.send_s)
+                self.handoff_s = moving_average(self.handoff_s, spent)
             if prefilled.result is None:
                 if prefilled.put_back:
                     for outcome in self.put_back(batch, prefilled.count):
@@ -365,6 +418,7 @@ class Dispatcher:
         finally:
             handoff.close()
             self.wake()
+
 
     def _prefilled(self, states: list[RequestState], result: PrefillResult) -> Iterator[Outcome]:
         """Each first token for its stream (those of requests still going)."""

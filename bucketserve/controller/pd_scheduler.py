@@ -20,12 +20,63 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 
 from bucketserve.bucket_manager.prefill_batch import PrefillBatch
 from bucketserve.bucket_manager.request import BucketRequest
 from bucketserve.controller.prefix_index import PrefixIndex, usable_blocks
 from bucketserve.runtime.core.block_hash import BlockHash
+
+# controller.remote_prefill: per request by cost, every prompt on a prefill worker (the
+# disaggregated shape of old), or none (each decode worker prefills its own, colocated-like)
+PREFILL_PATHS = ("auto", "always", "never")
+
+
+@dataclass(frozen=True)
+class PathCosts:
+    """What a prompt costs now on each path, from the workers' own measurements (seconds).
+
+    Remote: `prefill_token_s` a prompt token on a prefill worker (None: not measured yet),
+    behind `prefill_backlog_tokens` already sent to each; then its KV moves at
+    `transfer_token_s` a token, of which a layer-wise handoff (`layerwise`) leaves only the
+    last of `num_layers` layers exposed, and the handoff's calls take `handoff_s`.
+    `prefill_open`: a prefill worker takes a batch now. Local: the decode worker's engine
+    computes it within its steps (at most `step_tokens` prompt tokens a step,
+    `decode_token_s` a prompt token; None: priced as on a prefill worker) behind
+    `decode_backlog_tokens` queued there; with `decode_running` requests decoding, each
+    step also costs `decode_step_s` and each of them waits for those tokens too."""
+
+    prefill_token_s: float | None
+    prefill_backlog_tokens: float = 0.0
+    prefill_open: bool = True
+    transfer_token_s: float = 0.0
+    layerwise: bool = True
+    num_layers: int = 1
+    handoff_s: float = 0.0
+    decode_token_s: float | None = None
+    decode_step_s: float = 0.0
+    decode_backlog_tokens: float = 0.0
+    decode_running: int = 0
+    step_tokens: int = 2048
+
+    def remote_s(self, tokens: float, backlog: float) -> float:
+        """Until the first token of a prompt of `tokens` sent to a prefill worker behind
+        `backlog` tokens, and its KV on the decode worker."""
+        token_s = self.prefill_token_s or 0.0
+        moved = tokens * self.transfer_token_s / (self.num_layers if self.layerwise else 1)
+        return (backlog + tokens) * token_s + moved + self.handoff_s
+
+    def local_s(self, tokens: float, backlog: float) -> float:
+        """The same prompt computed in the decode worker's steps behind `backlog` tokens,
+        plus the wait it adds to every request decoding there."""
+        token_s = self.decode_token_s or self.prefill_token_s or 0.0
+        total = backlog + tokens
+        if not self.decode_running:  # an idle engine's steps are the prompts alone
+            return total * token_s
+        steps = math.ceil(total / self.step_tokens)
+        return total * token_s + steps * self.decode_step_s + self.decode_running * tokens * token_s
 
 
 class PDScheduler:
@@ -248,6 +299,36 @@ class PDScheduler:
         """Blocks the decode side takes at once for the extra samples of n > 1 requests: each
         shares the prompt's full blocks (counted once, in `need`) and copies the last one."""
         return sum(r.samples - 1 for r in batch.requests)
+
+    def route(
+        self, batch: PrefillBatch, costs: PathCosts, mode: str = "auto"
+    ) -> tuple[PrefillBatch | None, PrefillBatch | None]:
+        """(local, remote): the requests of `batch` its decode worker prefills itself and
+        those a prefill worker prefills, either None when empty. `always` and `never` send
+        all one way; `auto` takes, request by request in batch order, the path with the
+        smaller cost (`PathCosts.local_s` against `remote_s`, each request's own tokens
+        added to the backlog of the path it took), local whenever no prefill worker takes
+        a batch now, remote while the prefill side has no measurement (it is where prompts
+        went until now)."""
+        positions = list(range(len(batch)))
+        if mode == "never" or (mode == "auto" and not costs.prefill_open):
+            return batch, None
+        if mode == "always" or costs.prefill_token_s is None:
+            return None, batch
+        local, remote = [], []
+        prefill_backlog, decode_backlog = costs.prefill_backlog_tokens, costs.decode_backlog_tokens
+        for i in positions:
+            tokens = batch.requests[i].effective_len
+            if costs.local_s(tokens, decode_backlog) <= costs.remote_s(tokens, prefill_backlog):
+                local.append(i)
+                decode_backlog += tokens
+            else:
+                remote.append(i)
+                prefill_backlog += tokens
+        return (
+            subset(batch, local) if local else None,
+            subset(batch, remote) if remote else None,
+        )
 
     def split_for_pool(
         self, batch: PrefillBatch, free_blocks: int

@@ -50,6 +50,7 @@ class RequestState:
         self.transfer_s = 0.0
         self.request_bucket: tuple[int, int] | None = None
         self.shape_bucket: tuple[int, int, int] | None = None
+        self.prefill_path: str | None = None  # its last prefill's: local or remote
 
     @property
     def request_id(self) -> str:
@@ -188,6 +189,7 @@ class RequestState:
             index=index,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens or 0,
+            prefill_path=self.prefill_path if last else None,
         )
 
     def finals(self, reason: str, error: str | None = None) -> list[StreamDelta]:

@@ -16,6 +16,7 @@ class ServiceMonitor:
         self.counts: Counter[str] = Counter()
         self.reasons: Counter[str] = Counter()
         self.shed: Counter[str] = Counter()  # tenant -> requests refused as predicted late
+        self.prefill_paths: Counter[str] = Counter()  # local / remote -> requests dispatched
         self.transfer_s = 0.0  # KV send + receive time, summed over transfers
 
     def submitted(self) -> None:
@@ -60,4 +61,5 @@ class ServiceMonitor:
             worker_restarts=worker_restarts,
             finish_reasons=dict(self.reasons),
             requests_shed=dict(self.shed),
+            prefill_paths=dict(self.prefill_paths),
         )

@@ -192,7 +192,7 @@ class WorkerPool:
             ),
             **self._shared("decode", index),
             stall_timeout_s=c.worker_timeout_s,
-            prefills=c.colocated,
+            prefills=c.colocated or c.remote_prefill != "always",
             pace=c.decode_pace,
         )
 

@@ -329,6 +329,7 @@ def _controller(s: ServeSettings, runner: ModelRunnerConfig) -> ControllerConfig
             num_prefill=prefill.num_workers,
             num_decode=decode.num_workers,
             shape=c.shape,
+            remote_prefill=c.remote_prefill,
             mode=c.mode,
             transport=c.transport,
             ray_address=c.ray_address,

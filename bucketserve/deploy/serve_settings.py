@@ -163,6 +163,11 @@ class ControllerSettings(Settings):
     """disaggregated: prefill workers hand KV to decode workers (separate cards);
     colocated: no prefill workers, each decode worker prefills in chunks within its steps
     (one machine or one card)."""
+    remote_prefill: Literal["auto", "always", "never"] = "auto"
+    """disaggregated: auto sends each request to a prefill worker or lets its decode worker
+    prefill it, whichever is cheaper now (its uncached tokens, each side's queue, the
+    decode worker's running requests, the KV transfer); always: every prompt on a prefill
+    worker; never: none (the decode workers prefill, as colocated)."""
     mode: Literal["ray", "local"] = "ray"
     """ray: workers are Ray actors; local: threads in this process."""
     ray_address: str | None = None

@@ -53,6 +53,8 @@ class AccessLog:
             "prompt_tokens": len(gen.request.prompt_token_ids),
             "output_tokens": gen.num_output_tokens,
             "ttft_ms": None if first is None else round((first - started) * 1000, 1),
+            "cached_tokens": gen.final.num_cached_tokens if gen.final is not None else None,
+            "prefill": gen.final.prefill_path if gen.final is not None else None,
         }
         if self.log_prompts and gen.request.prompt_text is not None:
             fields["prompt"] = gen.request.prompt_text[:MAX_PROMPT_CHARS]

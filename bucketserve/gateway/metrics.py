@@ -254,6 +254,15 @@ def _service_metrics(stats: Any) -> Iterator[Metric]:
     for tenant, n in sorted(stats.requests_shed.items()):
         shed.add_metric([tenant], n)
     yield shed
+    paths = CounterMetricFamily(
+        P + "prefill_path_requests",
+        "Requests prefilled by their decode worker (local) or a prefill worker (remote), "
+        "each prefill counted (controller.remote_prefill).",
+        labels=["path"],
+    )
+    for path, n in sorted(stats.prefill_paths.items()):
+        paths.add_metric([path], n)
+    yield paths
     yield counter(
         "slo_admission_holds",
         "Decode steps that held a new prompt back to keep running requests' TPOT targets.",

@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     import torch
 
 TRANSPORTS = ("inprocess", "ray", "collective")
+# those whose layers reach the decode side while the prompt still computes (the collective
+# transport's decode side reads them at admission)
+LAYERWISE = frozenset({"inprocess", "ray"})
 LayerSink = Callable[[int, "torch.Tensor"], None]
 
 

@@ -25,12 +25,12 @@ from bucketserve.runtime.worker.tensor_parallel.tp_runner import (
     RankDeadError,
     TensorParallelRunner,
 )
+from bucketserve.utils.moving_average import moving_average
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MIN_MEASURED_TOKENS = 32  # a batch's seconds per token are learned from batches this long
-TOKEN_S_ALPHA = 0.2  # the newest batch's weight in the moving average
 
 
 class PrefillCapacityError(RuntimeError):
@@ -153,9 +153,7 @@ class PrefillWorker(KVWorker):
         """The seconds a prompt token costs here: a moving average over batches of at least
         MIN_MEASURED_TOKENS (what the controller's TTFT forecast prices prompts with)."""
         if tokens >= MIN_MEASURED_TOKENS:
-            new = seconds / tokens
-            old = self._token_s
-            self._token_s = new if old is None else old + TOKEN_S_ALPHA * (new - old)
+            self._token_s = moving_average(self._token_s, seconds / tokens)
 
     def release(self, lease_id: str) -> bool:
         """The decode side has the batch: free its blocks. False if the lease already ended."""

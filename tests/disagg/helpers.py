@@ -44,7 +44,10 @@ def controller_config(model_dir: Path, **options: Any) -> Any:
     runner = ModelRunnerConfig(
         model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS
     )
-    options = {"stats_interval_s": 0.2, "shape": "disaggregated", **options}
+    # the handoff is what these tests are about: every prompt goes to a prefill worker
+    options = {
+        "stats_interval_s": 0.2, "shape": "disaggregated", "remote_prefill": "always", **options
+    }
     return ControllerConfig(runner=runner, **options)
 
 

@@ -99,7 +99,7 @@ def test_a_batch_put_back_keeps_its_place_and_ends_requests_out_of_tries(
         d.queue(s)
     batch = d.buckets.next_batch(256, c.block_size, time.monotonic())
     assert batch is not None and len(batch) == 2
-    d._take(batch, DeadHandle(), "prefill")
+    d._take(batch, DeadHandle(), "prefill", "remote")
     spent.requeues = c.config.max_requeues
     outcomes = d.put_back(batch, count=True)
     assert outcomes == [FailRequest(spent, "its prefill failed too often")]

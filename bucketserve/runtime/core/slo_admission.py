@@ -7,6 +7,7 @@ from collections.abc import Collection, Iterable
 
 from bucketserve.runtime.core.scheduler_output import SchedulerOutput
 from bucketserve.runtime.core.sequence import Sequence
+from bucketserve.utils.moving_average import moving_average
 
 
 class StepTimes:
@@ -30,13 +31,10 @@ class StepTimes:
     def record(self, out: SchedulerOutput, seconds: float) -> None:
         prefill = sum(n for n in out.num_new_tokens if n > 1)
         if prefill == 0:
-            self.decode_s = self._mix(self.decode_s, seconds)
+            self.decode_s = moving_average(self.decode_s, seconds, self.alpha)
         elif prefill >= self.min_prefill_tokens and self.decode_s is not None:
             per_token = max(0.0, seconds - self.decode_s) / prefill
-            self.prefill_token_s = self._mix(self.prefill_token_s, per_token)
-
-    def _mix(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.alpha * (new - old)
+            self.prefill_token_s = moving_average(self.prefill_token_s, per_token, self.alpha)
 
 
 class SloAdmission:
