@@ -43,9 +43,9 @@ from bucketserve.controller.worker_handle import (
     WorkerHungError,
 )
 from bucketserve.controller.worker_pool import WorkerPool
-from bucketserve.decode_worker.decode_worker import WorkerFailedError
 from bucketserve.kv_transfer.lease import LeaseError
 from bucketserve.kv_transfer.transport import TransferError
+from bucketserve.kv_worker.kv_worker import WorkerFailedError
 from bucketserve.messages import (
     ModelInfo,
     NoWorkersError,

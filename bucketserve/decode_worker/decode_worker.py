@@ -18,7 +18,7 @@ from bucketserve.decode_worker.pacer import DecodePacer
 from bucketserve.kv_transfer.kv_format import KVBlockHandle
 from bucketserve.kv_transfer.lease import Lease, LeaseState, LeaseTable
 from bucketserve.kv_transfer.transport import KVTransport, RankPayloads, TransferError
-from bucketserve.kv_worker.kv_worker import KVWorker
+from bucketserve.kv_worker.kv_worker import KVWorker, WorkerFailedError
 from bucketserve.kv_worker.rank_actor import RayTensorParallelRunner
 from bucketserve.kv_worker.worker_env import pin_cpus
 from bucketserve.messages import (
@@ -42,10 +42,6 @@ from bucketserve.runtime.worker.tensor_parallel.tp_runner import (
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class WorkerFailedError(RuntimeError):
-    """The worker's loop died; it must be restarted and its requests re-prefilled."""
 
 
 class DecodeWorker(KVWorker):
@@ -199,10 +195,18 @@ class DecodeWorker(KVWorker):
             lease = self.leases.open(ids, split, ttl)
             handle = KVBlockHandle(
                 self.name, lease.lease_id, tuple(ids), lease.block_ids, self.kv_format,
-                tuple(cached), self.rank_formats,
+                tuple(cached), self.rank_formats, self.transport.endpoint(),
             )  # fmt: skip
             self._handles[lease.lease_id] = handle
         return Reservation(handle, ttl, self.stats())
+
+    def stage_kv(self, lease_id: str, layer: int, chunk) -> None:
+        """One layer of a lease's KV, pushed by a prefill as it computed it (Ray object
+        store): kept by the transport until admission imports it. LeaseError when the lease
+        ended (the push is then dropped)."""
+        with self.engine.lock:
+            self.leases.get(lease_id, LeaseState.OPEN, LeaseState.RECEIVING)
+            self.transport.stage(lease_id, layer, chunk)
 
     def receive_kv(self, lease_id: str, layer: int, chunk) -> None:
         """One layer of a lease's KV, pushed by a same-process prefill (in-process transport)."""
@@ -237,24 +241,24 @@ class DecodeWorker(KVWorker):
             handle = self._handles[lease_id]
         start = time.perf_counter()
         blocks = handle.transfer_block_ids  # the cached ones hold their K/V already
+        chunks: list[tuple[int, Any]] = []
 
-        def receive() -> None:
-            own, shards = self._shards(handle, payload)
+        def land() -> None:
             ranks = self.runner.receive_shards(handle, shards, blocks) if shards else []
             try:
-                self.transport.receive(
-                    handle,
-                    own,
-                    lambda layer, chunk: self.runner.kv_cache.import_blocks(layer, blocks, chunk),
-                )
+                for layer, chunk in chunks:
+                    self.runner.kv_cache.import_blocks(layer, blocks, chunk)
             finally:
                 if ranks:  # before the next step: the ranks' pools take it between steps too
                     self.runner.wait(ranks)
 
         try:
-            # on the loop thread, between steps: one thread of this process runs torch
-            # (see the class docstring)
-            self._on_loop(receive)
+            own, shards = self._shards(handle, payload)
+            # the wire (a collective's receives, a pull across nodes) on this call's thread,
+            # while the engine steps; the pool write on the loop thread, between steps: one
+            # thread of this process runs torch (see the class docstring)
+            self.transport.receive(handle, own, lambda layer, chunk: chunks.append((layer, chunk)))
+            self._on_loop(land)
         except BaseException as exc:
             self.release(lease_id)
             if isinstance(exc, RankDeadError):
@@ -571,6 +575,7 @@ class DecodeWorker(KVWorker):
         for blocks in lease.block_ids:  # per request: requests may share cached blocks
             self.block_manager.release(blocks)
         self._handles.pop(lease.lease_id, None)
+        self.transport.drop(lease.lease_id)
 
     def _check_alive(self) -> None:
         if self._failure is not None:

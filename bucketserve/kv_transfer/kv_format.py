@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # One chunk is one layer of a batch's blocks: [K/V, block, slot in block, kv head, head dim].
@@ -102,6 +102,9 @@ class KVBlockHandle:
     format: KVFormat
     num_cached_blocks: tuple[int, ...] = ()  # empty: none cached
     rank_formats: tuple[KVFormat, ...] = ()
+    # where the sender may push each layer as it is computed (the decode worker's Ray actor,
+    # for the object-store transport); None: the decode side pulls at admission
+    receiver: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.request_ids) != len(self.block_ids) or not self.request_ids:
@@ -140,7 +143,8 @@ class KVBlockHandle:
             )
         if not self.rank_formats:
             return self
-        return replace(self, format=self.rank_formats[rank], rank_formats=())
+        receiver = self.receiver if rank == 0 else None  # a rank's own transport pulls
+        return replace(self, format=self.rank_formats[rank], rank_formats=(), receiver=receiver)
 
     @property
     def flat_block_ids(self) -> list[int]:

@@ -82,6 +82,14 @@ class KVTransport(ABC):
     def receive(self, handle: KVBlockHandle, payload: Any, sink: LayerSink) -> None:
         """Decode side: feed each layer's chunk of `payload` to `sink(layer, chunk)`, in order."""
 
+    def endpoint(self) -> Any:
+        """Decode side: what a sender may push layers to as they are computed (a
+        `KVBlockHandle.receiver`); None where the decode side receives at admission."""
+        return None
+
+    def drop(self, lease_id: str) -> None:  # noqa: B027 - only a pushed-to transport keeps any
+        """Decode side: forget what arrived for a lease that ended without admission."""
+
 
 def check_transport(name: str) -> None:
     if name not in TRANSPORTS:

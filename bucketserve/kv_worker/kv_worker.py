@@ -41,6 +41,11 @@ from bucketserve.runtime.worker.tensor_parallel.tp_runner import (
 logger = logging.getLogger(__name__)
 
 
+class WorkerFailedError(RuntimeError):
+    """The worker cannot go on (its loop died, a fault drill): it must be restarted and its
+    requests re-prefilled."""
+
+
 class KVWorker:
     """Identity (name, boot id, Ray node), the runner and its pool's KV format, the shape
     buckets and whether steps pad to them, and the KV transport. A tensor-parallel

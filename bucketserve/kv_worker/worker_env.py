@@ -90,3 +90,17 @@ def in_ray_actor() -> bool:
 def new_boot_id() -> str:
     """Tells a restarted worker from its previous life (leases do not survive a restart)."""
     return uuid.uuid4().hex[:8]
+
+
+def actor_restarted() -> bool | None:
+    """Whether this process is a restarted life of a Ray actor (None: not a Ray actor)."""
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return None
+    if not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    if context.get_actor_id() is None:
+        return None
+    return bool(context.was_current_actor_reconstructed)

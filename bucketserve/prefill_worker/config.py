@@ -20,6 +20,9 @@ class PrefillWorkerConfig(WorkerConfig):
 
     name: str = "prefill-0"
     runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
+    # fault drill (tests only, no config key): the first life of the worker dies with its
+    # first batch's KV that many layers out (0: before any)
+    exit_after_layers: int | None = None
     enable_prefix_caching: bool = True
     cache_shares: dict[str, float] | None = None  # tenant -> bound on evictable blocks
     tensor_parallel_size: int = 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from bucketserve.kv_transfer.transport import KVSender, KVTransport
 from bucketserve.kv_worker.kv_worker import KVWorker
 from bucketserve.kv_worker.rank_actor import RayTensorParallelRunner
 from bucketserve.kv_worker.rank_kv import ShardedSender, check_ranks
+from bucketserve.kv_worker.worker_env import actor_restarted
 from bucketserve.messages import PrefillResult, PrefillTask, TokenDelta, WorkerRequest, WorkerStats
 from bucketserve.prefill_worker.config import PrefillWorkerConfig
 from bucketserve.runtime.core.block_manager import BlockManager
@@ -98,6 +100,11 @@ class PrefillWorker(KVWorker):
         self._run_lock = threading.Lock()  # one batch at a time (into the stages, if any)
         self._batches = 0
         self._token_s: float | None = None
+        self._exit_after_layers = self._ray_drill = None
+        if config.exit_after_layers is not None:
+            restarted = actor_restarted()  # a Ray actor's later life: its process is new
+            self._ray_drill = restarted is not None
+            self._exit_after_layers = None if restarted else config.exit_after_layers
         self._graph_misses = 0
         self._kv_bytes = 0
         self._stop = threading.Event()
@@ -148,6 +155,18 @@ class PrefillWorker(KVWorker):
             if held[0]:
                 self._run_lock.release()
         return result
+
+    def _drill(self, shipped: int) -> None:
+        """The fault drill of `PrefillWorkerConfig.exit_after_layers`: on Ray the process
+        exits (Ray restarts the actor, whose later lives drill no more); in one process the
+        batch fails there, as a crashed worker's would."""
+        if shipped != self._exit_after_layers:
+            return
+        self._exit_after_layers = None
+        if self._ray_drill:
+            logger.warning("%s: fault drill, exiting after %d layers", self.name, shipped)
+            os._exit(1)
+        raise RuntimeError(f"{self.name}: fault drill, the batch fails after {shipped} layers")
 
     def _learn_token_s(self, seconds: float, tokens: int) -> None:
         """The seconds a prompt token costs here: a moving average over batches of at least
@@ -266,7 +285,10 @@ class PrefillWorker(KVWorker):
             start = time.perf_counter()
             sender.send_layer(layer, self.runner.kv_cache.export_blocks(layer, src_blocks))
             send_s[0] += time.perf_counter() - start
+            self._drill(layer + 1)
 
+        if ships:
+            self._drill(0)
         start = time.perf_counter()
         try:
             pipelined = {"on_submit": submitted} if self.pipelined else {}

@@ -122,3 +122,35 @@ def test_every_path_gives_the_engines_tokens_and_is_counted(
         assert paths == {"remote": len(work)} and prefill.batches > 0
     text = "\n".join(str(m) for m in _service_metrics(stats))
     assert "bucketserve:prefill_path_requests" in text
+
+
+@pytest.mark.parametrize("after", [0, 1, 2])
+def test_a_prefill_failing_at_any_layer_of_a_handoff_loses_nothing_and_leaks_nothing(
+    after: int, tiny_model_dir: Path, work: list, reference: list,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """The tiny model has 2 layers, which reach the decode worker's blocks one by one
+    (in-process transport): the first batch fails before any, after one, or after both;
+    its reservation is given back (lease released in any state), the batch re-prefilled,
+    and every output is the engine's, every block free again."""
+    import dataclasses
+
+    from bucketserve.controller.worker_pool import WorkerPool
+
+    built = WorkerPool.prefill_config
+    monkeypatch.setattr(
+        WorkerPool, "prefill_config",
+        lambda self, i: dataclasses.replace(built(self, i), exit_after_layers=after),
+    )  # fmt: skip
+    config = controller_config(tiny_model_dir, mode="local")
+
+    async def main() -> tuple[list, object]:
+        controller = Controller(config)
+        await controller.start()
+        return await serve_and_drain(controller, work, f"drill-{after}")
+
+    outputs, stats = asyncio.run(main())
+    assert outputs == reference
+    assert f"fault drill, the batch fails after {after} layers" in caplog.text
+    decode = stats.worker("decode-0")
+    assert decode.leases_open == 0 and decode.reserved_blocks == 0

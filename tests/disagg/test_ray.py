@@ -5,6 +5,7 @@ on CPU)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,19 @@ def ray_config(model_dir: Path, **options: Any) -> Any:
 
 def test_object_store_1p1d_matches_the_engine_and_survives_a_decode_kill(
     ray_cards: None, tiny_model_dir: Path, work: list, reference: list,
-    long_work: list, long_reference: list,
+    long_work: list, long_reference: list, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Layers are pushed to the decode actor as they are computed; the prefill actor's first
+    life exits with its first batch one layer out (a crash mid-stream), then the decode
+    actor is killed mid-generation: nothing is lost either time."""
+    from bucketserve.controller.worker_pool import WorkerPool
+
+    built = WorkerPool.prefill_config
+    monkeypatch.setattr(
+        WorkerPool, "prefill_config",
+        lambda self, i: dataclasses.replace(built(self, i), exit_after_layers=1),
+    )  # fmt: skip
+
     async def main() -> None:
         controller = Controller(ray_config(tiny_model_dir, buckets=small_batches()))
         await controller.start()
@@ -58,6 +70,7 @@ def test_object_store_1p1d_matches_the_engine_and_survives_a_decode_kill(
         assert_drained(stats)
         decode = stats.worker("decode-0")
         assert decode.restarts == 1 and decode.boot_id != old_boot
+        assert stats.worker("prefill-0").restarts == 1  # the drill's exit
         assert stats.requests_requeued >= 1
         assert sum(stats.finish_reasons.values()) == 2 * len(work)
 
