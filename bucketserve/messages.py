@@ -261,6 +261,7 @@ class WorkerStats:
     prefill_token_s: float | None = None
     decode_step_s: float | None = None
     prompt_tokens_to_come: int = 0  # prompt tokens queued or in progress, not yet computed
+    tpot_slack_s: float | None = None  # the least its running requests' TPOTs can absorb
 
 
 @dataclass

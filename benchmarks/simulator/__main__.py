@@ -1,5 +1,5 @@
 """python -m benchmarks.simulator {roofline,calibrate,offline,online,overhead,scale,pipeline,
-prefix,tp,all}
+prefix,tp,conditional_disagg,all}
 
 Each command prints its tables and writes DIR/<command>.json and PNG plots. The paper's
 experiments run on 4 simulated A100-40GB (Llama-2-13B, tensor parallel 2: one prefill and
@@ -19,6 +19,7 @@ from pathlib import Path
 from benchmarks.simulator import plots
 from benchmarks.simulator.calibration import calibration_table, run_calibration
 from benchmarks.simulator.cluster_config import ClusterConfig
+from benchmarks.simulator.conditional import conditional_table, run_conditional
 from benchmarks.simulator.offline import offline_table, run_offline
 from benchmarks.simulator.online import online_table, run_online
 from benchmarks.simulator.overhead import overhead_table, run_overhead
@@ -33,7 +34,8 @@ PAPER_CLUSTER = ClusterConfig(
     model="llama-2-13b", hardware="a100-40gb", link="nvlink3", num_prefill=1, num_decode=1, tp=2
 )
 COMMANDS = (
-    "roofline", "calibrate", "offline", "online", "overhead", "scale", "pipeline", "prefix", "tp"
+    "roofline", "calibrate", "offline", "online", "overhead", "scale", "pipeline", "prefix", "tp",
+    "conditional_disagg",
 )  # fmt: skip
 
 
@@ -88,6 +90,11 @@ def experiments(args: argparse.Namespace) -> dict[str, tuple[Callable, Callable,
             lambda result, out: [],
         ),
         "tp": (lambda: run_tp(duration_s=args.duration), tp_table, lambda result, out: []),
+        "conditional_disagg": (
+            lambda: run_conditional(duration_s=args.duration),
+            conditional_table,
+            lambda result, out: [],
+        ),
     }
 
 

@@ -43,6 +43,10 @@ class DecodeWorker:
     With `prefix_caching` the pool caches what its sequences computed; an incoming
     transfer takes the blocks already cached as they are (`reserve` with the prompts), so
     only the rest is shipped.
+
+    A prompt sent to it unprefilled (`add_prompt`: conditional disaggregation's local path)
+    is prefilled within its steps, as a colocated engine does; `on_first_token` tells when
+    such a prompt has its first token.
     """
 
     def __init__(
@@ -76,6 +80,8 @@ class DecodeWorker:
         self.steps = 0
         self.recoveries = 0
         self.on_room_change: Callable[[DecodeWorker], None] = lambda worker: None
+        self.on_first_token: Callable[[Sequence], None] = lambda seq: None
+        self._prompts: set[int | str] = set()  # added unprefilled, no first token yet
         self._targets: dict[int | str, tuple[int, int]] = {}  # seq id -> (output len, commit)
         self._carried: dict[int | str, tuple[int, int]] = {}  # re-added: (tokens, preemptions)
 
@@ -144,6 +150,23 @@ class DecodeWorker:
         else:
             self._step()
 
+    def add_prompt(self, seq: Sequence, output_len: int, commit: int) -> None:
+        """Prefill `seq` here, within the decode steps, then decode it."""
+        self._targets[seq.seq_id] = (output_len, commit)
+        self.committed += commit
+        self._prompts.add(seq.seq_id)
+        self.scheduler.add(seq)
+        self.on_room_change(self)
+        self._step()
+
+    @property
+    def prompt_tokens_to_come(self) -> int:
+        """Prompt tokens queued or in progress here, not yet computed."""
+        s = self.scheduler
+        return sum(
+            q.num_uncomputed_tokens for q in (*s.waiting, *s.running) if q.num_uncomputed_tokens > 1
+        )
+
     def output_tokens(self, seq: Sequence) -> int:
         """Tokens generated so far, counting those carried into a re-added sequence."""
         return seq.num_output_tokens + self._carried.get(seq.seq_id, (0, 0))[0]
@@ -211,6 +234,9 @@ class DecodeWorker:
             for s, n in zip(out.seqs, out.num_new_tokens, strict=True)
         ]
         for seq in self.scheduler.update(out, tokens):
+            if seq.seq_id in self._prompts:
+                self._prompts.discard(seq.seq_id)
+                self.on_first_token(seq)
             if seq.is_finished:
                 self._finished(seq)
         if not self.commits_output:  # growth and preemption moved the free list

@@ -30,11 +30,15 @@ class PrefillWorker:
         link: LinkSpec,
         num_blocks: int | None = None,
         block_size: int = 16,
+        layerwise: bool = False,
     ) -> None:
+        """`layerwise`: each layer's K/V leaves as soon as the layer is computed (the link
+        still moves one chunk after another), instead of all of it after the prefill."""
         self.index = index
         self.loop = loop
         self.cost = cost
         self.link = link
+        self.layerwise = layerwise
         self.stages = StageClock(cost.pp, loop)
         self.link_free_at = 0.0
         self._on_free: Callable[[], None] | None = None  # waits for a batch to finish
@@ -102,8 +106,22 @@ class PrefillWorker:
         self.stages.start(stage)
         self.loop.after(stage, self._first_stage_free, lambda: self._next(on_free))
         tokens = sum(prompt_lens) if shipped is None else shipped
-        self.loop.after(latency, self._prefilled, tokens, on_prefilled, on_landed)
+        self.loop.after(latency, self._prefilled, tokens, latency, on_prefilled, on_landed)
         return latency
+
+    def _landing(self, tokens: int, latency: float) -> float:
+        """When the K/V of `tokens` is on the decode side: after the prefill, the whole of it
+        over the link; layer-wise, layer i's chunk leaves once layer i is computed (the
+        layers take `latency` evenly) and once the link has moved the chunks before it."""
+        now, whole = self.loop.now, self.cost.transfer_time(tokens, self.link)
+        if not self.layerwise:
+            return max(now, self.link_free_at) + whole
+        layers = self.cost.model.num_layers
+        start, chunk = now - latency, whole / layers
+        end = self.link_free_at
+        for layer in range(layers):
+            end = max(end, start + (layer + 1) * latency / layers) + chunk
+        return end
 
     def _next(self, on_free: Callable[[], None]) -> None:
         """A batch left the first stage: the next submitted one starts; `on_free` tells."""
@@ -122,11 +140,14 @@ class PrefillWorker:
             self._on_free = on_free
 
     def _prefilled(
-        self, tokens: int, on_prefilled: Callable[[], None], on_landed: Callable[[], None]
+        self,
+        tokens: int,
+        latency: float,
+        on_prefilled: Callable[[], None],
+        on_landed: Callable[[], None],
     ) -> None:
         if tokens:
-            start = max(self.loop.now, self.link_free_at)
-            self.link_free_at = start + self.cost.transfer_time(tokens, self.link)
+            self.link_free_at = self._landing(tokens, latency)
             self.loop.at(self.link_free_at, on_landed)
         self.stages.finish()
         on_prefilled()

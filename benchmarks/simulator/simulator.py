@@ -5,6 +5,12 @@ batching on the real Scheduler. The batcher's and the P/D scheduler's cost is me
 around each of their calls twice: wall clock (`*_s`) and this thread's CPU time
 (`*_cpu_s`, which a busy shared machine does not inflate).
 
+With `remote_prefill` other than `always`, the service's own `PDScheduler.route` sends each
+request of a batch to a prefill worker or lets its decode worker prefill it within its
+steps (`never`: always the latter), priced from the cost model as the service prices them
+from its workers' measurements (`PathCosts`). `layerwise` ships each layer's K/V as soon as
+it is computed instead of after the prefill.
+
 With `prefix_caching` every worker's pool caches what it computed (the real BlockManager):
 a prefill computes only the prompt tokens its worker's cache lacks, and a transfer ships
 only the blocks the decode worker lacks. Requests are queued with their blocks' hashes and
@@ -26,7 +32,7 @@ from benchmarks.simulator.metrics import RequestRecord, RunResult
 from benchmarks.simulator.prefill_worker import PrefillWorker
 from benchmarks.simulator.workload import SimRequest, prompt_tokens
 from bucketserve.bucket_manager import BucketRequest, PrefillBatch
-from bucketserve.controller.pd_scheduler import PDScheduler
+from bucketserve.controller.pd_scheduler import PREFILL_PATHS, PathCosts, PDScheduler
 from bucketserve.kv_transfer.lease import Lease
 from bucketserve.runtime.core.block_hash import block_hashes
 from bucketserve.runtime.core.sampling_params import SamplingParams
@@ -66,8 +72,15 @@ class Simulator:
         prefix_caching: bool = False,
         cache_aware: bool = False,
         max_batches_per_prefill: int = 1,
+        remote_prefill: str = "always",
+        layerwise: bool = False,
+        tpot_target_s: float | None = None,
     ) -> None:
         check_choice("pad", pad, PAD_MODES)
+        self.tpot_target_s = tpot_target_s
+        check_choice("remote_prefill", remote_prefill, PREFILL_PATHS)
+        self.remote_prefill = remote_prefill
+        self.layerwise = layerwise
         check_int("max_batches_per_prefill", max_batches_per_prefill, 1)
         if cache_aware and not prefix_caching:
             raise ValueError("cache-aware placement needs prefix caching in the workers")
@@ -102,9 +115,10 @@ class Simulator:
         link = cluster.link_spec
         pool = blocks if prefix_caching else None
         self.prefill = [
-            PrefillWorker(i, self.loop, self.cost, link, pool, cluster.block_size)
+            PrefillWorker(i, self.loop, self.cost, link, pool, cluster.block_size, layerwise)
             for i in range(cluster.num_prefill)
         ]
+        self._token_s = self._prefill_token_s()
         self.max_batches_per_prefill = max_batches_per_prefill
         # a free prefill slot per entry, taken from the end
         self._idle = list(reversed(self.prefill)) * max_batches_per_prefill
@@ -112,7 +126,9 @@ class Simulator:
         self.pd = PDScheduler(cluster.num_decode, cluster.block_size, cache_aware=cache_aware)
         for worker in self.decode:
             worker.on_room_change = self._room_changed
+            worker.on_first_token = self._first_token
             self._room_changed(worker)
+        self._step_tokens = config.max_num_batched_tokens
         self.records: dict[int, RequestRecord] = {}
         self._requests: dict[int, SimRequest] = {}
         self._tokens: dict[int, list[int]] = {}  # with prefix caching, until it finishes
@@ -128,6 +144,7 @@ class Simulator:
         self.counts["max_queued"] = 0
         self.counts["cached_tokens"] = 0  # prompt tokens a prefill found cached
         self.counts["unshipped_tokens"] = 0  # prompt tokens a decode worker held already
+        self.counts["local_prefills"] = 0  # requests their decode worker prefilled
 
     # -- driving -----------------------------------------------------------------------------
 
@@ -187,7 +204,7 @@ class Simulator:
         return hashes, self.pd.expected_cached(self.pd.prefill_cache, hashes, len(tokens))
 
     def _dispatch(self) -> None:
-        while self._idle and len(self.batcher):
+        while len(self.batcher) and (self._idle or self.remote_prefill != "always"):
             start = _stamp()
             worker = self.pick_decode()
             picked = _stamp()
@@ -200,6 +217,14 @@ class Simulator:
             self._track_buckets()
             if batch is None:
                 return
+            if self.remote_prefill != "always":
+                start = _stamp()
+                local, batch = self.pd.route(batch, self._costs(worker), self.remote_prefill)
+                self._charge("pd_scheduler", start, _stamp())
+                if local is not None:
+                    self._prefill_locally(worker, local)
+                if batch is None:
+                    continue
             worker, prefill = self._place(batch, worker)
             # as the service's Handoff: requests that end at their first token reserve nothing
             going = [i for i, r in enumerate(batch.requests) if not self.pd.ends_at_prefill(r)]
@@ -215,6 +240,69 @@ class Simulator:
             self.pd.dispatched(batch, worker.index, self._idle[prefill].index)
             self._charge("pd_scheduler", start, _stamp())
             self._launch(self._idle.pop(prefill), batch, worker, going, lease and lease.lease_id)
+
+    def _prefill_token_s(self) -> float:
+        """A prompt token's seconds on a prefill worker, as the service measures it: a
+        2,048-token batch's time over its tokens."""
+        tokens = min(2048, self.cluster.model_spec.max_len)
+        return self.cost.time(self.cost.prefill_work([tokens])) / tokens
+
+    def _costs(self, decode: DecodeWorker) -> PathCosts:
+        """What each path costs the next batch on `decode` now (the service's `PathCosts`,
+        from the cost model where the service has its workers' measurements)."""
+        running = decode.scheduler.running
+        context = sum(s.num_computed_tokens for s in running)
+        step = self.cost.time(self.cost.decode_work(len(running), context)) if running else 0.0
+        # what a prompt token adds to one of its steps, as the engine's StepTimes measures it
+        chunk = self._step_tokens
+        rows = [s.num_computed_tokens for s in running]
+        mixed = self.cost.time(self.cost.work([chunk] + [1] * len(rows), [0, *rows]))
+        marginal = (mixed - step) / chunk
+        per_token = self.cost.transfer_time(1000, self.cluster.link_spec) / 1000
+        queued = sum(self.pd.prefill_queued.values()) * self.cluster.block_size
+        target = self.tpot_target_s
+        slacks = [
+            target * (s.sampling_params.max_tokens - 1)
+            - (self.loop.now - self.records[s.seq_id].first_token)
+            - (s.sampling_params.max_tokens - s.num_output_tokens) * step
+            for s in running
+            if target is not None and self.records[s.seq_id].first_token is not None
+        ]
+        return PathCosts(
+            prefill_token_s=self._token_s,
+            prefill_backlog_tokens=queued / len(self.prefill),
+            prefill_open=bool(self._idle),
+            transfer_token_s=per_token,
+            layerwise=self.layerwise,
+            num_layers=self.cluster.model_spec.num_layers,
+            decode_token_s=marginal,
+            decode_step_s=step,
+            decode_backlog_tokens=decode.prompt_tokens_to_come,
+            decode_running=len(running),
+            step_tokens=self._step_tokens,
+            tpot_slack_s=min((s for s in slacks if s >= 0), default=None),
+        )
+
+    def _prefill_locally(self, decode: DecodeWorker, batch: PrefillBatch) -> None:
+        """The batch's requests join `decode`'s engine unprefilled, as in the colocated
+        shape; their first tokens come from its steps."""
+        self.pd.dispatched(batch, decode.index)
+        now = self.loop.now
+        for item, commit in zip(batch.requests, batch.kv_blocks_per_request, strict=True):
+            request = self._requests[item.request_id]
+            self.records[request.request_id].prefill_start = now
+            seq = Sequence(
+                list(self._tokens.get(request.request_id, [TOKEN] * request.prompt_len)),
+                self._sampling(request.max_tokens),
+                seq_id=request.request_id,
+                arrival_time=request.arrival,
+            )
+            self.counts["local_prefills"] += 1
+            decode.add_prompt(seq, request.output_len, commit)
+
+    def _first_token(self, seq: Sequence) -> None:
+        record = self.records[seq.seq_id]
+        record.first_token = record.decode_start = self.loop.now
 
     def pick_decode(self) -> DecodeWorker:
         """The decode worker the next batch reserves on: the service's PDScheduler's choice."""

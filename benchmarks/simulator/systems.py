@@ -44,7 +44,8 @@ class SystemConfig:
     """Knobs of the systems beyond the cluster: BucketServe's tenant class and policy, its
     bucket cap and KV accounting; the padding of each disaggregated system (None: its own
     default, `shape` for bucketserve and `longest` for fcfs); the workers' prefix caches,
-    cache-aware placement and the batches a prefill worker takes at once."""
+    cache-aware placement and the batches a prefill worker takes at once; which prompts go
+    to a prefill worker (`remote_prefill`) and whether K/V ships layer by layer."""
 
     offline: bool = False
     policy: str = "sjf"
@@ -55,6 +56,9 @@ class SystemConfig:
     prefix_caching: bool = False
     cache_aware: bool = False
     max_batches_per_prefill: int = 1
+    remote_prefill: str = "always"  # the service's controller.remote_prefill
+    layerwise: bool = False  # K/V leaves each layer as it is computed
+    tpot_target_s: float | None = None  # every request's, which routing may spend
 
     def tenant(self) -> TenantConfig:
         if self.offline:
@@ -103,6 +107,9 @@ def build(name: str, cluster: ClusterConfig, system: SystemConfig | None = None)
             prefix_caching=system.prefix_caching,
             cache_aware=system.cache_aware,
             max_batches_per_prefill=system.max_batches_per_prefill,
+            remote_prefill=system.remote_prefill,
+            layerwise=system.layerwise,
+            tpot_target_s=system.tpot_target_s,
         )
     batcher = FcfsBatcher(
         cluster.max_num_seqs, cluster.model_spec.max_len, system.fcfs_max_batched_tokens

@@ -1,4 +1,4 @@
-"""Dispatch, both deployment shapes: queued requests -> PDScheduler choices -> batches on their
+"""Dispatch, both deployment topologies: queued requests -> PDScheduler choices -> batches on their
 way to a decode worker, through a Handoff (disaggregated) or straight into its engine
 (colocated).
 
@@ -283,6 +283,7 @@ class Dispatcher:
             decode_backlog_tokens=stats.prompt_tokens_to_come if stats else 0,
             decode_running=stats.running if stats else 0,
             step_tokens=self.config.scheduler.max_num_batched_tokens,
+            tpot_slack_s=stats.tpot_slack_s if stats else None,
         )
 
     def pick_decode(self) -> WorkerHandle | None:

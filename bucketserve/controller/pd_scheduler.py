@@ -30,7 +30,7 @@ from bucketserve.controller.prefix_index import PrefixIndex, usable_blocks
 from bucketserve.runtime.core.block_hash import BlockHash
 
 # controller.remote_prefill: per request by cost, every prompt on a prefill worker (the
-# disaggregated shape of old), or none (each decode worker prefills its own, colocated-like)
+# disaggregated topology of old), or none (each decode worker prefills its own, colocated-like)
 PREFILL_PATHS = ("auto", "always", "never")
 
 
@@ -46,7 +46,9 @@ class PathCosts:
     computes it within its steps (at most `step_tokens` prompt tokens a step,
     `decode_token_s` a prompt token; None: priced as on a prefill worker) behind
     `decode_backlog_tokens` queued there; with `decode_running` requests decoding, each
-    step also costs `decode_step_s` and each of them waits for those tokens too."""
+    step also costs `decode_step_s` and each of them waits for those tokens too, beyond
+    `tpot_slack_s` (the least of the seconds their TPOT targets can still absorb; None: no
+    targets, every second waited counts)."""
 
     prefill_token_s: float | None
     prefill_backlog_tokens: float = 0.0
@@ -60,6 +62,7 @@ class PathCosts:
     decode_backlog_tokens: float = 0.0
     decode_running: int = 0
     step_tokens: int = 2048
+    tpot_slack_s: float | None = None
 
     def remote_s(self, tokens: float, backlog: float) -> float:
         """Until the first token of a prompt of `tokens` sent to a prefill worker behind
@@ -76,7 +79,8 @@ class PathCosts:
         if not self.decode_running:  # an idle engine's steps are the prompts alone
             return total * token_s
         steps = math.ceil(total / self.step_tokens)
-        return total * token_s + steps * self.decode_step_s + self.decode_running * tokens * token_s
+        delay = max(0.0, tokens * token_s - (self.tpot_slack_s or 0.0))
+        return total * token_s + steps * self.decode_step_s + self.decode_running * delay
 
 
 class PDScheduler:

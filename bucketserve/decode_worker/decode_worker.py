@@ -33,6 +33,7 @@ from bucketserve.messages import (
 from bucketserve.runtime.core.block_hash import ROOT_HASH, BlockHash
 from bucketserve.runtime.core.outputs import RequestOutput
 from bucketserve.runtime.core.sequence import Sequence as Seq
+from bucketserve.runtime.core.slo_admission import tpot_slacks
 from bucketserve.runtime.engine.llm_engine import LLMEngine
 from bucketserve.runtime.worker.model_runner import ModelRunnerConfig, Shape, UnifiedShape
 from bucketserve.runtime.worker.tensor_parallel.tp_runner import (
@@ -46,7 +47,7 @@ T = TypeVar("T")
 
 class DecodeWorker(KVWorker):
     """Reserve blocks for a prefill batch, receive its KV into them, admit its sequences
-    (`admit_prefilled`); in the colocated shape, its engine prefills the requests itself
+    (`admit_prefilled`); in the colocated topology, its engine prefills the requests itself
     (`admit_prompts`).
 
     A background thread steps the runtime's engine (schedule / submit /
@@ -195,7 +196,8 @@ class DecodeWorker(KVWorker):
             lease = self.leases.open(ids, split, ttl)
             handle = KVBlockHandle(
                 self.name, lease.lease_id, tuple(ids), lease.block_ids, self.kv_format,
-                tuple(cached), self.rank_formats, self.transport.endpoint(),
+                tuple(cached), self.rank_formats,
+                None if self.transport is None else self.transport.endpoint(),
             )  # fmt: skip
             self._handles[lease.lease_id] = handle
         return Reservation(handle, ttl, self.stats())
@@ -387,6 +389,7 @@ class DecodeWorker(KVWorker):
                 tenant_cache=bm.tenant_stats(),
                 prefill_token_s=sched.step_times.prefill_token_s,
                 decode_step_s=sched.step_times.decode_s,
+                tpot_slack_s=self._tpot_slack(),
                 prompt_tokens_to_come=sum(
                     s.num_uncomputed_tokens
                     for s in (*sched.waiting, *sched.running)
@@ -395,6 +398,16 @@ class DecodeWorker(KVWorker):
                 **self.pipeline_stats(),
                 **self.graph_fields(),
             )
+
+    def _tpot_slack(self) -> float | None:
+        """The least of the seconds the running requests' TPOT targets can still absorb
+        (None: none has a target it can meet, or no step was measured)."""
+        sched = self.engine.scheduler
+        decode_s = sched.step_times.decode_s
+        if decode_s is None:
+            return None
+        slacks = tpot_slacks(sched.running, time.monotonic(), decode_s)
+        return min((s for s, _ in slacks), default=None)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (those in use stay with their sequences); how many."""
@@ -575,7 +588,8 @@ class DecodeWorker(KVWorker):
         for blocks in lease.block_ids:  # per request: requests may share cached blocks
             self.block_manager.release(blocks)
         self._handles.pop(lease.lease_id, None)
-        self.transport.drop(lease.lease_id)
+        if self.transport is not None:
+            self.transport.drop(lease.lease_id)
 
     def _check_alive(self) -> None:
         if self._failure is not None:

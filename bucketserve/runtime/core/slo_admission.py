@@ -37,6 +37,31 @@ class StepTimes:
             self.prefill_token_s = moving_average(self.prefill_token_s, per_token, self.alpha)
 
 
+def tpot_slacks(
+    running: Iterable[Sequence],
+    now: float,
+    decode_s: float,
+    committed: float = 0.0,
+    headroom: float = 0.0,
+) -> list[tuple[float, int]]:
+    """(seconds, tokens left) of each running sequence with a TPOT target that can still
+    meet it: the seconds of its decode budget (`tpot_target x (max_tokens - 1)` from its
+    first token, less `headroom`) its remaining decode steps (`decode_s` each) and the
+    `committed` prefill seconds ahead leave over. One below 0 is lost already: left out."""
+    slacks = []
+    for seq in running:
+        target, first = seq.tpot_target, seq.metrics.first_token_time
+        if target is None or first is None:
+            continue
+        total = seq.sampling_params.max_tokens
+        left = total - seq.num_output_tokens
+        budget = (1 - headroom) * target * (total - 1)
+        own = budget - (now - first) - left * decode_s - committed
+        if own >= 0:
+            slacks.append((own, left))
+    return slacks
+
+
 class SloAdmission:
     """Admits a new prompt only if every running sequence with a TPOT target can still meet
     it after paying for that prompt's prefill, and every admitted prompt its TTFT deadline.
@@ -107,17 +132,7 @@ class SloAdmission:
             return self._admit_or_hold(self._keeps_first_tokens(candidate, running, now, backlog))
         assert times.decode_s is not None and times.prefill_token_s is not None
         committed = backlog * times.prefill_token_s  # computed whether or not this one waits
-        slacks = []
-        for seq in running:
-            target, first = seq.tpot_target, seq.metrics.first_token_time
-            if target is None or first is None:
-                continue
-            total = seq.sampling_params.max_tokens
-            left = total - seq.num_output_tokens
-            budget = (1 - self.headroom) * target * (total - 1)
-            own = budget - (now - first) - left * times.decode_s - committed
-            if own >= 0:  # below 0 its target is lost whatever waits: not worth holding for
-                slacks.append((own, left))
+        slacks = tpot_slacks(running, now, times.decode_s, committed, self.headroom)
         prefill = candidate.num_uncomputed_tokens * times.prefill_token_s
         rows = candidate.sampling_params.max_tokens - 1  # the candidate's decode steps
         broken = sum(
