@@ -76,7 +76,7 @@ def controller_config(
         runner=runner,
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
         buckets=dataclasses.replace(buckets, batching=batching),
-        shape="disaggregated",  # what this benchmark measures
+        topology="disaggregated",  # what this benchmark measures
         mode=mode,
         ray_init_kwargs={"log_to_driver": False},
         prefill_placement=PlacementConfig(torch_threads=prefill_threads),

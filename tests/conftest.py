@@ -10,6 +10,24 @@ from typing import Any
 
 import pytest
 
+from tests.worker_threads import share_cores_between_workers
+
+# Under pytest-xdist this process's torch, and what it starts, takes its share of the cores.
+share_cores_between_workers()
+
+# Markers of the tests that take tens of seconds each (real weights, Ray, compiled graphs).
+HEAVY_MARKERS = ("slow", "smollm", "gemma")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files holding a heavy test run first: pytest-xdist (`--dist loadfile`) hands its
+    workers whole files in this order, so the long ones start early and the short ones fill
+    in behind them; in collection order the longest came last and one worker ran them alone.
+    """
+    heavy = {item.path for item in items if any(map(item.get_closest_marker, HEAVY_MARKERS))}
+    items.sort(key=lambda item: item.path not in heavy)  # stable: a file stays in one piece
+
+
 TINY_CONFIG: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,

@@ -1,4 +1,4 @@
-"""bucketserve as 1 prefill + 1 decode Ray actor (the disaggregated shape, KV through Ray's
+"""bucketserve as 1 prefill + 1 decode Ray actor (the disaggregated topology, KV through Ray's
 object store) behind the Controller, as a peer worker; the project's venv.
 
 The Controller's event loop runs on a thread of its own for the worker's life, so its

@@ -1,6 +1,6 @@
 """Offline peer comparison: bucketserve's in-process engine vs vLLM's `LLM.generate`.
 
-`--systems vllm,bucketserve,bucketserve-1p1d` adds the service's disaggregated shape: the
+`--systems vllm,bucketserve,bucketserve-1p1d` adds the service's disaggregated topology: the
 Controller with 1 prefill + 1 decode Ray actor, KV through Ray's object store (every
 other setting the service's default), measured in the same invocation.
 

@@ -86,8 +86,9 @@ def register(subparsers: Any) -> None:
     cmp.add_argument("--execution", choices=("auto", "eager", "graphs"), default="auto",
                      help="the started services' execution mode: graphs compiles one graph per "
                      "shape bucket at warm-up (and so pads, like --padded); auto is eager on CPU")
-    cmp.add_argument("--shape", choices=("colocated", "disaggregated"),
-                     help="the started services' deployment shape (default: the service's)")
+    cmp.add_argument("--topology", "--shape", choices=("colocated", "disaggregated"),
+                     help="the started services' deployment topology (default: the "
+                     "service's; --shape: its old name)")
     cmp.add_argument("--batch-max-wait", type=float, metavar="SECONDS",
                      help="bucketserve's offline batch tenant: its requests go first once they "
                      "waited this long, whatever its priority (default: the tenant default, 30)")
@@ -181,7 +182,7 @@ def _compare(args: argparse.Namespace, config: Any) -> int:
 
     spec = ServiceSpec(model=args.serve_model, max_model_len=args.max_model_len,
                        num_kv_blocks=args.num_kv_blocks, padded=args.padded,
-                       execution=args.execution, shape=args.shape,
+                       execution=args.execution, topology=args.topology,
                        batch_max_wait_s=args.batch_max_wait, decode_pace=args.decode_pace,
                        tpot_slo_s=config.slo.tpot_s, ttft_slo_s=config.slo.ttft_s)
     names = args.systems or ("bucketserve,fcfs" if spec.pads else "bucketserve,fcfs,shape-only")

@@ -9,7 +9,7 @@
   order, as vLLM's scheduler does (`SchedulerConfig.slo_admission` off);
 - `fcfs-slo`: as `fcfs`, with the engines' SLO-aware admission that bucketserve runs, to
   separate what the tenant policies buy from what the admission buys (it acts in the
-  colocated shape, where the engine prefills; a disaggregated decode engine only takes
+  colocated topology, where the engine prefills; a disaggregated decode engine only takes
   prefilled requests);
 - `fcfs-fit`: as `fcfs`, with bucketserve's batch sizing to the warmed batch sizes
   (`BatchingConfig.fit_batch_buckets`), to separate what that alone buys (padded runs only);
@@ -64,7 +64,7 @@ class ServiceSpec:
     mode: str = "local"
     padded: bool = False
     execution: str = "auto"
-    shape: str | None = None  # the controller's default unless set
+    topology: str | None = None  # the controller's default unless set
     batch_max_wait_s: float | None = None  # the batch tenant's aging bound; None: the default
     # every system's ControllerConfig.decode_pace, with every tenant's TPOT target set to
     # `tpot_slo_s` (the bench's), which the pacing keeps
@@ -77,8 +77,8 @@ class ServiceSpec:
             from bucketserve.utils.checks import check_pace
 
             check_pace("--decode-pace", self.decode_pace)
-            if self.shape != "disaggregated":
-                raise ValueError("--decode-pace needs --shape disaggregated: it holds decode "
+            if self.topology != "disaggregated":
+                raise ValueError("--decode-pace needs --topology disaggregated: it holds decode "
                                  "steps for prefill workers' batches")
             if self.tpot_slo_s is None:
                 raise ValueError("ServiceSpec.decode_pace needs tpot_slo_s, the target it keeps")
@@ -116,10 +116,10 @@ def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, 
     padding = True if spec.pads else "auto"
     # graphs: every bucket compiled before serving; eager: one shape is enough
     warmup = "all" if spec.execution == "graphs" else "smallest"
-    shape = {} if spec.shape is None else {"shape": spec.shape}
+    topology = {} if spec.topology is None else {"topology": spec.topology}
     base = ControllerConfig(
         runner=runner, mode=spec.mode, warmup=warmup, pad_to_shape_buckets=padding,
-        decode_pace=spec.decode_pace, **shape,
+        decode_pace=spec.decode_pace, **topology,
     )
     # pacing keeps each request's TPOT target: both systems get the bench's
     targets = {} if spec.decode_pace is None else {"tpot_slo_s": spec.tpot_slo_s}

@@ -1,4 +1,7 @@
-"""Request buckets, shape buckets, tenant policies and memory-safe batching (torch-free)."""
+"""Request buckets, shape buckets, tenant policies and memory-safe batching (torch-free).
+
+"Eq. N" and "Algorithm 1" are [BucketServe]'s, "[Bucketing]" is vllm-gaudi's bucketing document:
+docs/references.md maps each to the function that implements it."""
 
 from bucketserve.bucket_manager.adaptive_buckets import AdaptiveBuckets
 from bucketserve.bucket_manager.batching_controller import BatchingController

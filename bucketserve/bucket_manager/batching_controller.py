@@ -75,7 +75,7 @@ class BatchingController:
         head_dim: int,
         dtype_bytes: int,
     ) -> int:
-        """Eq. 6 in bytes, as the paper writes it: sum(S_i) <= M_safe / (2 L H D B)."""
+        """Eq. 6 in bytes, as [BucketServe] writes it: sum(S_i) <= M_safe / (2 L H D B)."""
         for name, value in (
             ("memory_remain_bytes", memory_remain_bytes),
             ("num_layers", num_layers),

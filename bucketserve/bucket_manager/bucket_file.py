@@ -1,7 +1,7 @@
 """Shape buckets from a file: one `(bs, query, blocks)` spec per line, never evaluated as Python.
 
 Each of the three elements is an integer, a list `[a, b, ...]`, or
-`range(a, b[, step])`, which (as in the bucketing doc) includes b when the
+`range(a, b[, step])`, which (as in [Bucketing]) includes b when the
 steps reach it: `range(256, 512, 128)` is 256, 384, 512. A line yields the
 Cartesian product of its elements. Blank lines and `#` comments are skipped.
 """

@@ -106,7 +106,7 @@ class DecodeShapeConfig:
 class ShapeBucketConfig:
     """Shape buckets `(batch, query, context blocks)` for prompt and decode.
 
-    The defaults are the bucketing doc's start-up examples (36 prompt, 42 decode
+    The defaults are [Bucketing]'s start-up examples (36 prompt, 42 decode
     buckets; 375 unified ones). `file` may instead come from the environment variable
     BUCKETSERVE_BUCKET_FILE; it is read only when `strategy == "file"`.
 

@@ -132,7 +132,7 @@ class ShapeBuckets:
         return PaddedShape(need, True)
 
     def describe(self) -> list[str]:
-        """The configuration and the generated buckets, in the bucketing doc's log format."""
+        """The configuration and the generated buckets, in [Bucketing]'s log format."""
         cfg = self.config
         if cfg.strategy == "file":
             head = [f"Bucket file: {cfg.bucket_file()}"]

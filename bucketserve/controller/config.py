@@ -62,12 +62,12 @@ class ControllerConfig:
     `transport="auto"`: in-process locally; on Ray the device collective
     when every worker sits on CUDA or HPU, else the Ray object store.
     `buckets=None` derives request and shape buckets from the model.
-    `shape="disaggregated"` hands each prefill batch's KV from a prefill worker to a
+    `topology="disaggregated"` hands each prefill batch's KV from a prefill worker to a
     decode worker; `"colocated"` runs no prefill workers: each decode worker's engine
     prefills its batches itself, chunked into its decode steps under the scheduler's
     token budget, so no KV moves and decode never waits behind a whole long prompt.
     The decode engines schedule by priority (`scheduler.scheduling_policy`): a request
-    ranks by its tenant's priority, then its own, so in the colocated shape, where a
+    ranks by its tenant's priority, then its own, so in the colocated topology, where a
     batch joins the engine as soon as the pool has room, tenant priorities still order
     the prompts waiting for the token budget; a prompt past its TTFT deadline yields to
     those on time it would make late, for at most `scheduler.late_yield_s`, which bounds
@@ -96,7 +96,7 @@ class ControllerConfig:
     prefill_kv_blocks: int | None = None
     num_prefill: int = 1
     num_decode: int = 1
-    shape: str = "colocated"  # one machine: no KV moves, prefill never waits for a device
+    topology: str = "colocated"  # one machine: no KV moves, prefill never waits for a device
     mode: str = "ray"
     transport: str = "auto"
     ray_address: str | None = None
@@ -132,8 +132,8 @@ class ControllerConfig:
         if self.colocated and self.decode_pace is not None:
             raise ValueError(
                 "ControllerConfig.decode_pace holds decode steps for a prefill worker's "
-                "batches; the colocated shape has none (its engine prefills within its "
-                "steps): leave decode_pace out or use shape 'disaggregated'"
+                "batches; the colocated topology has none (its engine prefills within its "
+                "steps): leave decode_pace out or use topology 'disaggregated'"
             )
         for key, why in (
             ("pipeline_parallel_size", "stage i hands the KV of its layers to decode stage i, "
@@ -153,12 +153,12 @@ class ControllerConfig:
             if tp > 1 and not self.colocated and self.placement(role).pipeline_parallel_size > 1:
                 raise ValueError(
                     f"controller.{role}: tensor_parallel_size and pipeline_parallel_size > 1 "
-                    "in the disaggregated shape: stage groups hand KV over through their "
+                    "in the disaggregated topology: stage groups hand KV over through their "
                     "heads, which hold only rank 0's KV heads; set one of them to 1"
                 )
             if tp > 1 and not self.colocated and self.mode == "local":
                 raise ValueError(
-                    f"controller.{role}.tensor_parallel_size {tp} in the disaggregated shape "
+                    f"controller.{role}.tensor_parallel_size {tp} in the disaggregated topology "
                     "needs mode 'ray': in local mode a worker's ranks are its child "
                     "processes, which no KV transport reaches"
                 )
@@ -172,7 +172,7 @@ class ControllerConfig:
 
     @property
     def colocated(self) -> bool:
-        return self.shape == "colocated"
+        return self.topology == "colocated"
 
     @property
     def num_prefill_workers(self) -> int:

@@ -19,7 +19,7 @@ class DecodeWorkerConfig(WorkerConfig):
     config key) for acknowledgements that come too late (the first `admit_delay_count` of
     them; 0 means every one). A step running longer than `stall_timeout_s`
     makes every later call fail: the worker is hung and gets restarted.
-    `prefills`: the colocated shape, where this worker's engine also prefills, so in
+    `prefills`: the colocated topology, where this worker's engine also prefills, so in
     graphs mode its warm-up compiles the prompt buckets too.
     `pace`: while a prefill batch for this worker is in flight (a lease is open), a step
     waits until a running sequence would otherwise get its next token later than this

@@ -328,7 +328,7 @@ def _controller(s: ServeSettings, runner: ModelRunnerConfig) -> ControllerConfig
             prefill_kv_blocks=prefill.kv_blocks,
             num_prefill=prefill.num_workers,
             num_decode=decode.num_workers,
-            shape=c.shape,
+            topology=c.topology,
             remote_prefill=c.remote_prefill,
             mode=c.mode,
             transport=c.transport,

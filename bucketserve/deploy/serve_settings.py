@@ -8,6 +8,7 @@ manager's configs from a validated `ServeSettings`.
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -19,6 +20,8 @@ from bucketserve.gateway.gateway_config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_P
 from bucketserve.gateway.tenant_spec import TenantSettings
 from bucketserve.runtime.core.sampling_params import MAX_LOGPROBS, MAX_N
 from bucketserve.utils.settings import Settings, SettingsError
+
+logger = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "cuda", "cuda:<i>", "hpu")
 Execution = Literal["auto", "eager", "graphs"]
@@ -90,7 +93,7 @@ class PlacementSettings(Settings):
     """How many workers of one role, and where their Ray actors go."""
 
     num_workers: int = Field(1, ge=1)
-    """Workers of this role (the colocated shape starts no prefill workers)."""
+    """Workers of this role (the colocated topology starts no prefill workers)."""
     accelerator: Literal["auto", "hpu", "gpu", "none"] = "auto"
     """A card per actor: hpu (resources HPU: 1), gpu (num_gpus 1), none, or auto: the card
     the cluster has."""
@@ -108,7 +111,7 @@ class PlacementSettings(Settings):
     tensor_parallel_size: int = Field(1, ge=1)
     """Ranks per worker, each layer sharded over them: a Ray actor per rank, one card each,
     in one placement group (packed as stage_packing says); with pipeline_parallel_size > 1
-    each stage is a group of that many ranks (colocated shape only). In the disaggregated
+    each stage is a group of that many ranks (colocated topology only). In the disaggregated
     shape it needs mode ray and the same size for prefill and decode."""
     stage_packing: Literal["PACK", "STRICT_PACK"] = "PACK"
     """How a worker's stage actors (or tensor-parallel ranks) are placed: PACK (one node
@@ -136,7 +139,7 @@ class DecodeSettings(PlacementSettings):
     max_num_batched_tokens: int = Field(2048, ge=1)
     """Tokens of one engine step."""
     enable_chunked_prefill: bool = True
-    """Prefill a long prompt over several steps (the colocated shape, and recomputing a
+    """Prefill a long prompt over several steps (the colocated topology, and recomputing a
     preempted sequence)."""
     long_prefill_token_threshold: int = Field(512, ge=0)
     """A prompt with more tokens than this left to compute is long: it computes at most
@@ -159,10 +162,11 @@ class DecodeSettings(PlacementSettings):
 
 
 class ControllerSettings(Settings):
-    shape: Literal["disaggregated", "colocated"] = "colocated"
+    topology: Literal["disaggregated", "colocated"] = "colocated"
     """disaggregated: prefill workers hand KV to decode workers (separate cards);
     colocated: no prefill workers, each decode worker prefills in chunks within its steps
-    (one machine or one card)."""
+    (one machine or one card). Named `shape` before: that key is read, with a warning,
+    until 0.2."""
     remote_prefill: Literal["auto", "always", "never"] = "auto"
     """disaggregated: auto sends each request to a prefill worker or lets its decode worker
     prefill it, whichever is cheaper now (its uncached tokens, each side's queue, the
@@ -196,9 +200,26 @@ class ControllerSettings(Settings):
     """Which shape buckets to compile at start (auto: all when padding, else the
     smallest)."""
     prefill: PrefillSettings = PrefillSettings()
-    """The prefill workers (the disaggregated shape starts them) and where they go."""
+    """The prefill workers (the disaggregated topology starts them) and where they go."""
     decode: DecodeSettings = DecodeSettings()
     """The decode workers, their continuous-batching engines and where they go."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shape_is_topology(cls, data: Any) -> Any:
+        """`shape`, the key's old name: read as `topology`, with a warning, until 0.2."""
+        if not isinstance(data, dict) or "shape" not in data:
+            return data
+        if "topology" in data:
+            raise SettingsError(
+                "shape", "is the old name of controller.topology: give only topology"
+            )
+        logger.warning(
+            "controller.shape is deprecated: write controller.topology (shape is read until 0.2)"
+        )
+        data = dict(data)
+        data["topology"] = data.pop("shape")
+        return data
 
     @model_validator(mode="after")
     def _local_has_no_ray(self) -> ControllerSettings:
@@ -212,33 +233,33 @@ class ControllerSettings(Settings):
 
     @model_validator(mode="after")
     def _tensor_parallel(self) -> ControllerSettings:
-        roles = ("decode",) if self.shape == "colocated" else ("prefill", "decode")
+        roles = ("decode",) if self.topology == "colocated" else ("prefill", "decode")
         for role in roles:
             settings = getattr(self, role)
             tp, pp = settings.tensor_parallel_size, settings.pipeline_parallel_size
-            if tp > 1 and self.shape == "disaggregated" and pp > 1:
+            if tp > 1 and self.topology == "disaggregated" and pp > 1:
                 raise SettingsError(
                     f"{role}.tensor_parallel_size",
                     f"tensor_parallel_size {tp} with pipeline_parallel_size {pp} in the "
-                    "disaggregated shape: stage groups hand KV over through their heads, "
+                    "disaggregated topology: stage groups hand KV over through their heads, "
                     "which hold only rank 0's KV heads; set one of them to 1 or use "
-                    "controller.shape: colocated",
+                    "controller.topology: colocated",
                 )
-            if tp > 1 and self.shape == "disaggregated" and self.mode == "local":
+            if tp > 1 and self.topology == "disaggregated" and self.mode == "local":
                 raise SettingsError(
                     f"{role}.tensor_parallel_size",
-                    f"tensor_parallel_size {tp} in the disaggregated shape needs "
+                    f"tensor_parallel_size {tp} in the disaggregated topology needs "
                     "controller.mode: ray (in local mode a worker's ranks are its child "
                     "processes, which no KV transport reaches)",
                 )
         prefill, decode = self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size
-        if self.shape == "disaggregated" and prefill != decode:
+        if self.topology == "disaggregated" and prefill != decode:
             raise SettingsError(
                 "decode.tensor_parallel_size",
                 f"controller.prefill.tensor_parallel_size {prefill} and "
                 f"controller.decode.tensor_parallel_size {decode} differ: each prefill rank "
                 "hands its KV heads to the decode rank of the same index, so set both to "
-                f"{prefill} or both to {decode} (or use controller.shape: colocated)",
+                f"{prefill} or both to {decode} (or use controller.topology: colocated)",
             )
         return self
 
@@ -412,7 +433,7 @@ class ServeSettings(Settings):
     kv_cache: KVCacheSettings = KVCacheSettings()
     """Each worker's paged KV cache."""
     controller: ControllerSettings = ControllerSettings()
-    """The deployment shape, the workers and how the controller looks after them."""
+    """The deployment topology, the workers and how the controller looks after them."""
     buckets: BucketsSettings = BucketsSettings()
     """Shape buckets (the compiled shapes batches pad to) and request buckets (Algorithm 1:
     prompt-length ranges that split under load and merge when it drops)."""

@@ -52,6 +52,7 @@ _OPTIONAL_SAMPLING = (
     "logprobs",
     "n",
     "prompt_logprobs",
+    "skip_special_tokens",
 )
 _PROMPT_KINDS = ("text", "token_ids", "chat")
 # StructuredOutputs' oneof <-> StructuredOutputsParams' fields
@@ -176,7 +177,10 @@ def _structured_from(so: pb.StructuredOutputs) -> dict[str, Any]:
     value: Any = getattr(so, kind)
     if kind == "choice":
         value = list(value.choices)
-    return {_STRUCTURED[kind]: value, "disable_any_whitespace": so.disable_any_whitespace}
+    out = {_STRUCTURED[kind]: value, "disable_any_whitespace": so.disable_any_whitespace}
+    if so.HasField("whitespace_pattern"):
+        out["whitespace_pattern"] = so.whitespace_pattern
+    return out
 
 
 def delta_to_response(delta: StreamDelta, cancel_reason: str | None = None) -> pb.GenerateResponse:
@@ -320,6 +324,8 @@ def _write_structured(out: pb.StructuredOutputs, spec: Any) -> None:
     """`spec`: a StructuredOutputsParams or its fields as a dict."""
     fields = spec if isinstance(spec, dict) else dataclasses.asdict(spec)
     out.disable_any_whitespace = bool(fields.get("disable_any_whitespace"))
+    if fields.get("whitespace_pattern") is not None:
+        out.whitespace_pattern = fields["whitespace_pattern"]
     for kind, name in _STRUCTURED.items():
         value = fields.get(name)
         if value is None or value is False:

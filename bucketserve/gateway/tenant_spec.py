@@ -43,9 +43,6 @@ class TenantSpec:
             return None
         return self.token_burst or max(1.0, BURST_SECONDS * self.token_rate_limit)
 
-    def has_key(self, key_hash: str) -> bool:
-        return key_hash in self.api_key_hashes
-
     @property
     def demo_keys(self) -> list[str]:
         """The published demo keys this tenant accepts."""

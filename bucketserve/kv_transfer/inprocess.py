@@ -28,9 +28,6 @@ class InProcessTransport(KVTransport):
     def register(self, name: str, receiver: KVReceiver) -> None:
         self._receivers[name] = receiver
 
-    def unregister(self, name: str) -> None:
-        self._receivers.pop(name, None)
-
     def sender(self, handle: KVBlockHandle, src_format: KVFormat) -> KVSender:
         receiver = self._receivers.get(handle.decode_worker)
         if receiver is None:

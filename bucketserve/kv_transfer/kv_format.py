@@ -166,6 +166,3 @@ class KVBlockHandle:
     @property
     def num_transfer_blocks(self) -> int:
         return self.num_blocks - sum(self.num_cached_blocks)
-
-    def blocks_of(self, request_id: str) -> tuple[int, ...]:
-        return self.block_ids[self.request_ids.index(request_id)]

@@ -59,7 +59,7 @@ def test_the_three_systems_differ_only_in_buckets_policies_and_padding(
 
 def test_decode_pace_paces_both_systems_to_the_same_tpot_target(tiny_model_dir: Path) -> None:
     spec = ServiceSpec(model=str(tiny_model_dir), max_model_len=256, block_size=4,
-                       shape="disaggregated")
+                       topology="disaggregated")
     plain, _, _ = system_setup("fcfs", spec)
     assert plain.decode_pace is None and plain.buckets.tenants[0].tpot_slo_s is None
     paced = dataclasses.replace(spec, decode_pace=0.8, tpot_slo_s=0.25)
@@ -67,8 +67,8 @@ def test_decode_pace_paces_both_systems_to_the_same_tpot_target(tiny_model_dir: 
         config, _, _ = system_setup(name, paced)
         assert config.decode_pace == 0.8
         assert {t.tpot_slo_s for t in config.buckets.tenants} == {0.25}
-    with pytest.raises(ValueError, match="--decode-pace needs --shape disaggregated"):
-        dataclasses.replace(paced, shape="colocated")
+    with pytest.raises(ValueError, match="--decode-pace needs --topology disaggregated"):
+        dataclasses.replace(paced, topology="colocated")
     with pytest.raises(ValueError, match=r"--decode-pace must be null .* in \(0, 1\]"):
         dataclasses.replace(paced, decode_pace=2.0)
 
@@ -93,14 +93,15 @@ def test_padded_pads_every_system_and_refuses_shape_only(tiny_model_dir: Path) -
 
 def test_graphs_execution_compiles_every_bucket_in_every_system(tiny_model_dir: Path) -> None:
     spec = ServiceSpec(model=str(tiny_model_dir), max_model_len=256, block_size=4,
-                       execution="graphs", shape="disaggregated")
+                       execution="graphs", topology="disaggregated")
     for name in ("bucketserve", "fcfs"):
         config, _, _ = system_setup(name, spec)
-        assert config.runner.execution == "graphs" and config.shape == "disaggregated"
+        assert config.runner.execution == "graphs" and config.topology == "disaggregated"
         assert config.warmup == "all" and config.pad_to_shape_buckets is True
     assert spec.start_timeout_s > ServiceSpec().start_timeout_s
     eager, _, _ = system_setup("fcfs", ServiceSpec(model=str(tiny_model_dir), max_model_len=256))
-    assert (eager.runner.execution, eager.warmup, eager.shape) == ("auto", "smallest", "colocated")
+    assert (eager.runner.execution, eager.warmup) == ("auto", "smallest")
+    assert eager.topology == "colocated"
     with pytest.raises(ValueError, match=r"with --execution graphs .* shape-only is fcfs"):
         Comparison(BenchConfig(), spec, ("bucketserve", "shape-only"))
 

@@ -16,7 +16,7 @@ def _no_user_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_lone_colocated_worker_spins_as_long_as_libgomp_would() -> None:
-    config = ControllerConfig(shape="colocated", num_decode=1)
+    config = ControllerConfig(topology="colocated", num_decode=1)
     assert not config.shares_cores and config.omp_spins("decode")
     assert omp_env(2, config.omp_spins("decode")) == {
         "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "300000"
@@ -24,7 +24,7 @@ def test_a_lone_colocated_worker_spins_as_long_as_libgomp_would() -> None:
 
 
 def test_sharing_cores_only_the_single_decode_pool_spins() -> None:
-    config = ControllerConfig(shape="disaggregated")  # 1 prefill + 1 decode, unpinned
+    config = ControllerConfig(topology="disaggregated")  # 1 prefill + 1 decode, unpinned
     assert config.shares_cores
     assert config.omp_spins("decode") and not config.omp_spins("prefill")
     assert omp_env(2, config.omp_spins("prefill")) == {
@@ -35,10 +35,10 @@ def test_sharing_cores_only_the_single_decode_pool_spins() -> None:
 @pytest.mark.parametrize(
     "config",
     [
-        ControllerConfig(shape="disaggregated", num_decode=2),
-        ControllerConfig(shape="colocated", num_decode=2),
+        ControllerConfig(topology="disaggregated", num_decode=2),
+        ControllerConfig(topology="colocated", num_decode=2),
         ControllerConfig(
-            shape="colocated", decode_placement=PlacementConfig(pipeline_parallel_size=2)
+            topology="colocated", decode_placement=PlacementConfig(pipeline_parallel_size=2)
         ),
     ],
 )
@@ -49,7 +49,7 @@ def test_several_decode_pools_sharing_cores_wait_passively(config: ControllerCon
 
 def test_pinned_roles_do_not_share() -> None:
     config = ControllerConfig(
-        shape="disaggregated",
+        topology="disaggregated",
         prefill_placement=PlacementConfig(cpus=[0]),
         decode_placement=PlacementConfig(cpus=[1]),
     )

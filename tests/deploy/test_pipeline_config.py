@@ -15,7 +15,7 @@ def test_the_yaml_sets_stages_per_role(tiny_model_dir: Path) -> None:
     config = ServeConfig.from_dict({
         "model": {"path": str(tiny_model_dir)},
         "controller": {
-            "shape": "disaggregated",
+            "topology": "disaggregated",
             "prefill": {"pipeline_parallel_size": 2, "stage_packing": "STRICT_PACK"},
             "decode": {"pipeline_parallel_size": 2},
         },
@@ -32,7 +32,7 @@ def test_unequal_prefill_and_decode_stages_are_refused_naming_both_keys(
     data = {
         "model": {"path": str(tiny_model_dir)},
         "controller": {
-            "shape": "disaggregated",
+            "topology": "disaggregated",
             "prefill": {"pipeline_parallel_size": 2},
             "decode": {"pipeline_parallel_size": 3},
         },
@@ -45,13 +45,13 @@ def test_unequal_prefill_and_decode_stages_are_refused_naming_both_keys(
         ServeConfig.from_dict(data)
     with pytest.raises(ValueError, match=both):
         ControllerConfig(
-            shape="disaggregated",
+            topology="disaggregated",
             prefill_placement=PlacementConfig(pipeline_parallel_size=2),
             decode_placement=PlacementConfig(pipeline_parallel_size=3),
         )
     # colocated runs no prefill workers: only the decode groups' stages count
     ControllerConfig(
-        shape="colocated",
+        topology="colocated",
         prefill_placement=PlacementConfig(pipeline_parallel_size=2),
         decode_placement=PlacementConfig(pipeline_parallel_size=3),
     )

@@ -48,7 +48,7 @@ def test_the_yaml_lands_in_the_typed_configs(tmp_path: Path, tiny_model_dir: Pat
         "kv_cache": {"block_size": 8, "memory_fraction": 0.5, "num_blocks": 300},
         "controller": {
             "ray_address": "auto",
-            "shape": "disaggregated",
+            "topology": "disaggregated",
             "prefill": {"num_workers": 2, "accelerator": "hpu", "resources": {"p": 1},
                         "kv_blocks": 40},
             "decode": {"num_workers": 3, "accelerator": "hpu", "max_num_seqs": 32,
@@ -72,7 +72,7 @@ def test_the_yaml_lands_in_the_typed_configs(tmp_path: Path, tiny_model_dir: Pat
     assert controller.prefill_placement.resources == {"p": 1}
     assert controller.decode_placement.accelerator == "hpu"
     assert (controller.scheduler.max_num_seqs, controller.pipeline_depth) == (32, 2)
-    assert (controller.shape, controller.decode_pace) == ("disaggregated", 0.8)
+    assert (controller.topology, controller.decode_pace) == ("disaggregated", 0.8)
     assert (controller.mode, controller.ray_address) == ("ray", "auto")
     buckets = controller.buckets
     assert (buckets.request_buckets.theta, buckets.request_buckets.max_len) == (0.7, 256)
@@ -192,7 +192,7 @@ BROKEN = [
     ({"controller": {"decode": {"slo_hold_fraction": 0.5}}},
      "controller.decode.slo_hold_fraction", "unknown key 'slo_hold_fraction'"),
     ({"controller": {"decode": {"pace": 0.8}}},
-     "controller.decode.pace", "the colocated shape has none"),
+     "controller.decode.pace", "the colocated topology has none"),
     ({"controller": {"mode": "local", "transport": "ray"}},
      "controller.transport", "mode 'local' keeps every worker in this process"),
     ({"controller": {"prefill": {"stage_packing": "SPREAD"}}},
@@ -203,14 +203,15 @@ BROKEN = [
      "controller.pad_to_shape_buckets", "must be 'auto' or true or false, got a string 'yes'"),
     ({"controller": {"prefill": {"resources": {"HPU": "one"}}}},
      "controller.prefill.resources", "a mapping of names to numbers"),
-    ({"controller": {"shape": "disaggregated", "decode": {"num_workers": 3, "accelerator": "hpu"},
+    ({"controller": {"topology": "disaggregated",
+                     "decode": {"num_workers": 3, "accelerator": "hpu"},
                      "prefill": {"num_workers": 2, "accelerator": "hpu"}}, **HPU_CLUSTER},
      "controller.decode.num_workers", "need 5 HPU but cluster.resources.HPU is 4"),
     ({"controller": {"decode": {"num_workers": 2, "accelerator": "hpu",
                                 "tensor_parallel_size": 2, "pipeline_parallel_size": 2}},
       **HPU_CLUSTER},
      "controller.decode.num_workers", "need 8 HPU but cluster.resources.HPU is 4"),
-    ({"controller": {"shape": "disaggregated", "prefill": {"num_workers": 5}}, **HPU_CLUSTER},
+    ({"controller": {"topology": "disaggregated", "prefill": {"num_workers": 5}}, **HPU_CLUSTER},
      "controller.prefill.num_workers", "at most 4 prefill workers"),
     ({"model": {"device": "hpu"}, "controller": {"prefill": {"accelerator": "gpu"}}},
      "controller.prefill.accelerator", "must be 'auto' or 'hpu'"),
@@ -256,7 +257,10 @@ BROKEN = [
     ({"tenants": [{"name": "a"}, {"name": "b", "api_keys": ["k"]}]},
      "tenants", "tenant 'a' has no api_keys"),
     ({"cluster": {"resources": {"HPU": -1}}}, "cluster.resources.HPU", ">= 0"),
-    ({"controller": {"shape": "collocated"}}, "controller.shape", "'colocated'"),
+    ({"controller": {"topology": "collocated"}}, "controller.topology", "'colocated'"),
+    ({"controller": {"shape": "colocated", "topology": "colocated"}}, "controller.shape",
+     "old name of controller.topology: give only topology"),
+    ({"controller": {"shape": "collocated"}}, "controller.topology", "'colocated'"),
     ({"controller": {"worker_timeout_s": 0}}, "controller.worker_timeout_s",
      "must be a number > 0, got 0"),
     ({"controller": {"decode": {"cpus": [1, 1]}}}, "controller.decode.cpus", "distinct core ids"),
@@ -268,7 +272,7 @@ BROKEN = [
 def test_cores_partitioned_between_the_roles_pin_each_actor_and_size_its_pool(
     tmp_path: Path,
 ) -> None:
-    path = write(tmp_path, {"controller": {"shape": "disaggregated",
+    path = write(tmp_path, {"controller": {"topology": "disaggregated",
                                            "prefill": {"cpus": [0]}, "decode": {"cpus": [1]}}})
     controller = ServeConfig.load(path).controller
     assert (controller.cpus("prefill"), controller.cpus("decode")) == ([0], [1])
@@ -284,6 +288,14 @@ def test_pin_cpus_keeps_the_process_on_those_cores() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[0]"
+
+
+def test_the_old_key_shape_is_read_as_topology_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write(tmp_path, {"controller": {"shape": "disaggregated"}})
+    assert ServeConfig.load(path).controller.topology == "disaggregated"
+    assert "controller.shape is deprecated: write controller.topology" in caplog.text
 
 
 @pytest.mark.parametrize(("data", "key", "allowed"), BROKEN,

@@ -64,7 +64,7 @@ def test_serve_joins_the_cluster_and_places_workers_by_resources(
         "model": {"path": str(tiny_model_dir)},
         "kv_cache": {"block_size": 4, "num_blocks": 128},
         "controller": {
-            "shape": "disaggregated",
+            "topology": "disaggregated",
             "prefill": {**pinned, "resources": {"prefill_node": 1}},
             "decode": {**pinned, "resources": {"decode_node": 1}},
         },

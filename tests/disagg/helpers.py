@@ -11,6 +11,7 @@ from typing import Any
 
 from bucketserve.messages import ServeRequest, StreamDelta
 from bucketserve.runtime.core.sampling_params import SamplingParams
+from tests.worker_threads import worker_threads
 
 BLOCK_SIZE = 4
 NUM_KV_BLOCKS = 256
@@ -38,7 +39,9 @@ def reference_outputs(model_dir: Path, work: list[tuple[list[int], SamplingParam
 
 
 def controller_config(model_dir: Path, **options: Any) -> Any:
-    from bucketserve.controller.config import ControllerConfig
+    """The tiny model's service; each Ray actor's intra-op pool is this test process's share
+    of the cores (`worker_threads`) unless a placement says."""
+    from bucketserve.controller.config import ControllerConfig, PlacementConfig
     from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 
     runner = ModelRunnerConfig(
@@ -46,8 +49,12 @@ def controller_config(model_dir: Path, **options: Any) -> Any:
     )
     # the handoff is what these tests are about: every prompt goes to a prefill worker
     options = {
-        "stats_interval_s": 0.2, "shape": "disaggregated", "remote_prefill": "always", **options
+        "stats_interval_s": 0.2, "topology": "disaggregated", "remote_prefill": "always", **options
     }
+    for role in ("prefill_placement", "decode_placement"):
+        placement = options.get(role, PlacementConfig())
+        if placement.torch_threads is None:
+            options[role] = dataclasses.replace(placement, torch_threads=worker_threads())
     return ControllerConfig(runner=runner, **options)
 
 

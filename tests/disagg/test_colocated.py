@@ -1,4 +1,4 @@
-"""The colocated shape: no prefill workers; each decode worker's engine prefills its batches
+"""The colocated topology: no prefill workers; each decode worker's engine prefills its batches
 within its decode steps (chunked under the token budget), no KV moves."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tests.disagg.helpers import (
 
 
 async def started(model_dir: Path, **options: Any) -> Controller:
-    config = controller_config(model_dir, mode="local", shape="colocated", **options)
+    config = controller_config(model_dir, mode="local", topology="colocated", **options)
     controller = Controller(config)
     await controller.start()
     return controller
@@ -85,7 +85,7 @@ def test_a_burst_that_fits_the_pool_waits_in_no_queue(tiny_model_dir: Path, work
     the first dispatch round: queue depth 0 while free blocks remain."""
 
     async def main() -> None:
-        config = controller_config(tiny_model_dir, mode="local", shape="colocated")
+        config = controller_config(tiny_model_dir, mode="local", topology="colocated")
         controller = Controller(dataclasses.replace(config, buckets=small_batches(64)))
         await controller.start()
         try:
@@ -123,7 +123,7 @@ def test_a_higher_priority_tenant_overtakes_the_engine_queue(
     async def main() -> list[str]:
         one_at_a_time = SchedulerConfig(max_num_seqs=1, scheduling_policy=policy)
         config = controller_config(
-            tiny_model_dir, mode="local", shape="colocated", scheduler=one_at_a_time
+            tiny_model_dir, mode="local", topology="colocated", scheduler=one_at_a_time
         )
         config = with_tenants(config, [TenantConfig("chat"), TenantConfig("batch", priority=1)])
         controller = Controller(config)
@@ -164,9 +164,9 @@ def _request(request_id: str, prompt: list[int], params: Any) -> Any:
     return ServeRequest(request_id, list(prompt), params)
 
 
-@pytest.mark.parametrize("shape", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("topology", ["colocated", "disaggregated"])
 def test_n_samples_end_with_an_error_when_their_decode_worker_dies(
-    tiny_model_dir: Path, shape: str
+    tiny_model_dir: Path, topology: str
 ) -> None:
     """A request of n > 1 samples that streamed tokens is not re-prefilled: every sample
     ends, with an error, and the pools drain."""
@@ -174,7 +174,7 @@ def test_n_samples_end_with_an_error_when_their_decode_worker_dies(
     from bucketserve.runtime.core.sampling_params import SamplingParams
 
     async def main() -> None:
-        config = controller_config(tiny_model_dir, mode="local", shape=shape)
+        config = controller_config(tiny_model_dir, mode="local", topology=topology)
         controller = Controller(config)
         await controller.start()
         try:

@@ -60,14 +60,14 @@ def test_nothing_waits_with_a_sequence_waiting_or_none_running() -> None:
 @pytest.mark.parametrize("pace", [0, 1.5, True, "0.8"])
 def test_a_pace_outside_0_1_is_refused_with_what_to_set(pace: object) -> None:
     with pytest.raises(ValueError, match=r"decode_pace must be null .* in \(0, 1\]"):
-        ControllerConfig(shape="disaggregated", decode_pace=pace)
+        ControllerConfig(topology="disaggregated", decode_pace=pace)
     with pytest.raises(ValueError, match=r"DecodeWorkerConfig.pace must be null"):
         DecodeWorkerConfig(pace=pace)
 
 
-def test_the_colocated_shape_refuses_decode_pace() -> None:
-    with pytest.raises(ValueError, match=r"colocated shape has none .* shape 'disaggregated'"):
-        ControllerConfig(shape="colocated", decode_pace=0.8)
+def test_the_colocated_topology_refuses_decode_pace() -> None:
+    with pytest.raises(ValueError, match=r"colocated topology has none .* 'disaggregated'"):
+        ControllerConfig(topology="colocated", decode_pace=0.8)
 
 
 TPOT = 0.3

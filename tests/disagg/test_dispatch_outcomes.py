@@ -37,7 +37,7 @@ class DeadHandle(WorkerHandle):
 
 
 def controller(model_dir: Path) -> Controller:
-    return Controller(controller_config(model_dir, mode="local", shape="colocated"))
+    return Controller(controller_config(model_dir, mode="local", topology="colocated"))
 
 
 def state(request_id: str, controller: Controller) -> RequestState:

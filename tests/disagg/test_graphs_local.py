@@ -16,23 +16,25 @@ from bucketserve.controller.controller import Controller
 from bucketserve.gateway.metrics import _service_metrics
 from tests.disagg.helpers import controller_config, serve_and_drain, small_batches
 
-# the decode batch's blocks in all: 128 (one full 512-token sequence) and 384 (16 rows of
-# the workload's longest, 84 tokens); a row holds at most 128, so (1|2, 1, 384) are not warmed
-BUCKET_BLOCKS = BucketRange(128, 128, 384, 2)
+PROMPT_ROWS = BucketRange(4, 4, 4, 1)
+# One decode bucket: 16 rows (the whole workload), 384 blocks in all (16 rows of its longest,
+# 84 tokens, take 336): every decode batch fits it.
+DECODE = DecodeShapeConfig(bs=BucketRange(16, 16, 16, 1), blocks=BucketRange(384, 128, 384, 1))
 
 
-def few_buckets():
-    """3 prompt buckets (batch 1, 2, 4 x query 64) and 8 decode buckets (batch 1..16 x 128
-    or 384 blocks in all): the workload's batches all fit, and warm-up stays short."""
+def few_buckets(prompt_rows: BucketRange = PROMPT_ROWS):
+    """Prompt buckets of `prompt_rows` x query 64 (a prefill batch holds at most 4 of the
+    workload's prompts, each under 64 tokens) and the decode bucket: every batch fits a
+    bucket, and warm-up compiles no more (a cold inductor cache takes seconds a shape)."""
     buckets = small_batches(4)
     shapes = dataclasses.replace(
         buckets.shape_buckets,
         prompt=PromptShapeConfig(
-            bs=BucketRange(1, 1, 4, 3),
+            bs=prompt_rows,
             query=BucketRange(64, 64, 64, 1),
             ctx=BucketRange(0, 1, 0, 1),
         ),
-        decode=DecodeShapeConfig(bs=BucketRange(1, 1, 16, 5), blocks=BUCKET_BLOCKS),
+        decode=DECODE,
     )
     return dataclasses.replace(buckets, shape_buckets=shapes)
 
@@ -50,20 +52,21 @@ def test_graphs_mode_1p1d_matches_the_engine(
         await controller.start()
         infos = controller.pool.infos
         assert infos["prefill-0"]["execution"] == "graphs" and infos["prefill-0"]["padding"]
-        assert len(infos["prefill-0"]["shapes"]) == 3 and len(infos["decode-0"]["shapes"]) == 8
+        assert [tuple(s) for s in infos["prefill-0"]["shapes"]] == [(4, 64, 16)]
+        assert [tuple(s) for s in infos["decode-0"]["shapes"]] == [(16, 1, 384)]
         warmed = counters["stats"]["unique_graphs"]
         outputs, stats = await serve_and_drain(controller, work, "graphs")
         assert outputs == reference
         assert counters["stats"]["unique_graphs"] == warmed  # nothing compiled while serving
         for w in stats.workers:
             assert (w.execution, w.graph_misses, w.kv_export) == ("graphs", 0, "per_layer")
-            assert w.graphs == (3 if w.role == "prefill" else 8) and w.graph_compile_s > 0
+            assert w.graphs == 1 and w.graph_compile_s > 0
         text = "\n".join(str(m) for m in _service_metrics(stats))
         assert "bucketserve:graph_compile_seconds" in text
 
     asyncio.run(main())
-    assert "prefill-0: [warm-up][prompt][3/3]" in caplog.text
-    assert "decode-0: warmed 8 of 8 decode shapes" in caplog.text
+    assert "prefill-0: [warm-up][prompt][1/1]" in caplog.text
+    assert "decode-0: warmed 1 of 1 decode shapes" in caplog.text
 
 
 @pytest.mark.slow
@@ -72,29 +75,24 @@ def test_colocated_graphs_mode_compiles_prompt_and_decode_buckets_at_warmup(
 ) -> None:
     """The colocated worker prefills too, so its warm-up compiles the prompt buckets beside
     the decode ones; its engine then serves the burst (all 16 prompts in one step: up to 8
-    rows of one query level) without compiling anything."""
+    rows of one query level, each padded to 4 or 16 rows) without compiling anything."""
     caplog.set_level(logging.INFO, logger="bucketserve.kv_worker.kv_worker")
-    buckets = few_buckets()
-    prompt = dataclasses.replace(buckets.shape_buckets.prompt, bs=BucketRange(1, 1, 16, 5))
-    buckets = dataclasses.replace(
-        buckets, shape_buckets=dataclasses.replace(buckets.shape_buckets, prompt=prompt)
-    )
-    config = controller_config(tiny_model_dir, mode="local", shape="colocated", buckets=buckets)
+    buckets = few_buckets(prompt_rows=BucketRange(4, 4, 16, 2))
+    config = controller_config(tiny_model_dir, mode="local", topology="colocated", buckets=buckets)
     config.runner = dataclasses.replace(config.runner, execution="graphs")
 
     async def main() -> None:
         controller = Controller(config)
         await controller.start()
         shapes = controller.pool.infos["decode-0"]["shapes"]
-        assert [tuple(s) for s in shapes[:5]] == [(b, 64, 16) for b in (1, 2, 4, 8, 16)]
-        assert len(shapes) == 5 + 8
+        assert [tuple(s) for s in shapes] == [(4, 64, 16), (16, 64, 16), (16, 1, 384)]
         warmed = counters["stats"]["unique_graphs"]
         outputs, stats = await serve_and_drain(controller, work, "colocated-graphs")
         assert outputs == reference
         assert counters["stats"]["unique_graphs"] == warmed  # nothing compiled while serving
         (worker,) = stats.workers
-        assert (worker.execution, worker.graph_misses, worker.graphs) == ("graphs", 0, 13)
+        assert (worker.execution, worker.graph_misses, worker.graphs) == ("graphs", 0, 3)
 
     asyncio.run(main())
-    assert "decode-0: [warm-up][prompt][5/5]" in caplog.text
-    assert "decode-0: warmed 8 of 8 decode shapes" in caplog.text
+    assert "decode-0: [warm-up][prompt][2/2]" in caplog.text
+    assert "decode-0: warmed 1 of 1 decode shapes" in caplog.text

@@ -1,4 +1,4 @@
-"""Prefix caching in the disaggregated shape: the prefill worker computes only what its cache
+"""Prefix caching in the disaggregated topology: the prefill worker computes only what its cache
 lacks, the handoff ships only the blocks the decode worker lacks, and every token is the one
 the cache-off run gives (prompts sharing 0, 1 or many blocks, partial last blocks), on every
 transport, padded or not, across a worker kill; after drain every block is free or cached."""

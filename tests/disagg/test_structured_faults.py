@@ -64,13 +64,13 @@ def loop_thread() -> Iterator[LoopThread]:
     thread.close()
 
 
-def serve(loop_thread: LoopThread, model_dir: Path, shape: str) -> tuple[Any, Any]:
-    """The gateway over a controller of `shape`; `<shape>-ray`: its workers Ray actors (a
-    kill is then the actor's process dying)."""
+def serve(loop_thread: LoopThread, model_dir: Path, topology: str) -> tuple[Any, Any]:
+    """The gateway over a controller of `topology`; `<topology>-ray`: its workers Ray actors
+    (a kill is then the actor's process dying)."""
     from bucketserve.controller.controller import Controller
 
-    shape, _, ray = shape.partition("-")
-    options: dict[str, Any] = {"shape": shape}
+    topology, _, ray = topology.partition("-")
+    options: dict[str, Any] = {"topology": topology}
     if ray:
         options.update(mode="ray", ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})
     config = local_controller_config(model_dir, [TenantConfig("default")], **options)
@@ -98,17 +98,19 @@ def stream(server: Any, on_chunk: Any = None) -> tuple[str, str | None]:
     return "".join(parts), finish
 
 
-SHAPES = ["disaggregated", "colocated", pytest.param("disaggregated-ray", marks=pytest.mark.slow)]
+TOPOLOGIES = [
+    "disaggregated", "colocated", pytest.param("disaggregated-ray", marks=pytest.mark.slow)
+]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_a_constrained_request_whose_worker_dies_still_validates(
-    loop_thread: LoopThread, tiny_model_dir: Path, shape: str
+    loop_thread: LoopThread, tiny_model_dir: Path, topology: str
 ) -> None:
     """The decode worker (disaggregated: re-prefilled on the prefill worker; colocated: on
     the restarted worker; Ray: its actor's process killed, Ray restarts it) killed once the
     reply has streamed KILL_AFTER chunks."""
-    server, controller = serve(loop_thread, tiny_model_dir, shape)
+    server, controller = serve(loop_thread, tiny_model_dir, topology)
     try:
         want, finish = stream(server)
         assert finish == "stop", want

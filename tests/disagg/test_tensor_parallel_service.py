@@ -45,21 +45,22 @@ TP2 = PlacementConfig(accelerator="none", tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize(("controller", "key", "message"), [
-    ({"shape": "disaggregated", "prefill": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+    ({"topology": "disaggregated",
+      "prefill": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
       "decode": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}},
      "controller.prefill.tensor_parallel_size", "stage groups hand KV over through their heads"),
-    ({"shape": "disaggregated", "prefill": {"tensor_parallel_size": 2},
+    ({"topology": "disaggregated", "prefill": {"tensor_parallel_size": 2},
       "decode": {"tensor_parallel_size": 4}},
      "controller.decode.tensor_parallel_size",
      "controller.prefill.tensor_parallel_size 2 and controller.decode.tensor_parallel_size 4 "
      "differ: each prefill rank hands its KV heads to the decode rank of the same index, so "
      "set both to 2 or both to 4"),
-    ({"shape": "disaggregated", "prefill": {"tensor_parallel_size": 4},
+    ({"topology": "disaggregated", "prefill": {"tensor_parallel_size": 4},
       "decode": {"tensor_parallel_size": 2}},
      "controller.decode.tensor_parallel_size", "set both to 4 or both to 2"),
-    ({"shape": "disaggregated", "decode": {"tensor_parallel_size": 2}},
+    ({"topology": "disaggregated", "decode": {"tensor_parallel_size": 2}},
      "controller.decode.tensor_parallel_size", "controller.prefill.tensor_parallel_size 1 and"),
-    ({"shape": "disaggregated", "mode": "local", "prefill": {"tensor_parallel_size": 2},
+    ({"topology": "disaggregated", "mode": "local", "prefill": {"tensor_parallel_size": 2},
       "decode": {"tensor_parallel_size": 2}},
      "controller.prefill.tensor_parallel_size", "needs controller.mode: ray"),
     ({"decode": {"tensor_parallel_size": 0}},
@@ -95,13 +96,13 @@ def test_colocated_decode_ranks_reach_the_engine_and_a_model_that_cannot_split_i
         load(3).controller_config()
     with pytest.raises(ValueError, match=r"controller.prefill.tensor_parallel_size \(1\) and "
                        r"controller.decode.tensor_parallel_size \(2\) must be equal"):
-        ControllerConfig(shape="disaggregated", decode_placement=TP2)
+        ControllerConfig(topology="disaggregated", decode_placement=TP2)
     with pytest.raises(ValueError, match="needs mode 'ray'"):
-        ControllerConfig(shape="disaggregated", mode="local", prefill_placement=TP2,
+        ControllerConfig(topology="disaggregated", mode="local", prefill_placement=TP2,
                          decode_placement=TP2)  # fmt: skip
     disaggregated = ServeConfig.from_dict({
         "model": {"path": str(tiny_model_dir)},
-        "controller": {"shape": "disaggregated", "prefill": {"tensor_parallel_size": 2},
+        "controller": {"topology": "disaggregated", "prefill": {"tensor_parallel_size": 2},
                        "decode": {"tensor_parallel_size": 2}},
     })  # fmt: skip
     pool = WorkerPool(disaggregated.controller_config(), BucketManagerConfig())
@@ -185,7 +186,7 @@ def test_a_rank_ships_its_shard_with_the_step_it_was_begun_for() -> None:
 def tp_config(model_dir: Path, tp: int, **options: Any) -> ControllerConfig:
     placement = PlacementConfig(accelerator="none", tensor_parallel_size=tp)
     return controller_config(
-        model_dir, mode="ray", shape="colocated", buckets=small_batches(),
+        model_dir, mode="ray", topology="colocated", buckets=small_batches(),
         decode_placement=placement, prefill_placement=PlacementConfig(accelerator="none"),
         **options,
     )  # fmt: skip

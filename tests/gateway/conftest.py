@@ -17,6 +17,7 @@ from bucketserve.gateway.gateway_config import GatewayConfig
 from bucketserve.gateway.server import GatewayServer
 from bucketserve.gateway.tenant_registry import TenantRegistry
 from tests.gateway.loop_thread import LoopThread
+from tests.worker_threads import worker_threads
 
 BLOCK_SIZE = 4
 NUM_KV_BLOCKS = 256
@@ -42,15 +43,20 @@ def tenant_registry() -> TenantRegistry:
 
 
 def local_controller_config(model_dir: Path, tenants: list[TenantConfig], **options: Any) -> Any:
-    """All workers in this process: the fast path every gateway test but the Ray one uses."""
-    from bucketserve.controller.config import ControllerConfig
+    """All workers in this process: the fast path every gateway test but the Ray one uses
+    (whose actors' pools take this test process's share of the cores, `worker_threads`)."""
+    from bucketserve.controller.config import ControllerConfig, PlacementConfig
     from bucketserve.deploy.serve_config import with_tenants
     from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 
     runner = ModelRunnerConfig(
         model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS
     )
-    options = {"mode": "local", "stats_interval_s": 0.2, "shape": "disaggregated", **options}
+    placement = PlacementConfig(torch_threads=worker_threads())
+    options = {
+        "mode": "local", "stats_interval_s": 0.2, "topology": "disaggregated",
+        "prefill_placement": placement, "decode_placement": placement, **options,
+    }  # fmt: skip
     return with_tenants(ControllerConfig(runner=runner, **options), tenants)
 
 

@@ -35,7 +35,8 @@ def base_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 def base_server(loop_thread: Any, base_model_dir: Path) -> Iterator[Any]:
     from bucketserve.controller.controller import Controller
 
-    config = local_controller_config(base_model_dir, [TenantConfig("default")], shape="colocated")
+    tenants = [TenantConfig("default")]
+    config = local_controller_config(base_model_dir, tenants, topology="colocated")
     controller = loop_thread.call(lambda: Controller(config))
     loop_thread.run(controller.start(), timeout=300)
     server = start_server(loop_thread, controller)

@@ -87,7 +87,7 @@ BAD_BODIES = [
      "response_format.json_schema.schema is required with type json_schema"),
     ({"prompt": "x", "structured_outputs": {"regex": "a", "pattern": "b"}}, False,
      "structured_outputs has unknown keys ['pattern']; known: ['json', 'json_object', "
-     "'regex', 'choice', 'grammar', 'disable_any_whitespace']"),
+     "'regex', 'choice', 'grammar', 'disable_any_whitespace', 'whitespace_pattern']"),
     # out of range, or of the wrong type, before "not supported"
     ({"prompt": "x", "n": 0}, False, "n must be >= 1, got 0"),
     ({"prompt": "x", "presence_penalty": 3}, False, "presence_penalty must be <= 2.0, got 3"),

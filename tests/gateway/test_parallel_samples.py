@@ -1,4 +1,4 @@
-"""n > 1 through the service, in both deployment shapes: one request whose samples share
+"""n > 1 through the service, in both deployment topologies: one request whose samples share
 the prompt's KV blocks (prefilled once), over the real `openai` client and the gRPC SDK;
 echo with the prompt's logprobs (checked against transformers); every block free after."""
 
@@ -41,7 +41,7 @@ def colocated(loop_thread: Any, tiny_model_dir: Path) -> Iterator[tuple[Any, Any
     from bucketserve.controller.controller import Controller
 
     config = local_controller_config(
-        tiny_model_dir, [TenantConfig("default")], shape="colocated"
+        tiny_model_dir, [TenantConfig("default")], topology="colocated"
     )
     controller = loop_thread.call(lambda: Controller(config))
     loop_thread.run(controller.start())

@@ -1,4 +1,4 @@
-"""What users see of prefix caching, mostly on the colocated shape (the default): the
+"""What users see of prefix caching, mostly on the colocated topology (the default): the
 cached prompt tokens in OpenAI usage, the gRPC final message and the SDK, the Prometheus
 counters, and `POST /reset_prefix_cache`; then the same count through the P→D handoff."""
 
@@ -41,12 +41,12 @@ def prompts(base: int) -> tuple[list[int], list[int]]:
 
 @pytest.fixture(scope="module")
 def colocated(loop_thread: Any, tiny_model_dir: Path, tenant_registry: Any) -> Iterator[Any]:
-    """A Controller of the colocated shape: the decode worker's engine prefills, with its
+    """A Controller of the colocated topology: the decode worker's engine prefills, with its
     prefix cache on (the default)."""
     from bucketserve.controller.controller import Controller
 
     tenants = [*tenant_registry.bucket_configs(), TenantConfig("default")]
-    config = local_controller_config(tiny_model_dir, tenants, shape="colocated")
+    config = local_controller_config(tiny_model_dir, tenants, topology="colocated")
     controller = loop_thread.call(lambda: Controller(config))
     loop_thread.run(controller.start())
     yield controller

@@ -282,3 +282,24 @@ def test_min_tokens_holds_back_stop_strings_too(open_server: Any, engine_llm: LL
     )
     assert held.choices[0].finish_reason == "length"
     assert held.choices[0].text == base.text
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(open_server: Any,
+                                                          engine_llm: LLM) -> None:
+    tok = engine_llm.tokenizer
+    special = tok.encode(tok.special_tokens["eos_token"], add_special_tokens=False)[0]
+    forced = {"logit_bias": {str(special): 100}, "ignore_eos": True}
+    client = oai(open_server)
+
+    def text(**extra: Any) -> str:
+        out = client.completions.create(model=open_server.model_name, prompt=PROMPT,
+                                        max_tokens=3, temperature=0, extra_body={**forced, **extra})
+        assert out.usage.completion_tokens == 3
+        return out.choices[0].text
+
+    assert text() == "" and text(skip_special_tokens=True) == ""
+    assert text(skip_special_tokens=False) == tok.decode([special] * 3, skip_special_tokens=False)
+    with Client(open_server.grpc_target) as sdk:
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                logit_bias={special: 100}, skip_special_tokens=False)
+        assert sdk.generate(PROMPT, params).text == text(skip_special_tokens=False)

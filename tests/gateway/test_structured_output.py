@@ -44,7 +44,7 @@ ASK = [{"role": "user", "content": "Describe a person who lives in Paris as JSON
 MAX_TOKENS = 64
 
 
-def serve(loop_thread: Any, model_dir: Path, shape: str, **gateway: Any) -> Iterator[Any]:
+def serve(loop_thread: Any, model_dir: Path, topology: str, **gateway: Any) -> Iterator[Any]:
     from bucketserve.controller.config import ControllerConfig
     from bucketserve.controller.controller import Controller
     from bucketserve.deploy.serve_config import with_tenants
@@ -53,7 +53,7 @@ def serve(loop_thread: Any, model_dir: Path, shape: str, **gateway: Any) -> Iter
     template = gateway.pop("chat_template", None)
     runner = ModelRunnerConfig(model=str(model_dir), num_kv_blocks=128, chat_template=template)
     config = with_tenants(
-        ControllerConfig(runner=runner, mode="local", shape=shape), [TenantConfig("default")]
+        ControllerConfig(runner=runner, mode="local", topology=topology), [TenantConfig("default")]
     )
     controller = loop_thread.call(lambda: Controller(config))
     loop_thread.run(controller.start(), timeout=300)
@@ -77,14 +77,14 @@ def oai(server: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0)
 
 
-@pytest.mark.parametrize("shape", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("topology", ["colocated", "disaggregated"])
 def test_json_schema_outputs_validate_greedy_and_sampled(
-    shape: str, request: pytest.FixtureRequest, loop_thread: Any
+    topology: str, request: pytest.FixtureRequest, loop_thread: Any
 ) -> None:
-    """10 requests a shape (20 in all): greedy through response_format, sampled through
+    """10 requests a topology (20 in all): greedy through response_format, sampled through
     vLLM's structured_outputs extra (without free whitespace, which a small model spends
     its tokens on)."""
-    server, controller = request.getfixturevalue(shape)
+    server, controller = request.getfixturevalue(topology)
     client = oai(server)
 
     def ask(i: int) -> Any:
@@ -152,6 +152,7 @@ BAD = [
     ({"guided_regex": "a", "response_format": {"type": "json_object"}},
      ["at most one output constraint"]),
     ({"logit_bias": {"10000000": 5}}, ["logit_bias", "vocabulary"]),
+    ({"guided_whitespace_pattern": "\n"}, ["guided_whitespace_pattern", "JSON constraint"]),
 ]
 
 
@@ -209,3 +210,22 @@ def test_grpc_sdk_json_schema_validates_and_bad_schema_is_invalid_argument(
         with pytest.raises(InvalidArgumentError, match=r"structured_outputs\.json_schema"):
             sdk.generate("x", SamplingParams(
                 max_tokens=4, structured_outputs=StructuredOutputsParams(json={"type": "foo"})))
+
+
+def test_a_whitespace_pattern_shapes_the_json_over_http_and_grpc(colocated: Any) -> None:
+    server, _ = colocated
+    schema = {"type": "object", "properties": {"role": {"enum": ["admin", "user"]},
+              "zip": {"type": "integer", "minimum": 0, "maximum": 99999}},
+              "required": ["role", "zip"], "additionalProperties": False}  # fmt: skip
+    out = oai(server).chat.completions.create(
+        model=server.model_name, messages=ASK, max_tokens=MAX_TOKENS, temperature=0,  # type: ignore[arg-type]
+        extra_body={"guided_json": schema, "guided_whitespace_pattern": "\n"},
+    )
+    text = out.choices[0].message.content or ""
+    jsonschema.validate(json.loads(text), schema)
+    assert {c for c in text if c.isspace()} <= {"\n"}, text  # no string holds whitespace
+    spec = StructuredOutputsParams(json=schema, whitespace_pattern="\n")
+    with Client(server.grpc_target) as sdk:
+        done = sdk.chat(ASK, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                            structured_outputs=spec))
+    assert done.text == text

@@ -1,4 +1,4 @@
-"""Tenants through the served API (colocated shape, local mode): a prefix cached for one
+"""Tenants through the served API (colocated topology, local mode): a prefix cached for one
 tenant gives another no `cached_tokens` and the same one all of it; tenants naming one
 `cache_domain` share; `cache_salt` (HTTP and gRPC) narrows; per-tenant cache metrics; a
 tenant with `shed: predicted` gets a 429 with Retry-After (gRPC RESOURCE_EXHAUSTED with
@@ -48,7 +48,7 @@ def server(loop_thread: Any, tiny_model_dir: Path) -> Iterator[Any]:
 
     registry = TenantRegistry.from_dict(TENANTS)
     config = local_controller_config(
-        tiny_model_dir, list(registry.bucket_configs()), shape="colocated"
+        tiny_model_dir, list(registry.bucket_configs()), topology="colocated"
     )
     controller = loop_thread.call(lambda: Controller(config))
     loop_thread.run(controller.start())

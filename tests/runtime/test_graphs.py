@@ -16,6 +16,8 @@ from bucketserve.runtime.worker.device import Device, graph_backend_for, hpu_laz
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 from tests.runtime.test_model_runner import BLOCK, NUM_BLOCKS, Blocks, generate, new_seqs, prompts
 
+pytestmark = pytest.mark.slow  # compiles graphs
+
 # prompt buckets (batch, query, table width) and decode buckets (batch, 1, the batch's blocks)
 BUCKETS = [(1, 16, 4), (2, 16, 4), (4, 16, 4), (1, 1, 8), (2, 1, 16), (4, 1, 32)]
 

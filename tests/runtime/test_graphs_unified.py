@@ -25,6 +25,8 @@ from bucketserve.runtime.worker.step_inputs import InputBuilder
 from bucketserve.runtime.worker.unified_attention import NOT_HELD
 from tests.runtime.test_engine_prefix_cache import shared_prompts
 
+pytestmark = pytest.mark.slow  # compiles graphs
+
 BLOCK = 4
 NUM_BLOCKS = 96
 GREEDY = SamplingParams(temperature=0, max_tokens=8)

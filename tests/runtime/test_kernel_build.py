@@ -104,6 +104,7 @@ exit 1
     assert log.with_suffix(".failed").is_file()
 
 
+@pytest.mark.slow  # builds the kernels in several processes
 def test_processes_starting_together_wait_for_one_build(tmp_path: Path) -> None:
     real = shutil.which("cc") or shutil.which("gcc")
     if real is None:

@@ -23,6 +23,8 @@ from bucketserve.runtime.io.model_config import ModelConfig, RopeScaling
 from bucketserve.runtime.models import MODEL_REGISTRY, model_class
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 
+pytestmark = pytest.mark.slow  # compiles graphs of every family
+
 BLOCK = 4
 WINDOW = 8  # tokens: two blocks
 VOCAB = 1024

@@ -452,3 +452,14 @@ def test_smollm_json_regex_and_choice(smollm_dir):
     print(outs[3].text)
     assert re.fullmatch(CAPITAL, outs[3].text) and outs[3].finish_reason == FinishReason.STOP
     assert outs[4].text in ("yes", "no")
+
+
+def test_a_whitespace_pattern_is_the_only_whitespace_between_json_tokens(tiny_runner):
+    spec = Spec(json=SMALL, whitespace_pattern=r"\n")
+    work = [params(spec, temperature=1.0, seed=s, max_tokens=60) for s in range(4)]
+    outs = generate(tiny_runner, prompts(4), work)
+    for out in outs:  # SMALL's strings hold no whitespace: all of it lies between tokens
+        assert out.finish_reason == FinishReason.STOP, out.text
+        jsonschema.validate(json.loads(out.text), SMALL)
+        assert {c for c in out.text if c.isspace()} <= {"\n"}, out.text
+    assert any("\n" in out.text for out in outs)  # the pattern's whitespace, not none at all

@@ -140,6 +140,8 @@ class _GenerateBody(_Lenient):
         "allowed_token_ids": (None,),
         "bad_words": (None, []),
         "truncate_prompt_tokens": (None,),
+        # a fast (Rust) tokenizer, ours, puts no spaces between special tokens either way
+        "spaces_between_special_tokens": (True,),
     }
 
     model: Str | None = None
@@ -207,7 +209,6 @@ class _GenerateBody(_Lenient):
     metadata: dict[str, Any] | None = None
     store: Bool | None = None
     service_tier: Str | None = None
-    skip_special_tokens: Bool = True
     spaces_between_special_tokens: Bool = True
     # sampling (bucketserve.runtime.worker.sampler)
     n: Int = Field(1, ge=1, description="choices, each sampled on its own (gateway.max_n)")
@@ -216,6 +217,7 @@ class _GenerateBody(_Lenient):
     repetition_penalty: Float = Field(1.0, gt=0.0, le=2.0)
     min_p: Float = Field(0.0, ge=0.0, le=1.0)
     min_tokens: Int = Field(0, ge=0)
+    skip_special_tokens: Bool = True
     logit_bias: dict[str, float] | None = Field(
         None, description="token id -> bias in [-100, 100] added to its logit"
     )

@@ -57,11 +57,12 @@ from bucketserve.runtime.core.logprobs import TokenLogprob
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's; chat defaults to the rest of the context
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
             "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-            "min_p", "min_tokens")
+            "min_p", "min_tokens", "skip_special_tokens")
 OPENAI_FINISH = {"stop": "stop", "length": "length", "cancelled": "abort"}  # vLLM's "abort"
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}  # vLLM's older names -> StructuredOutputsParams'
-STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace")
+STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace",
+                   "whitespace_pattern")
 LOGPROB_FLOOR = -9999.0  # -inf (a token excluded) as JSON can carry it, as vLLM writes it
 Body = CompletionRequest | ChatCompletionRequest
 TokenText = Callable[[int], str]
@@ -170,6 +171,12 @@ def _structured(req: Body, inp: GenerateInput, tools: RequestTools | None) -> No
             "give at most one output constraint (response_format, structured_outputs, "
             f"guided_*, or tool_choice required / a named function); got {[n for n, _ in given]}"
         )
+    if req.guided_whitespace_pattern is not None:
+        if not given:
+            raise InvalidArgumentError(
+                "guided_whitespace_pattern shapes JSON output: give it with a JSON constraint"
+            )
+        given[0][1]["whitespace_pattern"] = req.guided_whitespace_pattern
     if given:
         inp.structured_name, inp.sampling["structured_outputs"] = given[0]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Collection
+from typing import Any
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
@@ -122,10 +123,12 @@ class GrammarCompiler:
 
 def _compile(params: StructuredOutputsParams) -> tuple[str, str | None]:
     """(grammar, None), or ("", the error message)."""
-    kind, text, compact = params.key
+    kind, text, compact, whitespace = params.key
     try:
         if kind in ("json", "json_object"):
-            options = {"whitespace_flexible": not compact}
+            options: dict[str, Any] = {"whitespace_flexible": not compact}
+            if whitespace is not None:
+                options["whitespace_pattern"] = whitespace
             return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options), None
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(text), None

@@ -50,7 +50,9 @@ class OutputProcessor:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; pass one to the OutputProcessor")
         if self.tokenizer is not None:
-            self._detok[request_id] = Detokenizer(self.tokenizer, prompt_token_ids, params.stop)
+            self._detok[request_id] = Detokenizer(
+                self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens
+            )
             if params.stop and params.min_tokens > 1:
                 self._min_tokens[request_id] = [params.min_tokens, 0, list(params.stop)]
 

@@ -43,6 +43,7 @@ class SamplingParams:
     # the output must match a JSON schema, regex, choice or grammar (masked in the sampler)
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    skip_special_tokens: bool = True  # leave special tokens out of the detokenized text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -131,6 +132,10 @@ class SamplingParams:
             self.structured_outputs.validate()
         if self.logit_bias is not None:
             _check_bias(self.logit_bias)
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(
+                f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}"
+            )
 
 
 def _clamped_bias(bias: object) -> object:

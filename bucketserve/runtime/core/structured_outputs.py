@@ -17,7 +17,9 @@ class StructuredOutputsParams:
     `json`: a JSON schema (a dict, or its JSON text); `json_object`: any JSON object;
     `regex`: the whole output matches it; `choice`: the output is one of these strings;
     `grammar`: a Lark grammar (llguidance's dialect) or a GBNF / EBNF one (`root ::= ...`).
-    `disable_any_whitespace`: JSON output without free whitespace between its tokens.
+    `disable_any_whitespace`: JSON output without free whitespace between its tokens;
+    `whitespace_pattern`: a regex the whitespace between JSON tokens matches instead of any
+    (vLLM's, and its `guided_whitespace_pattern`).
     """
 
     json: dict[str, Any] | str | None = None
@@ -26,12 +28,13 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, tuple):
             self.choice = list(self.choice)
         self.validate()
-        self._key: tuple[str, str, bool] | None = None
+        self._key: tuple[str, str, bool, str | None] | None = None
 
     @property
     def kind(self) -> str:
@@ -44,8 +47,9 @@ class StructuredOutputsParams:
         return self.key[1]
 
     @property
-    def key(self) -> tuple[str, str, bool]:
-        """(kind, canonical text, disable_any_whitespace): equal keys compile to one grammar."""
+    def key(self) -> tuple[str, str, bool, str | None]:
+        """(kind, canonical text, disable_any_whitespace, whitespace_pattern): equal keys
+        compile to one grammar."""
         if self._key is None:
             kind = self.kind
             if kind == "json":
@@ -57,7 +61,7 @@ class StructuredOutputsParams:
                 text = json.dumps(self.choice, ensure_ascii=False)
             else:
                 text = getattr(self, kind)
-            self._key = (kind, text, bool(self.disable_any_whitespace))
+            self._key = (kind, text, bool(self.disable_any_whitespace), self.whitespace_pattern)
         return self._key
 
     def validate(self) -> None:
@@ -98,6 +102,14 @@ class StructuredOutputsParams:
         ):
             raise ValueError(
                 "structured_outputs.choice must be a non-empty list of non-empty strings"
+            )
+        pattern = self.whitespace_pattern
+        if pattern is not None and (not isinstance(pattern, str) or not pattern):
+            raise ValueError("structured_outputs.whitespace_pattern must be a non-empty regex")
+        if pattern is not None and kind not in ("json", "json_object"):
+            raise ValueError(
+                f"structured_outputs.whitespace_pattern shapes JSON output; it cannot go with "
+                f"{kind}"
             )
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError(

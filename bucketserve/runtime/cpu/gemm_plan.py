@@ -48,7 +48,7 @@ class GemmPlan:
     ) -> GemmPlan:
         """The backend that measures fastest here on one layer's `[out, in]` weights
         (`cpu_gemm_backend`); `weight_bytes`: all the layers' (`prefill_gemm_rows`)."""
-        backend = cpu_gemm_backend(dtype, layer_shapes)
+        backend = cpu_gemm_backend(dtype, layer_shapes, model_bytes=weight_bytes)
         return cls(backend, batch_hint, prefill_gemm_rows(backend, weight_bytes), graphs)
 
     def pack(self, weight: torch.Tensor, split_rows: bool = True) -> Weight:
@@ -88,20 +88,24 @@ def cpu_gemm_backend(
     shapes: tuple[tuple[int, int], ...],
     rows: int = GEMM_CHOICE_ROWS,
     backends: tuple[str, ...] | None = None,
+    model_bytes: int | None = None,
 ) -> str:
     """Which packed GEMM among `backends` (GEMM_BACKENDS) runs a CPU model's `[out, in]`
     weight `shapes` (one layer's) fastest at `rows` rows on this CPU, measured once per
     process over copies of the layer that outgrow the caches, as a model's pass reads its
-    weights: oneDNN, MKL's packed sgemm or the panel GEMM of the project's kernels (both
-    float32 only). oneDNN where none of them runs these weights here. Which one wins
-    depends on the CPU's vendor and generation, hence the measurement."""
+    weights (no more of them than the model's layers, `model_bytes` of weights in all,
+    hold: a small model's pass stays in the caches): oneDNN, MKL's packed sgemm or the
+    panel GEMM of the project's kernels (both float32 only). oneDNN where none of them runs
+    these weights here. Which one wins depends on the CPU's vendor and generation, hence
+    the measurement."""
     backends = GEMM_BACKENDS if backends is None else backends
     candidates = [b for b in backends if _gemm_runs(b, dtype, shapes)] or ["onednn"]
     if len(candidates) == 1:
         return candidates[0]
     generator = torch.Generator().manual_seed(0)
     layer_bytes = sum(n * k for n, k in shapes) * torch.finfo(dtype).bits // 8
-    copies = min(8, max(1, -(-(64 << 20) // layer_bytes)))
+    measured = 64 << 20 if model_bytes is None else min(64 << 20, model_bytes)
+    copies = min(8, max(1, -(-measured // layer_bytes)))
     weights = [torch.randn(shape, generator=generator) * 0.02 for shape in shapes * copies]
     inputs = {k: torch.randn(rows, k, generator=generator) for _, k in shapes}
     packed = {b: [pack_weight(w, rows, b) for w in weights] for b in candidates}

@@ -6,7 +6,9 @@ gathered blocks."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,6 +24,26 @@ class PanelWeight(NamedTuple):
     panels: torch.Tensor
     large: torch.Tensor | None = None
     large_rows: int = 0
+
+
+def _custom_op(name: str) -> Callable[[Callable[..., Any]], Any]:
+    """Registers the decorated function as the custom op `bucketserve::<name>` and returns
+    a function that calls the op while a graph is being compiled and the function itself
+    otherwise (`.op`: the op, for its fake). An eager step (a padded decode step, a warm-up)
+    gains nothing from torch's op dispatch, whose first call imports torch._dynamo: seconds
+    of every eager worker's start."""
+
+    def wrap(fn: Callable[..., Any]) -> Any:
+        op = torch.library.custom_op(f"bucketserve::{name}", mutates_args=())(fn)
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return (op if torch.compiler.is_compiling() else fn)(*args, **kwargs)
+
+        call.op = op
+        return call
+
+    return wrap
 
 
 def is_panels(weight: object) -> bool:
@@ -48,7 +70,7 @@ def _gemm_out(
     return residual.clone(memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("bucketserve::gemm_panels", mutates_args=())
+@_custom_op("gemm_panels")
 def gemm_panels(
     x: torch.Tensor, panels: torch.Tensor, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -60,12 +82,12 @@ def gemm_panels(
     return out
 
 
-@gemm_panels.register_fake
+@gemm_panels.op.register_fake
 def _(x, panels, residual=None):
     return x.new_empty((*x.shape[:-1], panels.shape[0] * panels.shape[2]))
 
 
-@torch.library.custom_op("bucketserve::gemm_mkl", mutates_args=())
+@_custom_op("gemm_mkl")
 def gemm_mkl(
     x: torch.Tensor, packed: torch.Tensor, out_features: int, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -77,12 +99,12 @@ def gemm_mkl(
     return out
 
 
-@gemm_mkl.register_fake
+@gemm_mkl.op.register_fake
 def _(x, packed, out_features, residual=None):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-@torch.library.custom_op("bucketserve::paged_decode_flat", mutates_args=())
+@_custom_op("paged_decode_flat")
 def paged_decode_flat(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -101,12 +123,12 @@ def paged_decode_flat(
     )
 
 
-@paged_decode_flat.register_fake
+@paged_decode_flat.op.register_fake
 def _(q, k_cache, v_cache, block_list, block_starts, context_lens, scale, sliding_window=0):
     return q.new_empty(q.shape)
 
 
-@torch.library.custom_op("bucketserve::paged_prefill_rect", mutates_args=())
+@_custom_op("paged_prefill_rect")
 def paged_prefill_rect(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -130,7 +152,7 @@ def paged_prefill_rect(
     return q.new_zeros(q.shape).index_copy_(0, order, out)
 
 
-@paged_prefill_rect.register_fake
+@paged_prefill_rect.op.register_fake
 def _(
     q, k_cache, v_cache, block_tables, token_order, query_start_loc, context_lens, scale,
     sliding_window=0,

@@ -93,10 +93,6 @@ class TPGroup:
         self.group.allreduce([t], _min_options()).wait()
         return int(t.item())
 
-    def barrier(self) -> None:
-        t = torch.zeros(1)
-        self.group.allreduce([t]).wait()
-
     def close(self) -> None:
         _GROUPS.pop(self.name, None)
         shutdown = getattr(self.group, "shutdown", None)

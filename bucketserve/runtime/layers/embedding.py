@@ -8,7 +8,16 @@ from torch import nn
 from bucketserve.runtime.distributed import tp_group
 
 
-class VocabEmbedding(nn.Embedding):
+class _LoadedEmbedding(nn.Embedding):
+    """An embedding table the checkpoint fills: built on the meta device (`CausalLM.build`)
+    it skips the random init, whose meta kernels import torch._dynamo (seconds a process)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
+class VocabEmbedding(_LoadedEmbedding):
     """The token table; with `scale` (Gemma: sqrt(hidden)) each looked-up row is multiplied
     by it, rounded to the model's dtype first as transformers does.
 
@@ -60,7 +69,7 @@ def vocab_rows(tensor: torch.Tensor, start: int, rows: int) -> torch.Tensor:
     return torch.cat([part, pad])
 
 
-class LearnedPositions(nn.Embedding):
+class LearnedPositions(_LoadedEmbedding):
     """A learned table of `max_positions` rows, read at `position + offset` (OPT keeps its
     first `offset` rows unused)."""
 

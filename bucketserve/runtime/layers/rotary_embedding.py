@@ -46,7 +46,11 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.theta = theta
         self.scaling = scaling
-        self.register_buffer("cos_sin", self._table(), persistent=False)
+        # on the meta device (`CausalLM.build`) only the shape: `reset` fills it, and meta
+        # kernels for these ops would import torch._dynamo (seconds a process)
+        meta = torch.empty(0).is_meta
+        table = torch.empty(max_positions, 2 * head_dim) if meta else self._table()
+        self.register_buffer("cos_sin", table, persistent=False)
 
     def _table(self) -> torch.Tensor:
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)

@@ -1,11 +1,10 @@
-"""Attention of a unified step (the bucketing doc's unified strategy): prompt chunks and
-decode rows as one flat run of query tokens, from tensors alone so a graph compiler takes
-it. Each token attends three parts, joined in one softmax: the step's own new tokens
-(causally within its row, or only itself where no row has more than one), the shared
-context blocks (read by two or more of the step's tokens: a dense score block over all
-tokens, masked to the rows that hold each block) and the unique ones (each read by one
-token: its scores alone). With a sliding window w a token at position p sees keys
-p - w + 1..p alone, in each part."""
+"""Attention of a unified step (the unified strategy of [Bucketing], docs/references.md): prompt
+chunks and decode rows as one flat run of query tokens, from tensors alone so a graph compiler
+takes it. Each token attends three parts, joined in one softmax: the step's own new tokens
+(causally within its row, or only itself where no row has more than one), the shared context
+blocks (read by two or more of the step's tokens: a dense score block over all tokens, masked to
+the rows that hold each block) and the unique ones (each read by one token: its scores alone).
+With a sliding window w a token at position p sees keys p - w + 1..p alone, in each part."""
 
 from __future__ import annotations
 
