@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 from bucketserve.bucket_manager.config import ShapeBucketConfig
 from bucketserve.bucket_manager.shape_buckets import ShapeBuckets
 from bucketserve.bucket_manager.unified_buckets import unified_need
+from bucketserve.runtime.attention.unified import NOT_HELD
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.scheduler import SchedulerConfig
 from bucketserve.runtime.core.sequence import Sequence
@@ -22,7 +23,6 @@ from bucketserve.runtime.engine.engine_config import EngineConfig
 from bucketserve.runtime.engine.llm_engine import LLMEngine
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 from bucketserve.runtime.worker.step_inputs import InputBuilder
-from bucketserve.runtime.worker.unified_attention import NOT_HELD
 from tests.runtime.test_engine_prefix_cache import shared_prompts
 
 pytestmark = pytest.mark.slow  # compiles graphs

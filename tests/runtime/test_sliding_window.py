@@ -14,13 +14,17 @@ import pytest
 import torch
 from torch import nn
 
+from bucketserve.runtime.attention.attend import (
+    flat_attend,
+    paged_attend,
+    rect_attend,
+    unified_attend,
+)
 from bucketserve.runtime.attention.metadata import rect_mask
 from bucketserve.runtime.core.sequence import Sequence
 from bucketserve.runtime.cpu import kernels
-from bucketserve.runtime.layers.attention import flat_attend, paged_attend, rect_attend
 from bucketserve.runtime.worker.graph_regions import decode_layer_region
 from bucketserve.runtime.worker.step_inputs import InputBuilder, StepInputs
-from bucketserve.runtime.worker.unified_attention import unified_attend
 from tests.runtime.conftest import KERNEL_ISAS, use_kernels
 
 BS, NUM_BLOCKS, HEADS, KV_HEADS, DIM = 16, 64, 6, 2, 64

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
@@ -21,9 +20,9 @@ from bucketserve.runtime.io.weights import convert_gguf, iter_safetensors, resol
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 from tests.conftest import TINY_CONFIG
 from tests.gguf_reads import one_parse_per_gguf
+from tests.runtime.conftest import SMALL_VOCAB
 
 LINEAR_ROPE = {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}
-SMALL_VOCAB = 320  # SmolLM2's specials, its byte alphabet and its first merged tokens
 PROMPT = [19556, 216, 33, 34, 905, 28, 253, 1000, 2000, 3000, 4000]
 
 # HF name -> llama.cpp name, written out independently of the converter's own table.
@@ -42,6 +41,8 @@ _GGUF_LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -60,26 +61,12 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-@pytest.fixture(scope="module")
-def smollm_gguf_reads() -> dict[str, Any]:
-    """The parse of SmolLM2's GGUF, shared by the vocabulary below and transformers' loader."""
-    return {}
-
-
-@pytest.fixture(scope="module")
-def vocab(smollm_gguf_reads) -> dict:
-    with one_parse_per_gguf(smollm_gguf_reads):
-        conv = GGUFConverter(default_gguf_path())
-    keys = ("tokens", "merges", "token_type")
-    return {k: conv.field(f"tokenizer.ggml.{k}") for k in keys} | {
-        "template": conv.field("tokenizer.chat_template")
-    }
-
-
 def write_gguf(path: Path, hf_dir: Path, vocab: dict, arch: str = "llama", **opts) -> Path:
     """A llama.cpp-style GGUF of the HF checkpoint in `hf_dir`.
 
-    opts: qtype (quantize 2-D tensors), pre (pre-tokenizer name), f64 (a tensor stored as F64).
+    opts: qtype (quantize 2-D tensors), pre (pre-tokenizer name), f64 (a tensor stored as F64),
+    linear_rope (write linear rope scaling x4; default: for llama). Q and K rows are permuted
+    as llama.cpp does for llama alone.
     """
     cfg = json.loads((hf_dir / "config.json").read_text())
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -93,8 +80,11 @@ def write_gguf(path: Path, hf_dir: Path, vocab: dict, arch: str = "llama", **opt
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     w.add_rope_dimension_count(cfg["head_dim"])
-    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-    w.add_rope_scaling_factor(4.0)
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    if opts.get("linear_rope", arch == "llama"):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(4.0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(opts.get("pre", "smollm"))
     w.add_token_list(vocab["tokens"])
@@ -105,7 +95,7 @@ def write_gguf(path: Path, hf_dir: Path, vocab: dict, arch: str = "llama", **opt
     w.add_chat_template(vocab["template"])
     for name, tensor in iter_safetensors(hf_dir):
         data = tensor.numpy()
-        if ".q_proj." in name or ".k_proj." in name:
+        if arch == "llama" and (".q_proj.w" in name or ".k_proj.w" in name):
             data = llama_cpp_permute(data, heads if ".q_proj." in name else kv_heads)
         qtype = opts.get("qtype")
         if name == opts.get("f64"):
@@ -137,35 +127,10 @@ def small_llama(out: Path, **overrides) -> Path:
 
 
 @pytest.fixture(scope="module")
-def small_vocab(vocab) -> dict:
-    """The vocabulary's first SMALL_VOCAB tokens and the merges among them: for the tests
-    that convert a GGUF without reading its text, as SmolLM2's ~150k vocabulary entries
-    take the GGUF reader seconds to parse in every conversion."""
-    tokens = vocab["tokens"][:SMALL_VOCAB]
-    known = set(tokens)
-    merges = [
-        m for m in vocab["merges"]
-        if all(part in known for part in m.split(" ", 1)) and m.replace(" ", "", 1) in known
-    ]  # fmt: skip
-    assert merges
-    return {**vocab, "tokens": tokens, "token_type": vocab["token_type"][:SMALL_VOCAB],
-            "merges": merges}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
 def small_gguf(small_vocab, tmp_path_factory) -> Path:
     """A small-vocabulary tiny model as an F32 GGUF, written once."""
     out = tmp_path_factory.mktemp("small_gguf")
     return write_gguf(out / "small.gguf", small_llama(out / "hf"), small_vocab)
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch) -> Path:
-    from bucketserve.runtime.cpu import kernels
-
-    kernels.load()  # from the machine's cache: not compiled again into this empty one
-    monkeypatch.setenv("BUCKETSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache" / "models"
 
 
 def last_logits(model_dir: Path) -> torch.Tensor:
@@ -245,7 +210,7 @@ def test_failed_conversion_leaves_no_cache(small_gguf, cache_dir, monkeypatch):
     ("arch", "opts", "message"),
     [
         ("llama", {"f64": "model.norm.weight"}, "output_norm.weight uses quantization F64"),
-        ("llama", {"pre": "qwen2"}, "GGUF pre-tokenizer 'qwen2' is not supported"),
+        ("llama", {"pre": "chatglm-bpe"}, "GGUF pre-tokenizer 'chatglm-bpe' is not supported"),
     ],
 )
 def test_unsupported_gguf_is_rejected_before_caching(
@@ -259,13 +224,14 @@ def test_unsupported_gguf_is_rejected_before_caching(
 
 
 def test_unsupported_architecture_is_rejected(cache_dir, tmp_path):
-    path = tmp_path / "qwen.gguf"
-    w = gguf.GGUFWriter(str(path), "qwen2")
+    path = tmp_path / "falcon.gguf"
+    w = gguf.GGUFWriter(str(path), "falcon")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="GGUF architecture 'qwen2' is not supported"):
+    refusal = r"'falcon' is not supported; supported: \('llama', 'qwen2', 'qwen3', 'gemma3'\)"
+    with pytest.raises(ValueError, match=refusal):
         resolve_model(path)
     assert not cache_dir.exists()
 

@@ -18,7 +18,14 @@ from tqdm import tqdm
 from bucketserve.runtime.io.gguf_file import GGUFFile
 from bucketserve.runtime.io.gguf_tokenizer import GGUFTokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+# llama.cpp's architecture -> the Hugging Face architecture and model_type it converts to
+HF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),  # also Mistral's files
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
+SUPPORTED_ARCHITECTURES = tuple(HF_ARCHITECTURES)
 _MISSING = object()
 
 _LLAMA_LAYER_NAMES = {
@@ -32,17 +39,22 @@ _LLAMA_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 # Gemma 3 norms the residual stream four times a layer; llama.cpp's ffn_norm is the one
 # before the MLP.
 _GEMMA3_LAYER_NAMES = {
     **_LLAMA_LAYER_NAMES,
+    **_QK_NORM_NAMES,
     "ffn_norm": "pre_feedforward_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
 }
-_LAYER_NAMES = {"llama": _LLAMA_LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
+_LAYER_NAMES = {
+    "llama": _LLAMA_LAYER_NAMES,
+    "qwen2": _LLAMA_LAYER_NAMES,  # with q/k/v biases
+    "qwen3": {**_LLAMA_LAYER_NAMES, **_QK_NORM_NAMES},
+    "gemma3": _GEMMA3_LAYER_NAMES,
+}
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -81,7 +93,7 @@ class GGUFConverter:
         return self.field(f"{self.arch}.{key}", default)
 
     def config_dict(self) -> dict[str, Any]:
-        """config.json for transformers' LlamaForCausalLM or Gemma3ForCausalLM."""
+        """config.json of the Hugging Face architecture (HF_ARCHITECTURES)."""
         hidden = self._arch_field("embedding_length")
         heads = self._arch_field("attention.head_count")
         head_dim = self._arch_field("attention.key_length", hidden // heads)
@@ -112,9 +124,10 @@ class GGUFConverter:
         }
         if self.arch == "gemma3":
             return {**self._gemma3_config(config), **config}
+        architecture, model_type = HF_ARCHITECTURES[self.arch]
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [architecture],
+            "model_type": model_type,
             **config,
             "hidden_act": "silu",
             "rope_theta": self._arch_field("rope.freq_base", 10000.0),
@@ -212,7 +225,8 @@ class GGUFConverter:
         self, progress: bool = False, config: dict[str, Any] | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 tensor) pairs in the Hugging Face layout: llama.cpp's Q/K row
-        permutation undone (Llama), its 1 + w norm weights back to w (Gemma)."""
+        permutation undone (Llama alone: Qwen's files keep Hugging Face's rows), its 1 + w
+        norm weights back to w (Gemma)."""
         config = config or self.config_dict()
         heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
         tensors = tqdm(

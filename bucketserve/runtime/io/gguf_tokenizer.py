@@ -1,5 +1,6 @@
 """A GGUF's vocabulary as a `tokenizers.Tokenizer` that encodes as transformers does when it
-loads the same file: byte-level BPE (`gpt2`) or Gemma's SentencePiece BPE (`llama`)."""
+loads the same file: byte-level BPE (`gpt2`: GPT-2, SmolLM, Llama 3, Qwen) or SentencePiece
+BPE (`llama`: Llama 2 and Mistral by the file's scores, Gemma by its token order)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from tokenizers import (
     AddedToken,
+    Regex,
     Tokenizer,
     decoders,
     models,
@@ -19,6 +21,24 @@ from tokenizers import (
 # llama.cpp pre-tokenizers that split every digit, then apply the GPT-2 regex.
 DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")
 GPT2_PRE = ("gpt-2", "gpt2", "mpt", "olmo", "jais")
+
+
+def _words_split(digits: str) -> str:
+    """The pre-tokenizer regex of Llama 3 and Qwen 2 (cl100k's): contractions, letters with
+    one leading non-letter, `digits`, punctuation runs, newlines, spaces."""
+    return (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|" + digits
+        + r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+
+
+# llama.cpp pre-tokenizers that split by a regex of their own, then map bytes
+REGEX_PRE = {
+    "llama-bpe": _words_split(r"\p{N}{1,3}"),  # Llama 3.x
+    "llama3": _words_split(r"\p{N}{1,3}"),
+    "qwen2": _words_split(r"\p{N}"),  # Qwen 2, 2.5 and 3: one digit a piece
+    "deepseek-r1-qwen": _words_split(r"\p{N}"),
+}
 # Architectures whose SentencePiece vocabulary is Gemma's: no prefix space, byte fallback.
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
@@ -44,16 +64,18 @@ class GGUFTokenizer:
         """Fail before any work on a vocabulary this module cannot rebuild."""
         if self.kind == "gpt2":
             self._pre_tokenizer()
-        elif self.kind != "llama" or self.arch not in GEMMA_ARCHITECTURES:
+        elif self.kind != "llama":
             raise ValueError(
-                f"GGUF tokenizer {self.kind!r} of architecture {self.arch!r} is not supported; "
-                f"only byte-level BPE ('gpt2') and Gemma's SentencePiece ('llama' in "
-                f"{GEMMA_ARCHITECTURES})"
+                f"GGUF tokenizer {self.kind!r} is not supported; only byte-level BPE ('gpt2') "
+                "and SentencePiece BPE ('llama')"
             )
 
     def build(self) -> Tokenizer:
         self.check()
-        tok = self._byte_level() if self.kind == "gpt2" else self._gemma()
+        if self.kind == "gpt2":
+            tok = self._byte_level()
+        else:
+            tok = self._gemma() if self.arch in GEMMA_ARCHITECTURES else self._sentencepiece()
         tok.post_processor = self._post_processor()
         tok.add_special_tokens(
             [
@@ -89,9 +111,13 @@ class GGUFTokenizer:
             )
         if pre in GPT2_PRE:
             return byte_level
-        raise ValueError(
-            f"GGUF pre-tokenizer {pre!r} is not supported; supported: {DIGIT_SPLIT_PRE + GPT2_PRE}"
-        )
+        if pre in REGEX_PRE:
+            return pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(REGEX_PRE[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ])  # fmt: skip
+        supported = DIGIT_SPLIT_PRE + GPT2_PRE + tuple(REGEX_PRE)
+        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {supported}")
 
     def _gemma(self) -> Tokenizer:
         """BPE with byte fallback over the file's vocabulary, spaces written as "▁".
@@ -106,7 +132,7 @@ class GGUFTokenizer:
         tok = Tokenizer(
             models.BPE(
                 vocab=vocab,
-                merges=_merges_in_vocab_order(vocab),
+                merges=_merges_by_rank(vocab, {t: -i for t, i in vocab.items()}),
                 unk_token=None if unk_id is None else tokens[unk_id],
                 fuse_unk=True,
                 byte_fallback=True,
@@ -116,6 +142,30 @@ class GGUFTokenizer:
         tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
         tok.decoder = decoders.Sequence(
             [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
+        return tok
+
+    def _sentencepiece(self) -> Tokenizer:
+        """Llama 2's and Mistral's BPE with byte fallback: merges ranked by the file's
+        scores, spaces written as "▁" and, unless the file says otherwise, one before the
+        text (SentencePiece's `add_dummy_prefix`)."""
+        vocab = {token: i for i, token in enumerate(self.tokens)}
+        scores = self.field("tokenizer.ggml.scores")
+        tok = Tokenizer(
+            models.BPE(
+                vocab=vocab,
+                merges=_merges_by_rank(vocab, dict(zip(self.tokens, scores, strict=True))),
+                fuse_unk=True,
+                byte_fallback=True,
+            )
+        )
+        prefix = bool(self.field("tokenizer.ggml.add_space_prefix", True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=SPACE, prepend_scheme="first" if prefix else "never", split=False
+        )
+        strip = [decoders.Strip(content=" ", left=1)] if prefix else []
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
         )
         return tok
 
@@ -151,13 +201,14 @@ class GGUFTokenizer:
         }
 
 
-def _merges_in_vocab_order(vocab: dict[str, int]) -> list[tuple[str, str]]:
-    """Every (left, right) split of a token into two vocabulary pieces, tokens in id order
-    and, within one token, the longer left piece first."""
-    merges = []
-    for token, _ in sorted(vocab.items(), key=lambda item: item[1]):
-        for cut in range(len(token) - 1, 0, -1):
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab:
-                merges.append((left, right))
-    return merges
+def _merges_by_rank(vocab: dict[str, int], rank: dict[str, float]) -> list[tuple[str, str]]:
+    """Every (left, right) split of a token into two vocabulary pieces, the merges of the
+    higher-ranked token first and, within one rank, the longer pieces first."""
+    merges = [
+        (rank[token], len(left), len(right), left, right)
+        for token in vocab
+        for cut in range(1, len(token))
+        if (left := token[:cut]) in vocab and (right := token[cut:]) in vocab
+    ]
+    merges.sort(key=lambda m: (m[0], m[1], m[2]), reverse=True)
+    return [(left, right) for *_, left, right in merges]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bucketserve.runtime.attention.attend import Attend
 from bucketserve.runtime.distributed import tp_group
-from bucketserve.runtime.layers.attention import Attend
 from bucketserve.runtime.layers.layernorm import RMSNorm
 from bucketserve.runtime.layers.linear import Linear
 from bucketserve.runtime.layers.parallel_linear import (

@@ -11,10 +11,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from bucketserve.runtime.attention.attend import KVLayers, paged_attend
 from bucketserve.runtime.attention.metadata import AttentionMetadata
 from bucketserve.runtime.distributed.tp_group import TPGroup, building, current
 from bucketserve.runtime.io.model_config import ModelConfig
-from bucketserve.runtime.layers.attention import KVLayers, paged_attend
 from bucketserve.runtime.layers.embedding import VocabEmbedding
 from bucketserve.runtime.layers.lm_head import LMHead
 from bucketserve.runtime.layers.rotary_embedding import RotaryEmbedding

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bucketserve.runtime.attention.attend import Attend
 from bucketserve.runtime.io.model_config import ModelConfig
-from bucketserve.runtime.layers.attention import Attend
 from bucketserve.runtime.layers.embedding import VocabEmbedding
 from bucketserve.runtime.layers.layernorm import RMSNorm
 from bucketserve.runtime.layers.mlp import GatedMLP

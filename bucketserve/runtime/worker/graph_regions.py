@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bucketserve.runtime.attention.attend import flat_attend, rect_attend, unified_attend
 from bucketserve.runtime.attention.metadata import rect_mask
-from bucketserve.runtime.layers.attention import flat_attend, rect_attend
-from bucketserve.runtime.worker.unified_attention import unified_attend
 
 
 def head_region(

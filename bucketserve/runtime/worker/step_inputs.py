@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from bucketserve.runtime.attention.metadata import AttentionGroup, AttentionMetadata
+from bucketserve.runtime.attention.unified import NOT_HELD
 from bucketserve.runtime.core.sequence import Sequence
 from bucketserve.runtime.worker.prompt_logprobs import PromptSpan, span_rows
-from bucketserve.runtime.worker.unified_attention import NOT_HELD
 
 Shape = tuple[int, int, int]  # (batch, query_len, num_blocks)
 # the unified strategy's (query tokens, shared blocks, unique blocks, is_causal)

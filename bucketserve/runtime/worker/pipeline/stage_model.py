@@ -8,10 +8,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from bucketserve.runtime.attention.attend import KVLayers, paged_attend
 from bucketserve.runtime.attention.metadata import AttentionMetadata
 from bucketserve.runtime.distributed.tp_group import TPGroup
 from bucketserve.runtime.io.model_config import ModelConfig
-from bucketserve.runtime.layers.attention import KVLayers, paged_attend
 from bucketserve.runtime.models import CausalLM, model_class
 from bucketserve.runtime.worker.pipeline.stage_spec import StageSpec
 

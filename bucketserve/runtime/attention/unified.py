@@ -10,45 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from bucketserve.runtime.attention.paged_attention import write_slots
-from bucketserve.runtime.layers.attention import Attend
-
 # the key position a token is given for a shared block its row does not hold: past any
 # context, so the block is masked out for it
 NOT_HELD = 1 << 40
-
-
-def unified_attend(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    token_rows: torch.Tensor,
-    context_ends: torch.Tensor,
-    shared_blocks: torch.Tensor,
-    shared_starts: torch.Tensor,
-    unique_blocks: torch.Tensor,
-    unique_owners: torch.Tensor,
-    unique_starts: torch.Tensor,
-    causal: bool,
-) -> Attend:
-    """Writes the step's K/V to `slots`, then `attend_unified`."""
-
-    def attend(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        sliding_window: int | None = None,
-    ) -> torch.Tensor:
-        write_slots(k, v, k_cache, v_cache, slots)
-        return attend_unified(
-            q, k, v, k_cache, v_cache, positions, token_rows, context_ends, shared_blocks,
-            shared_starts, unique_blocks, unique_owners, unique_starts, scale, causal,
-            sliding_window,
-        )  # fmt: skip
-
-    return attend
 
 
 def attend_unified(
