@@ -136,6 +136,14 @@ class _ServiceCollector(Collector):
             yield from _service_metrics(self.stats())
 
 
+def _counts(name: str, doc: str, label: str, counts: dict[str, int]) -> CounterMetricFamily:
+    """A counter with one label, a sample per key of `counts`."""
+    family = CounterMetricFamily(P + name, doc, labels=[label])
+    for key, n in sorted(counts.items()):
+        family.add_metric([key], n)
+    return family
+
+
 def _tenant_cache_metrics(workers: list[Any]) -> Iterator[Metric]:
     """Each tenant's prefix-cache figures, summed over the workers' pools."""
     totals: dict[str, list[int]] = {}
@@ -245,24 +253,18 @@ def _service_metrics(stats: Any) -> Iterator[Metric]:
         sum(w.prefix_cache_hits for w in workers),
     )
     yield from _tenant_cache_metrics(workers)
-    shed = CounterMetricFamily(
-        P + "requests_shed",
+    yield _counts(
+        "requests_shed",
         "Requests refused at once (429) because the queue ahead would make them miss their "
         "TTFT target (tenants with shed: predicted).",
-        labels=["tenant"],
-    )
-    for tenant, n in sorted(stats.requests_shed.items()):
-        shed.add_metric([tenant], n)
-    yield shed
-    paths = CounterMetricFamily(
-        P + "prefill_path_requests",
+        "tenant", stats.requests_shed,
+    )  # fmt: skip
+    yield _counts(
+        "prefill_path_requests",
         "Requests prefilled by their decode worker (local) or a prefill worker (remote), "
         "each prefill counted (controller.remote_prefill).",
-        labels=["path"],
-    )
-    for path, n in sorted(stats.prefill_paths.items()):
-        paths.add_metric([path], n)
-    yield paths
+        "path", stats.prefill_paths,
+    )  # fmt: skip
     yield counter(
         "slo_admission_holds",
         "Decode steps that held a new prompt back to keep running requests' TPOT targets.",
