@@ -79,6 +79,17 @@ def test_auto_prices_each_request_on_both_paths() -> None:
     assert [ids(p) for p in pd.route(b, some, "auto")] == [["r0"], ["r1"]]
 
 
+def test_the_running_requests_tpot_slack_absorbs_a_local_prefill() -> None:
+    """With 40 decoding, a 2000-token prompt stalls each of them 0.2 s: remote, unless their
+    TPOT targets have that much to spare; then it costs them nothing and stays."""
+    pd, tight = PDScheduler(1, 16), costs(decode_running=40, tpot_slack_s=0.01)
+    spare = costs(decode_running=40, tpot_slack_s=0.5)
+    assert spare.local_s(2000, 0) == pytest.approx(2000 * 0.1 * MS + 4 * 2 * MS)
+    assert tight.local_s(2000, 0) == pytest.approx(0.2 + 4 * 2 * MS + 40 * (0.2 - 0.01))
+    assert ids(pd.route(batch(2000), tight, "auto")[1]) == ["r0"]
+    assert ids(pd.route(batch(2000), spare, "auto")[0]) == ["r0"]
+
+
 def test_the_transfer_counts_whole_unless_it_is_layer_wise() -> None:
     """A slow link: 2000 tokens take 2 s to move whole, 1/32 of that layer by layer."""
     slow = costs(transfer_token_s=1 * MS, decode_running=4)
