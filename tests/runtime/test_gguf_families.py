@@ -106,7 +106,9 @@ def test_a_family_gguf_tokenizes_like_transformers(family_gguf, cache_dir) -> No
 CONTROL, BYTE = 3, 6
 SPM_WORDS = ["\u2581", "a", "b", "c", "h", "i", "t", "e", "r", "bc", "ab", "\u2581a", "\u2581h",
              "hi", "\u2581hi", "th", "er", "\u2581the", "\u2581th", "ere", "\u2581there"]
-SPM_TEXTS = ["abc", "hi abc", "  hi", "a\nb  c", "hi there", "<s>hi</s>", "é", "", " there"]
+# "habc": "ab" outscores "bc", which comes first in the file
+SPM_TEXTS = ["abc", "habc", "hi habc", "hi abc", "  hi", "a\nb  c", "hi there", "<s>hi</s>",
+             "é", "", " there"]
 
 
 def test_a_sentencepiece_llama_vocab_tokenizes_like_transformers(tmp_path) -> None:
