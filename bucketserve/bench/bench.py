@@ -22,7 +22,7 @@ def load_tokenizer(model_path: str | None) -> Any:
     from bucketserve.runtime.io.tokenizer import Tokenizer
     from bucketserve.runtime.io.weights import resolve_model
 
-    return Tokenizer.from_dir(resolve_model(model_path))
+    return Tokenizer.from_dir(resolve_model(model_path, keep_blocks=True))
 
 
 class Bench:

@@ -114,7 +114,8 @@ class ServiceLimits:
 
 def describe_model(config: ControllerConfig) -> tuple[ModelInfo, BucketManagerConfig]:
     """The served model's limits and tokenizer, and the bucket config sized for them."""
-    model_dir = resolve_model(config.runner.model)
+    runner = config.runner
+    model_dir = resolve_model(runner.model, keep_blocks=runner.quantization == "auto")
     model_config = ModelConfig.from_dir(model_dir)
     try:
         max_model_len = ServiceLimits.max_model_len(config, model_config)

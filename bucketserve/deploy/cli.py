@@ -27,6 +27,12 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--host", help="address to bind (127.0.0.1; 0.0.0.0 for a network)")
     serve.add_argument("--model", help="HF model dir or .gguf file (default: embedded SmolLM2)")
     serve.add_argument(
+        "--quantization",
+        choices=["auto", "none"],
+        help="auto: a GGUF's quantized weights stay in their blocks on CPU (default); none: "
+        "expand every weight to float32",
+    )
+    serve.add_argument(
         "--chat-template",
         metavar="FILE",
         help="Jinja chat template for chat requests (default: the model's own; a base model "

@@ -253,7 +253,9 @@ def with_tenants(config: ControllerConfig, tenants: Sequence[TenantConfig]) -> C
 
     base = config.buckets
     if base is None:
-        model = ModelConfig.from_dir(resolve_model(config.runner.model))
+        runner = config.runner
+        keep = runner.quantization == "auto"
+        model = ModelConfig.from_dir(resolve_model(runner.model, keep_blocks=keep))
         base = ServiceLimits.bucket_config(config, ServiceLimits.max_model_len(config, model))
     return dataclasses.replace(config, buckets=dataclasses.replace(base, tenants=tuple(tenants)))
 
@@ -269,7 +271,7 @@ def _model_config(model: str | None, convert: bool) -> Any:
     path = default_gguf_path() if model is None else Path(model).expanduser()
     if not convert and path.suffix == ".gguf" and path.is_file():
         return ModelConfig.from_dict(GGUFConverter(path).config_dict())
-    return ModelConfig.from_dir(resolve_model(model))
+    return ModelConfig.from_dir(resolve_model(model, keep_blocks=True))
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -295,6 +297,7 @@ def _runner(s: ServeSettings) -> ModelRunnerConfig:
     return ModelRunnerConfig(
         model=m.path,
         dtype=m.dtype,
+        quantization=m.quantization,
         device=m.device,
         block_size=kv.block_size,
         num_kv_blocks=kv.num_blocks,

@@ -17,7 +17,8 @@ def summarize(config: ServeConfig, model_len: int | None = None) -> str:
         else f"{runner.kv_memory_fraction:g} of free memory"
     )
     lines = [
-        f"model       {model}  (dtype {runner.dtype}, device {runner.device}, "
+        f"model       {model}  (dtype {runner.dtype}, quantization {runner.quantization}, "
+        f"device {runner.device}, "
         f"max_model_len {length or 'from the model'})",
         f"kv cache    block size {runner.block_size}, {kv} per decode worker, prefix caching "
         + ("on" if c.scheduler.enable_prefix_caching else "off"),

@@ -56,6 +56,10 @@ class ModelSettings(Settings):
         "auto"
     )
     """auto: float32 on CPU, bfloat16 on cuda and hpu."""
+    quantization: Literal["auto", "none"] = "auto"
+    """auto: a GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K weights stay in their
+    blocks on CPU workers (eager, float32, no tensor parallelism), other types expanded to
+    float32; none: every weight expanded to float32."""
     device: Annotated[str, AfterValidator(_device)] = "auto"
     """auto, cpu, cuda, cuda:<i> or hpu, as each worker sees it."""
     max_model_len: int | None = Field(None, ge=1)

@@ -85,6 +85,7 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
         "host": ("gateway.host", "--host"),
         "model": ("model.path", "--model"),
         "chat_template": ("model.chat_template", "--chat-template"),
+        "quantization": ("model.quantization", "--quantization"),
         "tool_call_parser": ("model.tool_call_parser", "--tool-call-parser"),
         "ray_address": ("controller.ray_address", "--ray-address"),
     }

@@ -34,6 +34,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     parser.add_argument("--device", default="auto", help="cpu, cuda, hpu or auto")
+    parser.add_argument(
+        "--quantization", choices=["auto", "none"], default="auto",
+        help="auto: a GGUF's quantized weights stay in their blocks on CPU; none: float32",
+    )
     parser.set_defaults(func=run)
     _register_kernels(subparsers)
 
@@ -90,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"bucketserve offline: {exc}") from exc
     prompts = args.prompts or list(DEFAULT_PROMPTS)
-    llm = LLM(args.model, device=args.device)
+    llm = LLM(args.model, device=args.device, quantization=args.quantization)
     start = time.perf_counter()
     outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, False)
     elapsed = time.perf_counter() - start

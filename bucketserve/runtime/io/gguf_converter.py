@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from bucketserve.runtime.io.gguf_file import GGUFFile
 from bucketserve.runtime.io.gguf_tokenizer import GGUFTokenizer
+from bucketserve.runtime.io.quantized import BLOCK_TYPES, QuantizedTensor
 
 # llama.cpp's architecture -> the Hugging Face architecture and model_type it converts to
 HF_ARCHITECTURES = {
@@ -61,6 +62,13 @@ _TOP_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# The tensors one GEMM weight stacks (model files' stacked_params): they stay in blocks
+# together or not at all.
+_STACKED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+# The matrices a block-kept weight may be: the GEMMs, the head and the token table.
+_BLOCK_TENSORS = re.compile(
+    r"token_embd\.weight|output\.weight|blk\.\d+\.(attn_[qkv]|attn_output|ffn_\w+)\.weight"
+)
 # What llama.cpp assumes for Gemma 3 files that do not say: every sixth layer attends
 # globally, the sliding layers rotate with base 10000.
 GEMMA3_SLIDING_PATTERN = 6
@@ -194,15 +202,23 @@ class GGUFConverter:
         self.build_tokenizer().save(str(out / "tokenizer.json"))
         _write_json(out / "tokenizer_config.json", self.tokenizer_config())
 
-    def write(self, out_dir: str | Path, progress: bool = True) -> None:
-        """A complete HF directory: config, generation config, tokenizer, float32 weights."""
+    def write(self, out_dir: str | Path, progress: bool = True, keep_blocks: bool = False) -> None:
+        """A complete HF directory: config, generation config, tokenizer, float32 weights;
+        with `keep_blocks`, the GEMM weights of a type the CPU kernels multiply
+        (`kept_blocks`) as their quantized blocks (uint8), their types in the safetensors
+        metadata (`block_types`)."""
         out = Path(out_dir)
         config = self.config_dict()
         self.tokenizer.check()
         self.check_quant_types()
         self.write_tokenizer(out)
-        weights = dict(self.iter_tensors(progress, config))
-        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        weights, block_types = {}, {}
+        for name, tensor in self.iter_tensors(progress, config, keep_blocks):
+            if isinstance(tensor, QuantizedTensor):
+                block_types[name], tensor = tensor.block_type, tensor.blocks
+            weights[name] = tensor
+        metadata = {"format": "pt", "block_types": json.dumps(block_types)}
+        save_file(weights, str(out / "model.safetensors"), metadata=metadata)
         _write_json(out / "generation_config.json", self.generation_config())
         _write_json(out / "config.json", config)  # last: its presence marks a finished dir
 
@@ -221,26 +237,48 @@ class GGUFConverter:
                     f"dequantized here ({e}); use an F32/F16/BF16/Q8_0/Q4_K-family export"
                 ) from e
 
+    def kept_blocks(self) -> set[str]:
+        """The GGUF tensors that can stay in their blocks: GEMM weights (and the token
+        table) of a type in `BLOCK_TYPES`, with all the tensors stacked with them."""
+        types = {n: t.type.name for n, t in self.file.tensors.items()}
+        kept = {
+            n for n, kind in types.items() if kind in BLOCK_TYPES and _BLOCK_TENSORS.fullmatch(n)
+        }
+        for name in list(kept):
+            m = _LAYER_RE.fullmatch(name)
+            group = next((g for g in _STACKED if m and m.group(2) in g), ())
+            members = [f"blk.{m.group(1)}.{part}.weight" for part in group]
+            if any(types.get(other) not in BLOCK_TYPES for other in members):
+                kept.discard(name)
+        return kept
+
     def iter_tensors(
-        self, progress: bool = False, config: dict[str, Any] | None = None
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+        self, progress: bool = False, config: dict[str, Any] | None = None,
+        keep_blocks: bool = False,
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """(HF name, float32 tensor) pairs in the Hugging Face layout: llama.cpp's Q/K row
         permutation undone (Llama alone: Qwen's files keep Hugging Face's rows), its 1 + w
-        norm weights back to w (Gemma)."""
+        norm weights back to w (Gemma). With `keep_blocks`, the `kept_blocks` tensors come
+        as their blocks (rows permuted alike)."""
         config = config or self.config_dict()
+        kept = self.kept_blocks() if keep_blocks else set()
         heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
         tensors = tqdm(
             self.file.tensors.values(), desc=f"converting {self.path.name}", disable=not progress
         )
         for t in tensors:
             name = self._hf_name(t.name)
-            data = gguf.quants.dequantize(t.data, t.type).reshape(t.shape).astype(np.float32)
+            if t.name in kept:
+                data = np.array(t.data).reshape(t.shape[0], -1)
+            else:
+                data = gguf.quants.dequantize(t.data, t.type).reshape(t.shape).astype(np.float32)
             proj = name.split(".")[-2]
             if self.arch == "llama" and proj in heads:
                 data = _unpermute(data, heads[proj])
             if self.arch == "gemma3" and name.endswith("norm.weight"):
                 data = data - np.float32(1)
-            yield name, torch.from_numpy(np.ascontiguousarray(data))
+            tensor = torch.from_numpy(np.ascontiguousarray(data))
+            yield name, QuantizedTensor(tensor, t.type.name) if t.name in kept else tensor
 
     def _hf_name(self, name: str) -> str:
         if name in _TOP_NAMES:

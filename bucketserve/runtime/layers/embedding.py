@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bucketserve.runtime.cpu.block_gemm import BlockGemm
 from bucketserve.runtime.distributed import tp_group
+from bucketserve.runtime.io.quantized import QuantizedTensor
 
 
 class _LoadedEmbedding(nn.Embedding):
@@ -24,7 +26,10 @@ class VocabEmbedding(_LoadedEmbedding):
     Built under a tensor-parallel group, vocab-parallel: this rank holds rows
     `[vocab_start, vocab_start + num_embeddings)` of the table (the vocabulary padded to a
     multiple of the ranks, padding rows zero); a token another rank holds looks up zeros
-    here and the ranks' rows are summed."""
+    here and the ranks' rows are summed. The table may be kept in a GGUF's quantized blocks
+    (`load_blocks`): a lookup expands its rows."""
+
+    blocks: BlockGemm | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None) -> None:
         tp = tp_group.current()
@@ -44,10 +49,17 @@ class VocabEmbedding(_LoadedEmbedding):
     def shard_tensor(self, leaf: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
         return vocab_rows(tensor, self.vocab_start, self.num_embeddings)
 
+    def load_blocks(self, tensor: QuantizedTensor, shard: int | None) -> None:
+        if tensor.shape != tuple(self.weight.shape):
+            raise ValueError(f"quantized table of shape {tensor.shape}, expected "
+                             f"{tuple(self.weight.shape)}")
+        self.blocks = BlockGemm(tensor)
+        self.weight = nn.Parameter(self.weight.new_empty((0, self.embedding_dim)), False)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is not None:
             return self._parallel(input_ids)
-        x = super().forward(input_ids)
+        x = super().forward(input_ids) if self.blocks is None else self.blocks.rows(input_ids)
         return x if self.scale_value is None else x * self.scale
 
     def _parallel(self, input_ids: torch.Tensor) -> torch.Tensor:

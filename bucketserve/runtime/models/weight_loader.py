@@ -7,13 +7,15 @@ from collections.abc import Collection, Iterable, Mapping
 import torch
 from torch import nn
 
+from bucketserve.runtime.io.quantized import QuantizedTensor
+
 # checkpoint name fragment -> (the fragment of the parameter it is stacked into, shard index)
 StackedParams = Mapping[str, tuple[str, int]]
 
 
 def load_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]],
     stacked_params: StackedParams,
     skip: Collection[str] = (),
 ) -> None:
@@ -22,7 +24,8 @@ def load_weights(
     `weight_loader(param, tensor)` where it has one; the names in `skip` and rotary tables
     are passed over. Every parameter, every shard of a stacked one, must be covered. A
     tensor-parallel module cuts its rank's slice first (`shard_tensor(leaf, tensor,
-    shard)`)."""
+    shard)`). A weight kept in quantized blocks goes to its module's `load_blocks(tensor,
+    shard)`, which keeps the blocks in place of the float parameter."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     loaded: set[str] = set()
@@ -35,6 +38,10 @@ def load_weights(
         owner_name, _, leaf = target.rpartition(".")
         owner = modules[owner_name]
         dest = params[target].data
+        if isinstance(tensor, QuantizedTensor):
+            _load_blocks(owner, target, tensor, shard)
+            loaded.add(f"{target}#{shard}")
+            continue
         shard_tensor = getattr(owner, "shard_tensor", None)
         if shard_tensor is not None:  # a tensor-parallel layer: this rank's slice
             tensor = shard_tensor(leaf, tensor, shard)
@@ -58,6 +65,18 @@ def load_weights(
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks weights for {missing[:5]} ({len(missing)} missing)")
+
+
+def _load_blocks(
+    owner: nn.Module, target: str, tensor: QuantizedTensor, shard: int | None
+) -> None:
+    load_blocks = getattr(owner, "load_blocks", None)
+    if load_blocks is None or getattr(owner, "tp", None) is not None:
+        raise ValueError(
+            f"{target!r} cannot keep quantized blocks here; load the model with "
+            f"quantization 'none' (weights expanded to float32)"
+        )
+    load_blocks(tensor, shard)
 
 
 def _target(name: str, stacked_params: StackedParams) -> tuple[str, int | None]:

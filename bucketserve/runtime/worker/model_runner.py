@@ -11,11 +11,13 @@ import numpy as np
 import torch
 
 from bucketserve.runtime.core.sequence import Sequence
+from bucketserve.runtime.cpu.block_gemm import runs_blocks
 from bucketserve.runtime.distributed.tp_group import TPGroup
 from bucketserve.runtime.io.model_config import ModelConfig
+from bucketserve.runtime.io.quantized import QUANTIZATION_MODES
 from bucketserve.runtime.io.tokenizer import Tokenizer
 from bucketserve.runtime.io.weights import iter_safetensors, resolve_model
-from bucketserve.runtime.layers.packing import pack_weights
+from bucketserve.runtime.layers.packing import describe_weights, pack_weights
 from bucketserve.runtime.models import MODEL_REGISTRY
 from bucketserve.runtime.worker.compiled_graphs import CompiledGraphs, GraphStats
 from bucketserve.runtime.worker.device import EXECUTION_MODES, Device
@@ -52,6 +54,9 @@ class ModelRunnerConfig:
     Once unified shapes `(tokens, shared blocks, unique blocks, is_causal)` are warmed in
     graphs mode, every step runs as one, prompt chunks and decode rows together.
     `chat_template` (a file or the Jinja text) replaces the model's own chat template.
+    `quantization`: "auto" keeps a GGUF's quantized weights in their blocks where the CPU
+    kernels multiply them (eager float32 on CPU, no tensor parallelism), "none" expands every
+    weight to float32.
     """
 
     model: str | None = None
@@ -65,8 +70,13 @@ class ModelRunnerConfig:
     seed: int = 0
     execution: str = "auto"
     chat_template: str | None = None
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}"
+            )
         if self.execution not in ("auto", *EXECUTION_MODES):
             raise ValueError(
                 f"execution must be 'auto', 'eager' or 'graphs', got {self.execution!r}"
@@ -111,12 +121,15 @@ class ModelRunner:
         self.tp = tp
         self.device = Device(config.device)
         self.dtype = self.device.resolve_dtype(config.dtype)
-        self.model_dir = resolve_model(config.model)
+        self.execution = resolve_execution(config.execution, self.device.type)
+        self.model_dir = resolve_model(config.model, keep_blocks=self._keeps_blocks())
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir, config.chat_template)
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
         self.model = self._build_model()
+        self.weight_formats, self.weight_bytes = describe_weights(self.model)
+        logger.info("weights: %s; %.0f MiB", self.weight_formats, self.weight_bytes / 2**20)
         c = self.model_config
         self.kv_cache = KVCache(
             self.num_layers,
@@ -138,12 +151,28 @@ class ModelRunner:
             self.max_model_len,
             self.device.torch_device,
         )
-        self.execution = resolve_execution(config.execution, self.device.type)
         if self.execution == "eager":
             pack_weights(self.model, _PACK_BATCH_HINT)
         elif self.device.type == "cpu":  # graphs: the CPU's compiled regions call its GEMMs
             pack_weights(self.model, _PACK_BATCH_HINT, graphs=True)
         self.graphs, self._flat = self._compiled_graphs()
+
+    def _keeps_blocks(self) -> bool:
+        """Whether a GGUF's quantized weights stay in their blocks (`quantization`)."""
+        if self.config.quantization == "none":
+            return False
+        why = None
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            why = f"{self.dtype} on {self.device.type}"
+        elif self.tp is not None:
+            why = "tensor parallelism"
+        elif self.execution != "eager":
+            why = f"execution {self.execution}"
+        elif not runs_blocks():
+            why = "no CPU kernel library"
+        if why is not None:
+            logger.info("quantization auto: %s runs no quantized blocks; weights in float", why)
+        return why is None
 
     @property
     def num_layers(self) -> int:

@@ -25,6 +25,7 @@ import torch
 from bucketserve import envs
 from bucketserve.runtime.cpu.kernels.build import ISA_ENV as ISA_ENV  # re-exported: the ISA switch
 from bucketserve.runtime.cpu.kernels.build import KernelBuild, KernelBuildError
+from bucketserve.runtime.io.quantized import BLOCK_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,12 @@ _SIGNATURES = {
     "silu_mul": [_P, _P, _P, _I, _I, _I64, _I64, _I],
     "write_kv": [_P, _P, _I64, _I64, _P, _P, _P, _I, _I, _I, _I64, _I],
 }
-_FLOAT32_ONLY = {"gemm_panels": [_P, _P, _P, _I, _I, _I, _I, _I]}
+_FLOAT32_ONLY = {
+    "gemm_panels": [_P, _P, _P, _I, _I, _I, _I, _I],
+    "block_gemm": [_P, _P, _P, _I64, _I, _I, _I, _I, _I, _I],
+    "block_rows": [_P, _P, _P, _I, _I, _I, _I],
+}
+
 GEMM_PANEL = 32  # output columns per panel of a packed weight (cpu_kernels.c: PANEL)
 
 
@@ -214,6 +220,36 @@ class CpuKernels:
         self._fns["gemm_panels", torch.float32](
             x.data_ptr(), panels.data_ptr(), out.data_ptr(), rows, out.shape[1], k,
             int(accumulate), torch.get_num_threads(),
+        )
+        return out
+
+    def block_gemm(
+        self, x: torch.Tensor, blocks: torch.Tensor, block_type: str, out: torch.Tensor,
+        accumulate: bool,
+    ) -> torch.Tensor:
+        """`out [M, N] (+)= x [M, K] . W^T` in float32, W `[N, K]` kept as `blocks`
+        (uint8 `[N, K / block weights * block bytes]`, GGUF's layout) of `block_type`
+        (`BLOCK_TYPES`); x is quantized to 8 bits per 32 values first, as llama.cpp does.
+        x and blocks contiguous, out's rows contiguous (it may be a column range of a wider
+        output)."""
+        rows, k = x.shape
+        status = self._fns["block_gemm", torch.float32](
+            x.data_ptr(), blocks.data_ptr(), out.data_ptr(), out.stride(0), rows, out.shape[1], k,
+            BLOCK_TYPES.index(block_type), int(accumulate), torch.get_num_threads(),
+        )
+        if status == -2:
+            raise MemoryError("block_gemm could not allocate x's 8-bit copy")
+        return out
+
+    def block_rows(
+        self, blocks: torch.Tensor, block_type: str, ids: torch.Tensor, in_features: int
+    ) -> torch.Tensor:
+        """Rows `ids` (int64, contiguous) of a weight kept as `blocks`, as float32
+        `[len(ids), in_features]`."""
+        out = torch.empty((ids.numel(), in_features))
+        self._fns["block_rows", torch.float32](
+            blocks.data_ptr(), ids.data_ptr(), out.data_ptr(), ids.numel(), in_features,
+            BLOCK_TYPES.index(block_type), torch.get_num_threads(),
         )
         return out
 

@@ -1,9 +1,10 @@
 // CPU kernels torch lacks, for float32 and bfloat16 (computed in float32): decode
 // attention read through the block table, rotary embedding in place, RMSNorm, the K/V
-// write into pool slots, SwiGLU's product, and a float32 GEMM over weights packed in
-// column panels. Built and loaded by bucketserve/runtime/cpu/kernels/__init__.py; the torch code
-// each replaces computes the same thing and is what tests/runtime/test_cpu_kernels.py
-// compares it with.
+// write into pool slots, SwiGLU's product, a float32 GEMM over weights packed in column
+// panels, and GEMMs over weights kept in GGUF's quantized blocks. Built and loaded by
+// bucketserve/runtime/cpu/kernels/__init__.py; the torch code each replaces computes the
+// same thing and is what tests/runtime/test_cpu_kernels.py compares it with (the block
+// GEMMs: tests/runtime/test_block_gemm.py, against the gguf package's dequantization).
 #include <float.h>
 #include <math.h>
 #include <omp.h>
@@ -1149,6 +1150,345 @@ int gemm_panels_f32(const float *x, const float *panels, float *y, int M, int N,
                 const char *next = p + 1 < last ? (const char *)(w + (int64_t)PANEL * K) : 0;
                 gemm_panel(x + (int64_t)r0 * K, w, y + (int64_t)r0 * N + p * PANEL, N, rows, K,
                            kc, accumulate, next);
+            }
+        }
+    }
+    return 0;
+}
+
+// ---- GEMMs over weights kept in llama.cpp's quantized blocks --------------------------------
+// A weight row is blocks of one type, as the GGUF file stores them: 32 weights a block with
+// a float16 scale d (and a float16 minimum m for the _1 types), 4, 5 or 8 bits a weight; or
+// 256-weight super-blocks (the K types) of eight 32-weight sub-blocks, each with its own
+// 6-bit scale and minimum (Q4_K) or two 8-bit scales of 16 weights (Q6_K). x is quantized
+// per row and 32 values to 8 bits first (scale dx, and s = dx * sum(qx) for the minima),
+// so a sub-block's contribution is an integer dot product scaled once:
+// dx * (sc * sum(qw * qx)) + m * s, sc per 16 weights. Weight values are unpacked into a
+// register of 32 int8 and multiplied by x's as llama.cpp does on each ISA: AVX2's
+// vpmaddubsw (unsigned x signed bytes, the sign moved onto x for the signed types), plain
+// integer loops the compiler vectorizes elsewhere (NEON's sdot with +dotprod).
+enum { QBLOCK = 32, BLOCK_Q8_0 = 0, BLOCK_Q4_0, BLOCK_Q4_1, BLOCK_Q5_0, BLOCK_Q5_1, BLOCK_Q4_K,
+       BLOCK_Q6_K, BLOCK_TYPE_COUNT };
+enum { QGEMM_ROWS = 4, QGEMM_TILE = 64 };
+
+static const int block_bytes[] = {34, 18, 20, 22, 24, 144, 210};
+static const int block_subs[] = {1, 1, 1, 1, 1, 8, 8};  // 32-weight sub-blocks a block
+
+// x's blocks: scale, scale * sum of the quants, the quants.
+struct xblock {
+    float d, s;
+    int8_t q[QBLOCK];
+};
+
+static inline __attribute__((always_inline)) float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0x1fu) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else {  // subnormal: its mantissa times 2^-24
+        float f = (float)man * (1.0f / 16777216.0f);
+        memcpy(&u, &f, 4);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+// Whether the type's quants are unsigned with a minimum added (else signed, no minimum).
+static inline __attribute__((always_inline)) int has_min(int type) {
+    return type == BLOCK_Q4_1 || type == BLOCK_Q5_1 || type == BLOCK_Q4_K;
+}
+
+// Sub-block s of block b: the scales of its two halves of 16 weights and its minimum.
+static inline __attribute__((always_inline)) void sub_scales(int type, const uint8_t *b, int s,
+                                                             float *sc0, float *sc1, float *mn) {
+    if (type == BLOCK_Q4_K) {  // scales[12]: 6-bit scale and minimum per sub-block
+        const uint8_t *k = b + 4;
+        int sc, m;
+        if (s < 4) {
+            sc = k[s] & 63;
+            m = k[s + 4] & 63;
+        } else {
+            sc = (k[s + 4] & 15) | ((k[s - 4] >> 6) << 4);
+            m = (k[s + 4] >> 4) | ((k[s] >> 6) << 4);
+        }
+        *sc0 = *sc1 = half_to_float(b) * (float)sc;
+        *mn = -half_to_float(b + 2) * (float)m;
+    } else if (type == BLOCK_Q6_K) {  // ql[128] qh[64] scales[16] (int8) d
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = half_to_float(b + 208);
+        const int first = 8 * (s / 4) + 2 * (s % 4);
+        *sc0 = d * (float)scales[first];
+        *sc1 = d * (float)scales[first + 1];
+        *mn = 0.0f;
+    } else {
+        *sc0 = *sc1 = half_to_float(b);
+        *mn = has_min(type) ? half_to_float(b + 2) : 0.0f;
+    }
+}
+
+// Sub-block s's 32 quants as int8 (the minimum types' unsigned, the others' signed).
+static inline __attribute__((always_inline)) void unpack_sub(int type, const uint8_t *b, int s,
+                                                             int8_t q[QBLOCK]) {
+    if (type == BLOCK_Q8_0) {
+        memcpy(q, b + 2, QBLOCK);
+    } else if (type == BLOCK_Q4_K) {  // qs[128]: 64-weight chunks, low nibbles then high
+        const uint8_t *qs = b + 16 + 32 * (s / 2);
+        for (int j = 0; j < QBLOCK; j++) q[j] = (int8_t)(s % 2 ? qs[j] >> 4 : qs[j] & 15);
+    } else if (type == BLOCK_Q6_K) {  // 128-weight halves: 4 bits from ql, 2 from qh
+        const int t = s % 4;
+        const uint8_t *ql = b + 64 * (s / 4) + 32 * (t % 2), *qh = b + 128 + 32 * (s / 4);
+        for (int j = 0; j < QBLOCK; j++) {
+            const int low = t < 2 ? ql[j] & 15 : ql[j] >> 4;
+            q[j] = (int8_t)((low | (((qh[j] >> (2 * t)) & 3) << 4)) - 32);
+        }
+    } else {
+        uint32_t qh = 0;
+        const uint8_t *qs = b + (has_min(type) ? 4 : 2);
+        if (type == BLOCK_Q5_0 || type == BLOCK_Q5_1) {
+            memcpy(&qh, qs, 4);
+            qs += 4;
+        }
+        const int offset = type == BLOCK_Q4_0 ? 8 : type == BLOCK_Q5_0 ? 16 : 0;
+        for (int j = 0; j < QBLOCK / 2; j++) {
+            q[j] = (int8_t)((qs[j] & 15) + (((qh >> j) & 1u) << 4) - offset);
+            q[j + QBLOCK / 2] = (int8_t)((qs[j] >> 4) + (((qh >> (j + 16)) & 1u) << 4) - offset);
+        }
+    }
+}
+
+static void quantize_row_q8(const float *x, struct xblock *out, int nb) {
+    for (int b = 0; b < nb; b++) {
+        const float *v = x + (int64_t)b * QBLOCK;
+        float amax = 0.0f;
+        for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QBLOCK; j++) {
+            const int q = (int)lrintf(v[j] * id);
+            out[b].q[j] = (int8_t)q;
+            sum += q;
+        }
+        out[b].d = d;
+        out[b].s = d * (float)sum;
+    }
+}
+
+#if defined(__AVX2__)
+// unpack_sub in one register.
+static inline __attribute__((always_inline)) __m256i unpack_avx2(int type, const uint8_t *b, int s) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    if (type == BLOCK_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    if (type == BLOCK_Q4_K) {
+        const __m256i qs = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (s / 2)));
+        return _mm256_and_si256(s % 2 ? _mm256_srli_epi16(qs, 4) : qs, low4);
+    }
+    if (type == BLOCK_Q6_K) {
+        const int t = s % 4;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * (s / 4) + 32 * (t % 2)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * (s / 4)));
+        const __m256i low = _mm256_and_si256(t < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+        // bits 2t, 2t + 1 of qh to bits 4, 5 (shifts move whole 16-bit lanes: mask after)
+        const __m128i by = _mm_cvtsi32_si128(2 * t);
+        const __m256i high = _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, by), 4),
+                                              _mm256_set1_epi8(0x30));
+        return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+    }
+    const uint8_t *qs = b + (has_min(type) ? 4 : 2);
+    uint32_t qh = 0;
+    if (type == BLOCK_Q5_0 || type == BLOCK_Q5_1) {
+        memcpy(&qh, qs, 4);
+        qs += 4;
+    }
+    const __m128i packed = _mm_loadu_si128((const __m128i *)qs);
+    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low4);
+    if (type == BLOCK_Q5_0 || type == BLOCK_Q5_1) {
+        // byte j takes bit j of qh: byte j / 8 of qh spread over each 8 bytes, one bit kept
+        const __m256i spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32((int)qh),
+            _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+    const int offset = type == BLOCK_Q4_0 ? 8 : type == BLOCK_Q5_0 ? 16 : 0;
+    return offset ? _mm256_sub_epi8(q, _mm256_set1_epi8((char)offset)) : q;
+}
+
+// Eight int32 partial sums of w . x (lanes 0-3 the first 16 weights): w unsigned (the
+// minimum types) or signed.
+static inline __attribute__((always_inline)) __m256i dot_avx2(int type, __m256i w, __m256i x) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (has_min(type)) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
+                             ones);
+}
+#endif
+
+#if defined(__AVX2__)
+typedef __m256 qacc;
+#else
+typedef float qacc;
+#endif
+
+// Sub-block i of the row at w times x's rows (R of them, `xstride` x-blocks apart), added
+// into acc[r] (and the minimum's share into mins[r]).
+static inline __attribute__((always_inline)) void dot_sub(int type, const uint8_t *w,
+                                                          const struct xblock *x, int64_t xstride,
+                                                          int i, int R, qacc *acc, float *mins) {
+    const int subs = block_subs[type], s = i % subs;
+    const uint8_t *blk = w + (int64_t)(i / subs) * block_bytes[type];
+    float sc0, sc1, mn;
+    sub_scales(type, blk, s, &sc0, &sc1, &mn);
+#if defined(__AVX2__)
+    const __m256i q = unpack_avx2(type, blk, s);
+#else
+    int8_t q[QBLOCK];
+    unpack_sub(type, blk, s, q);
+#endif
+    for (int r = 0; r < R; r++) {
+        const struct xblock *xb = x + r * xstride + i;
+#if defined(__AVX2__)
+        const __m256i p = dot_avx2(type, q, _mm256_loadu_si256((const __m256i *)xb->q));
+        // one scale for the 32 weights but for Q6_K's two halves
+        const __m256 scale = type == BLOCK_Q6_K
+            ? _mm256_set_m128(_mm_set1_ps(sc1 * xb->d), _mm_set1_ps(sc0 * xb->d))
+            : _mm256_set1_ps(sc0 * xb->d);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r]);
+#else
+        int sum0 = 0, sum1 = 0;
+        for (int j = 0; j < QBLOCK / 2; j++) sum0 += (int)q[j] * (int)xb->q[j];
+        for (int j = QBLOCK / 2; j < QBLOCK; j++) sum1 += (int)q[j] * (int)xb->q[j];
+        acc[r] += xb->d * (sc0 * (float)sum0 + sc1 * (float)sum1);
+#endif
+        mins[r] += mn * xb->s;
+    }
+}
+
+// out[r] = row w . x row r (r < R, rows `xstride` x-blocks apart) over nb blocks of w.
+// Two sums a row, even and odd sub-blocks, so that neighbouring sub-blocks' FMAs overlap.
+static inline __attribute__((always_inline)) void dot_rows(int type, const uint8_t *w,
+                                                           const struct xblock *x, int64_t xstride,
+                                                           int nb, int R, float *out) {
+    float mins[QGEMM_ROWS] = {0};
+    qacc even[QGEMM_ROWS], odd[QGEMM_ROWS];
+    for (int r = 0; r < R; r++) {
+#if defined(__AVX2__)
+        even[r] = odd[r] = _mm256_setzero_ps();
+#else
+        even[r] = odd[r] = 0.0f;
+#endif
+    }
+    const int total = nb * block_subs[type];
+    int i = 0;
+    for (; i + 1 < total; i += 2) {
+        dot_sub(type, w, x, xstride, i, R, even, mins);
+        dot_sub(type, w, x, xstride, i + 1, R, odd, mins);
+    }
+    if (i < total) dot_sub(type, w, x, xstride, i, R, even, mins);
+    for (int r = 0; r < R; r++) {
+#if defined(__AVX2__)
+        const __m256 sum = _mm256_add_ps(even[r], odd[r]);
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+        const __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        out[r] = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1))) + mins[r];
+#else
+        out[r] = even[r] + odd[r] + mins[r];
+#endif
+    }
+}
+
+// Rows [m0, m1) of y (row stride ldy) against weight rows [n0, n1), QGEMM_ROWS rows of x
+// per pass over a weight row (it stays in L1 while they go by).
+static inline __attribute__((always_inline)) void block_gemm_tile(
+    int type, const uint8_t *w, const struct xblock *xq, float *y, int64_t ldy, int m0, int m1,
+    int n0, int n1, int nb, int xstride, int acc) {
+    const int64_t row_bytes = (int64_t)nb * block_bytes[type];
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *wn = w + n * row_bytes;
+        for (int m = m0; m < m1; m += QGEMM_ROWS) {
+            float out[QGEMM_ROWS];
+            const int R = m1 - m < QGEMM_ROWS ? m1 - m : QGEMM_ROWS;
+            const struct xblock *xm = xq + (int64_t)m * xstride;
+            if (R == QGEMM_ROWS) dot_rows(type, wn, xm, xstride, nb, QGEMM_ROWS, out);
+            else if (R == 3) dot_rows(type, wn, xm, xstride, nb, 3, out);
+            else if (R == 2) dot_rows(type, wn, xm, xstride, nb, 2, out);
+            else dot_rows(type, wn, xm, xstride, nb, 1, out);
+            for (int r = 0; r < R; r++) {
+                float *yp = y + (int64_t)(m + r) * ldy + n;
+                *yp = acc ? *yp + out[r] : out[r];
+            }
+        }
+    }
+}
+
+// Weights per block of a type (32, or 256 for the K types); -1 for an unknown type.
+int block_type_weights(int type) {
+    return type >= 0 && type < BLOCK_TYPE_COUNT ? QBLOCK * block_subs[type] : -1;
+}
+
+// y [M, N] (row stride ldy) (+)= x [M, K] . W^T, W [N, K] in blocks of `type`, K a multiple
+// of the type's block. Threads split W's rows; x's rows go QGEMM_TILE at a time (their
+// 8-bit blocks stay in L2).
+int block_gemm_f32(const float *x, const uint8_t *w, float *y, int64_t ldy, int M, int N, int K,
+                   int type, int accumulate, int threads) {
+    if (block_type_weights(type) < 0 || K % block_type_weights(type)) return -1;
+    const int nb = K / block_type_weights(type), xstride = K / QBLOCK;
+    struct xblock *xq = malloc(sizeof(struct xblock) * (size_t)M * xstride);
+    if (!xq) return -2;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; m++) quantize_row_q8(x + (int64_t)m * K, xq + (int64_t)m * xstride, xstride);
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int n0 = (int)((int64_t)N * t / nt), n1 = (int)((int64_t)N * (t + 1) / nt);
+        for (int m0 = 0; m0 < M; m0 += QGEMM_TILE) {
+            const int m1 = M - m0 < QGEMM_TILE ? M : m0 + QGEMM_TILE;
+#define TILE(T) block_gemm_tile(T, w, xq, y, ldy, m0, m1, n0, n1, nb, xstride, accumulate)
+            switch (type) {  // the type a constant in each: its unpacking inlined
+            case BLOCK_Q8_0: TILE(BLOCK_Q8_0); break;
+            case BLOCK_Q4_0: TILE(BLOCK_Q4_0); break;
+            case BLOCK_Q4_1: TILE(BLOCK_Q4_1); break;
+            case BLOCK_Q5_0: TILE(BLOCK_Q5_0); break;
+            case BLOCK_Q5_1: TILE(BLOCK_Q5_1); break;
+            case BLOCK_Q4_K: TILE(BLOCK_Q4_K); break;
+            default: TILE(BLOCK_Q6_K); break;
+            }
+#undef TILE
+        }
+    }
+    free(xq);
+    return 0;
+}
+
+// out [R, K] = rows ids[0..R) of W [*, K] in blocks of `type`, as float32 (an embedding's
+// lookups, and the reference the tests compare the GEMM with).
+int block_rows_f32(const uint8_t *w, const int64_t *ids, float *out, int R, int K, int type,
+                   int threads) {
+    if (block_type_weights(type) < 0 || K % block_type_weights(type)) return -1;
+    const int nb = K / block_type_weights(type), bytes = block_bytes[type], subs = block_subs[type];
+#pragma omp parallel for num_threads(threads) schedule(static) if (R > 1)
+    for (int r = 0; r < R; r++) {
+        const uint8_t *row = w + ids[r] * (int64_t)nb * bytes;
+        float *o = out + (int64_t)r * K;
+        for (int b = 0; b < nb; b++) {
+            for (int s = 0; s < subs; s++, o += QBLOCK) {
+                int8_t q[QBLOCK];
+                float sc0, sc1, mn;
+                sub_scales(type, row + (int64_t)b * bytes, s, &sc0, &sc1, &mn);
+                unpack_sub(type, row + (int64_t)b * bytes, s, q);
+                for (int j = 0; j < QBLOCK; j++) o[j] = (j < QBLOCK / 2 ? sc0 : sc1) * (float)q[j] + mn;
             }
         }
     }

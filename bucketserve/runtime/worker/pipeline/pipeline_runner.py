@@ -70,7 +70,7 @@ class PipelineRunner:
 
     def __init__(self, config: ModelRunnerConfig, num_stages: int, make_stage: StageFactory):
         self.config = config
-        self.model_dir = resolve_model(config.model)
+        self.model_dir = resolve_model(config.model, keep_blocks=config.quantization == "auto")
         self.model_config = c = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir, config.chat_template)
         self.max_model_len = config.max_model_len or c.max_position_embeddings
