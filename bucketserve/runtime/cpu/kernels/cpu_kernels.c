@@ -1474,22 +1474,53 @@ int block_gemm_f32(const float *x, const uint8_t *w, float *y, int64_t ldy, int 
 
 // out [R, K] = rows ids[0..R) of W [*, K] in blocks of `type`, as float32 (an embedding's
 // lookups, and the reference the tests compare the GEMM with).
+// One row of nb blocks as K float32 values.
+static inline __attribute__((always_inline)) void expand_row(int type, const uint8_t *row, int nb,
+                                                             float *o) {
+    const int bytes = block_bytes[type], subs = block_subs[type];
+    for (int b = 0; b < nb; b++) {
+        for (int s = 0; s < subs; s++, o += QBLOCK) {
+            const uint8_t *blk = row + (int64_t)b * bytes;
+            float sc0, sc1, mn;
+            sub_scales(type, blk, s, &sc0, &sc1, &mn);
+#if defined(__AVX2__)
+            // every type's quants fit a signed byte (the unsigned ones are < 32)
+            const __m256i q = unpack_avx2(type, blk, s);
+            const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+            const __m256 m = _mm256_set1_ps(mn), a = _mm256_set1_ps(sc0), c = _mm256_set1_ps(sc1);
+#define EXPAND8(at, bytes16, scale) _mm256_storeu_ps(o + (at), _mm256_fmadd_ps( \
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes16)), scale, m))
+            EXPAND8(0, lo, a);
+            EXPAND8(8, _mm_srli_si128(lo, 8), a);
+            EXPAND8(16, hi, c);
+            EXPAND8(24, _mm_srli_si128(hi, 8), c);
+#undef EXPAND8
+#else
+            int8_t q[QBLOCK];
+            unpack_sub(type, blk, s, q);
+            for (int j = 0; j < QBLOCK; j++) o[j] = (j < QBLOCK / 2 ? sc0 : sc1) * (float)q[j] + mn;
+#endif
+        }
+    }
+}
+
 int block_rows_f32(const uint8_t *w, const int64_t *ids, float *out, int R, int K, int type,
                    int threads) {
     if (block_type_weights(type) < 0 || K % block_type_weights(type)) return -1;
-    const int nb = K / block_type_weights(type), bytes = block_bytes[type], subs = block_subs[type];
+    const int nb = K / block_type_weights(type);
+    const int64_t row_bytes = (int64_t)nb * block_bytes[type];
 #pragma omp parallel for num_threads(threads) schedule(static) if (R > 1)
     for (int r = 0; r < R; r++) {
-        const uint8_t *row = w + ids[r] * (int64_t)nb * bytes;
+        const uint8_t *row = w + ids[r] * row_bytes;
         float *o = out + (int64_t)r * K;
-        for (int b = 0; b < nb; b++) {
-            for (int s = 0; s < subs; s++, o += QBLOCK) {
-                int8_t q[QBLOCK];
-                float sc0, sc1, mn;
-                sub_scales(type, row + (int64_t)b * bytes, s, &sc0, &sc1, &mn);
-                unpack_sub(type, row + (int64_t)b * bytes, s, q);
-                for (int j = 0; j < QBLOCK; j++) o[j] = (j < QBLOCK / 2 ? sc0 : sc1) * (float)q[j] + mn;
-            }
+        switch (type) {  // the type a constant in each: its unpacking inlined
+        case BLOCK_Q8_0: expand_row(BLOCK_Q8_0, row, nb, o); break;
+        case BLOCK_Q4_0: expand_row(BLOCK_Q4_0, row, nb, o); break;
+        case BLOCK_Q4_1: expand_row(BLOCK_Q4_1, row, nb, o); break;
+        case BLOCK_Q5_0: expand_row(BLOCK_Q5_0, row, nb, o); break;
+        case BLOCK_Q5_1: expand_row(BLOCK_Q5_1, row, nb, o); break;
+        case BLOCK_Q4_K: expand_row(BLOCK_Q4_K, row, nb, o); break;
+        default: expand_row(BLOCK_Q6_K, row, nb, o); break;
         }
     }
     return 0;
