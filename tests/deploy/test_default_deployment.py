@@ -25,8 +25,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.smollm]
 PROMPT = "Once upon a time"
 TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-# what a user runs, less fixed ports (tests share the machine) and with a short drain
-CONFIG = {"gateway": {"grpc_port": 0, "http_port": 0, "drain_timeout_s": 1.0}}
+# what a user runs, less fixed ports (tests share the machine), with a short drain, and
+# float32 weights: a killed worker's requests are prefilled again with what they streamed,
+# and only float32 promises the fault-free text to the token after such a re-prefill (with
+# the GGUF's blocks kept, x in 8 bits can tip a near tie, as in llama.cpp)
+CONFIG = {
+    "gateway": {"grpc_port": 0, "http_port": 0, "drain_timeout_s": 1.0},
+    "model": {"quantization": "none"},
+}
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ def test_served_gemma_completes_like_transformers_and_refuses_chat(
         "gateway": {"grpc_port": 0, "http_port": 0},
         "kv_cache": {"num_blocks": 64},
         "controller": {"mode": "local"},
+        "model": {"quantization": "none"},  # float32, as transformers computes
     }
     path, log = tmp_path / "service.yaml", tmp_path / "stderr.log"
     path.write_text(yaml.safe_dump(config))

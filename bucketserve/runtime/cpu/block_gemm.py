@@ -13,8 +13,8 @@ from bucketserve.runtime.cpu.host_gemm import HostGemm
 from bucketserve.runtime.io.quantized import QuantizedTensor
 
 # From this many rows of x (prompt chunks) a call expands the weight to float32 and runs
-# torch's GEMM (MKL / oneDNN) with x unquantized: at 512 rows 1.1-1.5x faster than the
-# integer kernel on Zen 3 (AVX2), slower at 64 and 128 rows.
+# torch's GEMM (MKL / oneDNN) with x unquantized: 1.1-1.9x faster than the integer kernel
+# there on Zen 3 (AVX2), mixed at 128 rows, slower below (`benchmarks/block_gemm.py`).
 PROMPT_ROWS = 256
 # ... unless the expansion would be larger than this (an LM head over a big vocabulary,
 # asked for a long prompt's logprobs).

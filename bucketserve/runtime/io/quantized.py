@@ -1,4 +1,5 @@
-"""Weights kept as a GGUF file stores them: llama.cpp's quantized blocks of 32 weights."""
+"""Weights kept as a GGUF file stores them: llama.cpp's quantized blocks (32 weights, 256 for
+the K types)."""
 
 from __future__ import annotations
 
