@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 
+from benchmarks.decode_step import timed
 from bucketserve.runtime.cpu.block_gemm import BlockGemm
 from bucketserve.runtime.io.quantized import QuantizedTensor
 
@@ -26,13 +25,7 @@ ROWS = (1, 16, 64, 128, 256, 512)
 
 
 def median_ms(fn, repeats: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return timed(fn, repeats) * 1e3
 
 
 def timings(weight: QuantizedTensor, dense: torch.Tensor, rows: int) -> dict[str, float]:

@@ -3,33 +3,19 @@ step of the model runner sits against it."""
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
-
 import torch
 
-from benchmarks.decode_step import decode_batch
+from benchmarks.decode_step import decode_batch, timed
 from bucketserve.runtime.cpu.gemm import linear
 from bucketserve.runtime.worker.model_runner import ModelRunner
-
-
-def median_seconds(fn: Callable[[], object], iters: int) -> float:
-    fn()
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def read_bandwidth(num_bytes: int = 1 << 30, iters: int = 5) -> dict[str, float]:
     """Bytes/s streamed by a sum over, and a copy of, a tensor far larger than the caches."""
     x = torch.ones(num_bytes // 4)
     y = torch.empty_like(x)
-    sum_bw = num_bytes / median_seconds(x.sum, iters)
-    copy_bw = 2 * num_bytes / median_seconds(lambda: y.copy_(x), iters)  # read + write
+    sum_bw = num_bytes / timed(x.sum, iters)
+    copy_bw = 2 * num_bytes / timed(lambda: y.copy_(x), iters)  # read + write
     return {"sum": sum_bw, "copy": copy_bw, "best": max(sum_bw, copy_bw)}
 
 
@@ -39,8 +25,8 @@ def gemm_rate(
     """FLOP/s of a square `dtype` GEMM via torch.matmul and via the runtime's linear()."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     flops = 2 * size**3
-    matmul = flops / median_seconds(lambda: torch.matmul(a, b), iters)
-    runtime_linear = flops / median_seconds(lambda: linear(a, b), iters)
+    matmul = flops / timed(lambda: torch.matmul(a, b), iters)
+    runtime_linear = flops / timed(lambda: linear(a, b), iters)
     return {"matmul": matmul, "linear": runtime_linear, "best": max(matmul, runtime_linear)}
 
 
@@ -51,7 +37,7 @@ def decode_step_vs_roofline(
     max(bytes read / bandwidth, FLOPs / GEMM rate)."""
     c = runner.model_config
     seqs = decode_batch(runner, batch, context)
-    step_s = median_seconds(lambda: runner.execute(seqs, [1] * batch), iters)
+    step_s = timed(lambda: runner.execute(seqs, [1] * batch), iters)
     elem = torch.finfo(runner.dtype).bits // 8
     weight_bytes = c.num_params * elem
     kv_bytes = batch * context * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * elem
