@@ -30,15 +30,19 @@ class Bench:
         self.config = config
         self.tenants = TenantMix(config.tenants or None)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_path)
-        self.workload: Workload | None = None
+        self.workloads: dict[int, Workload] = {}
         self.records: dict[float | None, list[RequestRecord]] = {}
 
-    def make_workload(self) -> Workload:
-        if self.workload is None:
-            self.workload = WorkloadGenerator(
-                self.config.workload, self.tokenizer, self.tenants
-            ).generate()
-        return self.workload
+    def make_workload(self, rate: float | None = None) -> Workload:
+        """The prompts and arrivals offered at `rate`: the k-th rate of the sweep draws them
+        with seed + k, so a later rate does not replay prompts the server's prefix cache
+        already holds from an earlier one."""
+        rates = self.config.rates or [None]
+        k = rates.index(rate) if rate in rates else 0
+        if k not in self.workloads:
+            config = dataclasses.replace(self.config.workload, seed=self.config.workload.seed + k)
+            self.workloads[k] = WorkloadGenerator(config, self.tokenizer, self.tenants).generate()
+        return self.workloads[k]
 
     def run(self) -> dict[str, Any]:
         return self.result(self.run_rates(self.config.rates or [None])["runs"])
@@ -54,26 +58,27 @@ class Bench:
         return {"config": config, "workload": self.make_workload().info, "runs": runs}
 
     async def _runs(self, rates: list[float | None]) -> list[dict[str, Any]]:
-        workload = self.make_workload()
         backend = self._backend()
         try:
-            return [await self._one(backend, workload, rate) for rate in rates]
+            return [await self._one(backend, rate) for rate in rates]
         finally:
             await backend.close()
 
-    async def _one(self, backend: Any, workload: Workload, rate: float | None) -> dict[str, Any]:
+    async def _one(self, backend: Any, rate: float | None) -> dict[str, Any]:
+        workload = self.make_workload(rate)
         runner = LoadRunner(backend, self.config.duration_s, self.config.progress)
         server = ServerMetrics(self.config.metrics_url)
         server.start()
         if rate is None:
             records = await runner.closed_loop(workload.requests, self.config.concurrency)
         else:
-            records = await runner.open_loop(workload.requests, rate, self.config.workload.seed)
+            records = await runner.open_loop(workload.requests, rate, workload.info["seed"])
         self.records[rate] = records
         offered = _offered_rate(records) if rate is not None else None
         summary = summarize(records, self.config.slo, offered)
         return {
             "rate": rate,
+            "seed": workload.info["seed"],
             "concurrency": self.config.concurrency if rate is None else None,
             "summary": summary.as_dict(),
             "server": server.delta(),

@@ -17,8 +17,9 @@
 - `cache-shares` / `no-cache-shares`: a `chat` tenant and a `noisy` one (their requests the
   `prefix-flood` workload's chat and doc kinds), with and without `NOISY_CACHE_SHARE` of the
   evictable cached blocks for `noisy`: what the shares keep of chat's cached system prompt;
-- `shed` / `queue`: one `chat` tenant with the bench's TTFT target, `shed: predicted` or
-  `never`: what predicted shedding keeps of the admitted requests' SLO under overload.
+- `shed` / `queue`: one `chat` tenant with the bench's TTFT and TPOT targets, `shed:
+  predicted` or `never`: what predicted shedding keeps of the admitted requests' SLO under
+  overload.
 
 `ServiceSpec.padded` pads every system's batches to the shape buckets, as HPU and CUDA graphs
 do: it measures on the CPU the padding that request buckets save on that hardware (then
@@ -70,7 +71,7 @@ class ServiceSpec:
     # `tpot_slo_s` (the bench's), which the pacing keeps
     decode_pace: float | None = None
     tpot_slo_s: float | None = None
-    ttft_slo_s: float | None = None  # the `shed` / `queue` tenant's target
+    ttft_slo_s: float | None = None  # the `shed` / `queue` tenant's targets: these two
 
     def __post_init__(self) -> None:
         if self.decode_pace is not None:
@@ -145,7 +146,7 @@ def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, 
     if name in ("shed", "queue"):
         shed = "predicted" if name == "shed" else "never"
         tenants = [{"name": "chat", "api_keys": ["chat-key"], "ttft_slo_s": spec.ttft_slo_s,
-                    "shed": shed}]  # fmt: skip
+                    "tpot_slo_s": spec.tpot_slo_s, "shed": shed}]  # fmt: skip
         config = with_tenants(base, TenantRegistry.from_dict(tenants).bucket_configs())
         return config, tenants, [TenantShare("chat", 1.0, "chat-key")]
     config = with_tenants(base, [TenantConfig("default", **targets)])

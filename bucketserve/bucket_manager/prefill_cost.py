@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from bucketserve.utils.moving_average import moving_average
+
 
 @dataclass(frozen=True)
 class PrefillCost:
@@ -24,3 +26,24 @@ class PrefillCost:
         share = tokens / self.workers
         steps = max(1, math.ceil(share / self.step_tokens)) if self.step_tokens else 1
         return steps * self.step_s + share * self.prefill_token_s
+
+
+@dataclass
+class ForecastBias:
+    """How far TTFT forecasts fall from the first tokens that followed: moving averages of
+    both, whose ratio scales the next forecast. What the cost model leaves out (prompts held
+    back to keep running requests' TPOT, sampling, the gateway) shows up here, so a busy
+    engine's forecasts lengthen with it rather than admitting requests that then miss."""
+
+    forecast_s: float | None = None
+    actual_s: float | None = None
+
+    def observe(self, forecast_s: float, actual_s: float) -> None:
+        self.forecast_s = moving_average(self.forecast_s, forecast_s)
+        self.actual_s = moving_average(self.actual_s, actual_s)
+
+    @property
+    def factor(self) -> float:
+        if not self.forecast_s or self.actual_s is None:
+            return 1.0
+        return self.actual_s / self.forecast_s

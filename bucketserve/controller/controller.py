@@ -173,13 +173,18 @@ class Controller:
         return state.stream
 
     def _shed_if_late(self, state: RequestState) -> None:
-        """Refuse `state` now if its tenant sheds and its forecast TTFT misses its target."""
+        """Refuse `state` now if its tenant sheds and its forecast TTFT, corrected by how far
+        forecasts fell from first tokens so far, misses its target."""
         tenant = self.buckets.tenants.get(state.request.tenant)
         if tenant is None or not tenant.config.sheds:
             return
         target = state.request.slo_ttft_s or tenant.config.ttft_slo_s
-        forecast = None if target is None else self.dispatcher.forecast_ttft(state)
-        if forecast is None or forecast <= target:
+        raw = None if target is None else self.dispatcher.forecast_ttft(state)
+        if raw is None:
+            return
+        forecast = raw * self.dispatcher.ttft_bias.factor
+        if forecast <= target:
+            state.forecast_ttft_s = raw
             return
         self.monitor.shed[tenant.name] += 1
         wait = max(1.0, forecast - target)
@@ -337,10 +342,12 @@ class Controller:
 
     def deliver(self, state: RequestState, delta: TokenDelta) -> None:
         """A worker's tokens through the output processor onto the request's stream."""
-        phase = state.phase
+        phase, waiting = state.phase, state.first_token_at is None
         out = state.accept(delta, self.outputs)
         if out is None:
             return
+        if waiting and state.first_token_at is not None:
+            self.dispatcher.first_token(state)
         if out.token_ids:
             self.buckets.charge_output(state.request.tenant, len(out.token_ids))
         state.stream.put(out)

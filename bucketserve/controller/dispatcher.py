@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable, Iterator
 from bucketserve.bucket_manager.bucket_manager import BucketManager
 from bucketserve.bucket_manager.config import TenantConfig
 from bucketserve.bucket_manager.prefill_batch import PrefillBatch
-from bucketserve.bucket_manager.prefill_cost import PrefillCost
+from bucketserve.bucket_manager.prefill_cost import ForecastBias, PrefillCost
 from bucketserve.bucket_manager.request import BucketRequest
 from bucketserve.controller.config import ControllerConfig
 from bucketserve.controller.handoff import Admitted, Handoff
@@ -70,6 +70,7 @@ class Dispatcher:
         self.pd = PDScheduler(config.num_decode, limits.block_size, cache_aware=caching)
         self._epochs: dict[str, int] = {}  # each worker's life its index entries are from
         self.handoff_s: float | None = None  # a handoff's calls beyond its compute and KV
+        self.ttft_bias = ForecastBias()
         self._wake = asyncio.Event()
 
     # -- the queue ---------------------------------------------------------------------------
@@ -96,7 +97,8 @@ class Dispatcher:
         """The seconds until `state`'s first token if queued now, priced by the workers'
         measured prompt costs (`PrefillCost`): the prompt tokens the bucket manager serves
         before it (`BucketManager.tokens_ahead`: its tenant's priority and fair share),
-        those already sent to workers, and its own. None until the workers measured."""
+        those already sent to workers, and its own. None until the workers measured.
+        `ttft_bias.factor` says how far such forecasts fell from their first tokens."""
         c = self.config
         workers = [
             h for h in self.pool.role("decode" if c.colocated else "prefill", alive=True)
@@ -117,7 +119,14 @@ class Dispatcher:
             sent = sum(self.pd.prefill_queued.values()) * self.limits.block_size
         request = self.bucket_request(state)
         own = request.effective_len
-        return cost.seconds(self.buckets.tokens_ahead(request.tenant, own) + sent + own)
+        ahead = self.buckets.tokens_ahead(request.tenant, own) + sent
+        return cost.seconds(ahead + own)
+
+    def first_token(self, state: RequestState) -> None:
+        """`state`'s first token came: how it compares with its forecast corrects the next."""
+        if state.forecast_ttft_s is not None and state.requeues == 0:
+            actual = state.first_token_at - state.request.arrival_time
+            self.ttft_bias.observe(state.forecast_ttft_s, actual)
 
     def _with_prefix(self, request: BucketRequest, state: RequestState) -> BucketRequest:
         """`request` with its blocks' hashes, and the prefix the worker that would compute it

@@ -46,6 +46,7 @@ class RequestState:
         self.requeues = 0
         self.dispatched_at: float | None = None
         self.first_token_at: float | None = None
+        self.forecast_ttft_s: float | None = None  # the cost model's, when shedding admitted it
         self.prefill_s = 0.0
         self.transfer_s = 0.0
         self.request_bucket: tuple[int, int] | None = None

@@ -139,7 +139,15 @@ class DecodeWorker(KVWorker):
                 self._warmup("prompt", mode, self.shapes.prompt, self.prompt_shape)
             return self._warmup("decode", mode, buckets, lambda b: b)
 
-        return self._on_loop(warm)
+        def warm_and_probe() -> dict:
+            result = warm()
+            probe = self.probe_steps(self._unified) if self.config.prefills else None
+            if probe is not None:  # the TTFT forecast has prices before the first prompt
+                token_s = max(0.0, probe.prompt_s - probe.decode_s) / probe.prompt_tokens
+                self.engine.scheduler.step_times.prime(probe.decode_s, token_s)
+            return result
+
+        return self._on_loop(warm_and_probe)
 
     def _on_loop(self, fn: Callable[[], T]) -> T:
         """`fn()` run on the loop thread between steps; its result or its exception."""

@@ -6,7 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
@@ -30,7 +30,7 @@ from bucketserve.kv_worker.worker_env import (
     warmup_selection,
 )
 from bucketserve.runtime.core.block_manager import BlockManager
-from bucketserve.runtime.worker.model_runner import ModelRunnerConfig, Shape
+from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig, Shape
 from bucketserve.runtime.worker.pipeline.pipeline_runner import PipelineRunner
 from bucketserve.runtime.worker.pipeline.stage_clock import StageSpan
 from bucketserve.runtime.worker.tensor_parallel.tp_runner import (
@@ -44,6 +44,12 @@ logger = logging.getLogger(__name__)
 class WorkerFailedError(RuntimeError):
     """The worker cannot go on (its loop died, a fault drill): it must be restarted and its
     requests re-prefilled."""
+
+
+class StepProbe(NamedTuple):
+    decode_s: float
+    prompt_s: float
+    prompt_tokens: int
 
 
 class KVWorker:
@@ -180,6 +186,26 @@ class KVWorker:
         bs, query, ctx = bucket
         width = ctx + self.block_manager.blocks_needed(query)
         return (bs, query, bs * width if query == 1 else width)  # query 1: a decode shape
+
+    def probe_steps(self, unified: bool = False, tokens: int = 128) -> StepProbe | None:
+        """A one-row decode step and a `tokens`-token prompt step timed on dummy rows, each
+        the better of two runs after one unmeasured: what the TTFT forecast prices prompts
+        with until served steps are measured (`unified`: as unified steps). None where a
+        run would compile a graph or cross processes (graphs mode, stage groups,
+        tensor-parallel ranks)."""
+        runner = self.runner
+        if type(runner) is not ModelRunner or runner.graphs is not None:
+            return None
+        tokens = min(tokens, runner.max_model_len - 1)
+        blocks = self.block_manager.blocks_needed(tokens)
+        if unified:
+            decode, prompt = (1, 0, 1, 0), (tokens, 0, blocks, 1)
+        else:
+            decode, prompt = (1, 1, 1), self.prompt_shape((1, tokens, 0))
+        runner.warmup([decode, prompt])
+        runs = [runner.warmup([decode, prompt]).values() for _ in range(2)]
+        decode_s, prompt_s = (min(pair) for pair in zip(*runs, strict=True))
+        return StepProbe(decode_s, prompt_s, tokens)
 
     def _warmup(
         self,

@@ -116,9 +116,15 @@ class PrefillWorker(KVWorker):
     def warmup(self) -> dict:
         """Every prompt shape once (when padding; see PrefillWorkerConfig.warmup)."""
         shapes = self.shapes.prompt
-        return self._on_torch(
-            lambda: self._warmup("prompt", self.config.warmup, shapes, self.prompt_shape)
-        )
+
+        def warm() -> dict:
+            result = self._warmup("prompt", self.config.warmup, shapes, self.prompt_shape)
+            probe = self.probe_steps()
+            if probe is not None and self._token_s is None:  # priced before the first batch
+                self._token_s = probe.prompt_s / probe.prompt_tokens
+            return result
+
+        return self._on_torch(warm)
 
     # -- serving -----------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ def bench_args(server: Any, tiny_model_dir: Path, out: Path, *extra: str) -> Any
 
 
 def check_records(bench: Bench, result: dict[str, Any]) -> None:
-    requests = bench.workload.requests
+    requests = bench.make_workload(result["runs"][0]["rate"]).requests
     (records,) = bench.records.values()
     assert sorted(r.index for r in records) == list(range(len(requests)))
     for request, record in zip(requests, sorted(records, key=lambda r: r.index), strict=True):
@@ -56,7 +56,7 @@ def test_grpc_open_loop_accounts_for_every_request(
     bench = Bench(config)
     result = bench.run()
     check_records(bench, result)
-    assert {r.tenant for r in bench.workload.requests} == {"chat", "batch"}
+    assert {r.tenant for r in bench.make_workload(20.0).requests} == {"chat", "batch"}
     records = next(iter(bench.records.values()))
     assert all(r.request_bucket and r.shape_bucket for r in records)
     stats = loop_thread.run(controller.drain(30), timeout=40)

@@ -122,18 +122,25 @@ def test_a_comparison_run_over_the_tiny_model(tiny_model_dir: Path) -> None:
         for run in runs:
             assert run["summary"]["sent"] == run["summary"]["completed"] == 8
             assert run["server"]["generation_tokens"] == sum(
-                r.max_tokens for r in comparison.benches[name].workload.requests
+                r.max_tokens for r in comparison.benches[name].make_workload(run["rate"]).requests
             )
+        # each rate draws its own prompts (seed + k), the same for every system
+        assert [r["seed"] for r in runs] == [0, 1]
         found = result["rate_at_target"]["systems"][name]
         assert found == {"rate": 40.0, "how": "above_sweep"}
-    tenants = {r.tenant for r in comparison.benches["bucketserve"].workload.requests}
+    def prompts(name: str, rate: float) -> list[str]:
+        return [r.prompt for r in comparison.benches[name].make_workload(rate).requests]
+
+    assert prompts("bucketserve", 10.0) != prompts("bucketserve", 40.0)
+    assert prompts("bucketserve", 40.0) == prompts("shape-only", 40.0)
+    tenants = {r.tenant for r in comparison.benches["bucketserve"].make_workload(10.0).requests}
     assert tenants == {"chat", "batch"}
     assert result["rate_at_target"]["ratios"] == {"bucketserve/shape-only": 1.0}
 
 
 def test_the_tenant_pairs_differ_only_in_the_setting_they_compare(tiny_model_dir: Path) -> None:
     spec = ServiceSpec(model=str(tiny_model_dir), max_model_len=256, block_size=4,
-                       ttft_slo_s=1.5)  # fmt: skip
+                       ttft_slo_s=1.5, tpot_slo_s=0.25)  # fmt: skip
     on, _, mix = system_setup("cache-shares", spec)
     off, _, _ = system_setup("no-cache-shares", spec)
     assert [(t.name, t.cache_share) for t in on.buckets.tenants] == [
@@ -145,7 +152,9 @@ def test_the_tenant_pairs_differ_only_in_the_setting_they_compare(tiny_model_dir
     assert [(t.name, t.kind) for t in mix] == [("chat", "chat"), ("noisy", "doc")]
     shed, _, _ = system_setup("shed", spec)
     queue, _, _ = system_setup("queue", spec)
-    assert [(t.shed, t.ttft_slo_s, t.sheds) for t in shed.buckets.tenants] == [
-        ("predicted", 1.5, True)
+    assert [(t.shed, t.ttft_slo_s, t.tpot_slo_s, t.sheds) for t in shed.buckets.tenants] == [
+        ("predicted", 1.5, 0.25, True)
     ]
-    assert [(t.shed, t.ttft_slo_s) for t in queue.buckets.tenants] == [("never", 1.5)]
+    assert [(t.shed, t.ttft_slo_s, t.tpot_slo_s) for t in queue.buckets.tenants] == [
+        ("never", 1.5, 0.25)
+    ]

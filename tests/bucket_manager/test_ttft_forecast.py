@@ -1,14 +1,14 @@
 """What the bucket manager tells the TTFT forecast: the prompt tokens served before a new
 request (its tenant's queue, better priorities whole, equal priorities by fair share), what
-they cost (PrefillCost), and fair shares that count output tokens; the tenant settings'
-checks."""
+they cost (PrefillCost), how far forecasts fell from first tokens (ForecastBias), and fair
+shares that count output tokens; the tenant settings' checks."""
 
 from __future__ import annotations
 
 import pytest
 
 from bucketserve.bucket_manager import TenantConfig
-from bucketserve.bucket_manager.prefill_cost import PrefillCost
+from bucketserve.bucket_manager.prefill_cost import ForecastBias, PrefillCost
 from tests.bucket_manager.helpers import make_manager, req
 
 A = TenantConfig("a", priority=0, weight=1.0)
@@ -55,6 +55,19 @@ def test_prefill_cost_prices_steps_and_tokens_over_the_workers() -> None:
     colocated = PrefillCost(prefill_token_s=0.001, step_s=0.05, step_tokens=256)
     assert colocated.seconds(100) == pytest.approx(0.05 + 0.1)  # one step
     assert colocated.seconds(1000) == pytest.approx(4 * 0.05 + 1.0)  # four steps of 256
+
+
+def test_the_forecast_bias_follows_the_first_tokens_weighted_by_their_size() -> None:
+    bias = ForecastBias()
+    assert bias.factor == 1.0  # nothing seen: the cost model as it is
+    bias.observe(1.0, 1.5)
+    assert bias.factor == pytest.approx(1.5)
+    # a small forecast far off moves the ratio of the averages little: 1.3 / 0.82
+    bias.observe(0.1, 0.5)
+    assert bias.factor == pytest.approx((1.5 + 0.2 * (0.5 - 1.5)) / (1.0 + 0.2 * (0.1 - 1.0)))
+    for _ in range(40):  # forecasts that come true bring it back to 1
+        bias.observe(2.0, 2.0)
+    assert bias.factor == pytest.approx(1.0, abs=0.01)
 
 
 @pytest.mark.parametrize(

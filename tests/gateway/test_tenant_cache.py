@@ -39,6 +39,7 @@ TENANTS = [
     # a 1 ms TTFT target no prompt can meet once the forecast has step costs
     {"name": "shedder", "api_keys": ["shed-key"], "ttft_slo_s": 0.001, "shed": "predicted"},
     {"name": "queuer", "api_keys": ["queue-key"], "ttft_slo_s": 0.001},
+    {"name": "patient", "api_keys": ["patient-key"], "ttft_slo_s": 600, "shed": "predicted"},
 ]
 
 
@@ -65,6 +66,20 @@ def cached_tokens(server: Any, key: str, **extra: Any) -> int:
     )
     assert status == 200, answer
     return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_shedding_tenant_is_refused_before_any_prompt_was_served(
+    server: Any, loop_thread: Any
+) -> None:
+    # the worker's warm-up probe priced prompts: the forecast needs no served step first
+    (worker,) = fresh_stats(loop_thread, server.backend).workers
+    assert worker.batches == 0 and worker.prefill_token_s is not None
+    status, body, headers = http_post(
+        f"{server.http_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2},
+        {"Authorization": "Bearer shed-key"},
+    )  # fmt: skip
+    assert status == 429, body
+    assert int(headers["Retry-After"]) >= 1
 
 
 def test_a_prefix_cached_for_one_tenant_is_no_hit_for_another(server: Any) -> None:
@@ -133,6 +148,14 @@ def test_predicted_misses_are_shed_at_once_with_retry_after(
         url, {"prompt": PROMPT, "max_tokens": 2}, {"Authorization": "Bearer queue-key"}
     )
     assert status == 200  # shed: never queues it, late as it will be
+    # one that sheds and is admitted: its first token corrects the next forecasts
+    bias = server.backend.dispatcher.ttft_bias
+    assert bias.forecast_s is None
+    status, body, _ = http_post(
+        url, {"prompt": PROMPT, "max_tokens": 2}, {"Authorization": "Bearer patient-key"}
+    )
+    assert status == 200, body
+    assert bias.forecast_s > 0 and bias.actual_s > 0
     with pytest.raises(grpc.RpcError) as info:
         raw_generate(
             server.grpc_target, pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT)),
@@ -144,4 +167,4 @@ def test_predicted_misses_are_shed_at_once_with_retry_after(
     assert detail.Unpack(retry) and retry.retry_delay.ToNanoseconds() >= 1_000_000_000
     assert wait_until_idle(loop_thread, server.backend).kv_blocks_leaked == 0
     shed = scrape(server)["bucketserve:requests_shed"]
-    assert [(s.labels["tenant"], s.value) for s in shed.samples] == [("shedder", 2.0)]
+    assert [(s.labels["tenant"], s.value) for s in shed.samples] == [("shedder", 3.0)]

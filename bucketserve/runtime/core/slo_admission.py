@@ -28,6 +28,13 @@ class StepTimes:
     def ready(self) -> bool:
         return self.decode_s is not None and self.prefill_token_s is not None
 
+    def prime(self, decode_s: float, prefill_token_s: float) -> None:
+        """Start from these (a probe's) where nothing is measured yet."""
+        if self.decode_s is None:
+            self.decode_s = decode_s
+        if self.prefill_token_s is None:
+            self.prefill_token_s = prefill_token_s
+
     def record(self, out: SchedulerOutput, seconds: float) -> None:
         prefill = sum(n for n in out.num_new_tokens if n > 1)
         if prefill == 0:
