@@ -54,6 +54,18 @@ def one_run(env: dict[str, str], timeout_s: float) -> dict[str, float]:
             "up_to_first_answer_s": t2 - t0, "ray_down_s": t4 - t3}
 
 
+def ray_env(home: Path) -> dict[str, str]:
+    """The environment of the `ray` CLI: `home` as HOME with a fresh Ray auth token (this
+    machine's ~/.ray is left alone), the fake multi-node provider on, converted models from
+    the usual cache."""
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    return env | {"HOME": str(home), "PATH": f"{Path(RAY).parent}:{env['PATH']}",
+                  "RAY_FAKE_CLUSTER": "1", "RAY_USAGE_STATS_ENABLED": "0",
+                  CACHE_ENV: os.environ.get(CACHE_ENV, str(cache_root().parent))}
+
+
 def _first_answer(target: str, deadline: float, service: subprocess.Popen) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=8)
     while True:
@@ -87,14 +99,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="bs-rayup-home"))
-    (home / ".ray").mkdir()
-    (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env |= {"HOME": str(home), "PATH": f"{Path(RAY).parent}:{env['PATH']}",
-            "RAY_FAKE_CLUSTER": "1", "RAY_USAGE_STATS_ENABLED": "0",
-            CACHE_ENV: os.environ.get(CACHE_ENV, str(cache_root().parent))}
     runs = []
     try:
+        env = ray_env(home)
         for i in range(args.runs):
             runs.append(one_run(env, args.timeout))
             print(f"run {i + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1].items()),

@@ -87,4 +87,19 @@ def aggregate_table(results: list[dict[str, Any]]) -> str:
             values = [r[key]["ratios"][pair] for r in results]
             runs = ", ".join("-" if v is None else f"{v:.2f}" for v in values)
             lines.append(f"  {pair:<24} median {med(values)}x  runs [{runs}]")
+    lines.append(f"{len(results)} runs, medians per system and rate: SLO attainment (of the "
+                 "admitted where some were refused), goodput (req/s), TTFT p90 (ms):")
+    for name in results[0]["systems"]:
+        per_rate: dict[float, list[dict[str, Any]]] = {}
+        for result in results:
+            for run in result["systems"][name]["runs"]:
+                per_rate.setdefault(run["rate"], []).append(run["summary"])
+        for rate, summaries in per_rate.items():
+            admitted = [s.get("admitted_slo_attainment") for s in summaries]
+            cells = [f"SLO {med([s['slo_attainment'] for s in summaries])}"]
+            if any(a is not None for a in admitted):
+                cells.append(f"admitted {med(admitted)}")
+            cells += [f"goodput {med([s['goodput'] for s in summaries])}",
+                      f"TTFT p90 {_ms(statistics.median(s['ttft']['p90'] for s in summaries))}"]
+            lines.append(f"  {name:<12} {rate:>6g}  " + ", ".join(cells))
     return "\n".join(lines)

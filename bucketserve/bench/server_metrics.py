@@ -16,18 +16,21 @@ COUNTERS = {
     "bucketserve:prompt_tokens_total": "prompt_tokens",
     "bucketserve:generation_tokens_total": "generation_tokens",
     "bucketserve:prefill_batch_tokens_total": "prefill_batch_tokens",
+    "bucketserve:prefill_computed_tokens_total": "prefill_computed_tokens",
     "bucketserve:prefill_padded_tokens_total": "prefill_padded_tokens",
     "bucketserve:decode_paced_seconds_total": "decode_paced_s",
     "vllm:num_preemptions_total": "preemptions",
     "vllm:prompt_tokens_total": "prompt_tokens",
     "vllm:generation_tokens_total": "generation_tokens",
 }
-# per tenant: sample name -> report key, reported as `key:tenant` (counters, after - before)
-BY_TENANT = {
-    "bucketserve:prefix_cache_tenant_queries_total": "cache_queries",
-    "bucketserve:prefix_cache_tenant_hits_total": "cache_hits",
-    "bucketserve:prefix_cache_tenant_evictions_total": "cache_evictions",
-    "bucketserve:requests_shed_total": "shed",
+# per label value: sample name -> (report key, label), reported as `key:value` (counters,
+# after - before)
+BY_LABEL = {
+    "bucketserve:prefix_cache_tenant_queries_total": ("cache_queries", "tenant"),
+    "bucketserve:prefix_cache_tenant_hits_total": ("cache_hits", "tenant"),
+    "bucketserve:prefix_cache_tenant_evictions_total": ("cache_evictions", "tenant"),
+    "bucketserve:requests_shed_total": ("shed", "tenant"),
+    "bucketserve:prefill_path_requests_total": ("prefill_path", "path"),
 }
 GAUGES = {
     "bucketserve:padding_waste_ratio": "padding_waste_ratio",
@@ -84,8 +87,9 @@ def parse(text: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             key = COUNTERS.get(sample.name) or GAUGES.get(sample.name)
-            if sample.name in BY_TENANT:
-                key = f"{BY_TENANT[sample.name]}:{sample.labels.get('tenant', '')}"
+            if sample.name in BY_LABEL:
+                name, label = BY_LABEL[sample.name]
+                key = f"{name}:{sample.labels.get(label, '')}"
             if key is not None:
                 out[key] = out.get(key, 0.0) + sample.value
     return out
@@ -99,8 +103,8 @@ def diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
         for key, value in after.items()
     }
     padded = out.get("prefill_padded_tokens")
-    if padded:  # the run's share of prefill compute spent on padding
-        out["prefill_padding_share"] = 1 - out.get("prefill_batch_tokens", padded) / padded
+    if padded:  # the run's share of prefill compute spent on padding (cached prefixes skipped)
+        out["prefill_padding_share"] = 1 - out.get("prefill_computed_tokens", padded) / padded
     for key in [k for k in out if k.startswith("cache_queries:")]:
         tenant = key.partition(":")[2]
         if out[key]:  # the run's prefix-cache hit rate of the tenant's prompt tokens

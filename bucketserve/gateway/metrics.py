@@ -281,6 +281,11 @@ def _service_metrics(stats: Any) -> Iterator[Metric]:
         "prefill_batch_tokens", "Prompt tokens of formed prefill batches.", buckets.prompt_tokens
     )
     yield counter(
+        "prefill_computed_tokens",
+        "Prompt tokens of formed prefill batches less the cached prefixes they skip.",
+        buckets.computed_tokens,
+    )
+    yield counter(
         "prefill_padded_tokens",
         "Tokens prefill batches run, padding to their shapes included.",
         buckets.padded_tokens,

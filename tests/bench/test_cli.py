@@ -42,8 +42,13 @@ def comparison(a: float, b: float) -> dict:
                             "fcfs": {"rate": rb, "how": "interpolated"}},
                 "ratios": {"bucketserve/fcfs": ra / rb}}
 
-    return {"systems": {}, "rate_at_target": target(a, b),
-            "rate_at_target_uniform": target(a / 2, b)}
+    def runs(slo: float, admitted: float | None) -> dict:
+        summary = {"slo_attainment": slo, "admitted_slo_attainment": admitted,
+                   "goodput": 2 * slo, "ttft": {"p90": slo}}
+        return {"runs": [{"rate": 2.0, "summary": summary}]}
+
+    return {"systems": {"bucketserve": runs(a / 4, a / 5), "fcfs": runs(b / 4, None)},
+            "rate_at_target": target(a, b), "rate_at_target_uniform": target(a / 2, b)}
 
 
 def test_aggregate_reports_medians_under_both_judgements(
@@ -59,3 +64,7 @@ def test_aggregate_reports_medians_under_both_judgements(
     assert "bucketserve  median 3.000" in per_kind
     assert "bucketserve/fcfs         median 1.500x  runs [1.50, 1.00, 2.00]" in per_kind
     assert "bucketserve/fcfs         median 0.750x  runs [0.75, 0.50, 1.00]" in uniform
+    # per system and rate: the medians of the runs' summaries (admitted: where refused)
+    assert ("bucketserve       2  SLO 0.750, admitted 0.600, goodput 1.500, TTFT p90 750"
+            in uniform)
+    assert "fcfs              2  SLO 0.500, goodput 1.000, TTFT p90 500" in uniform

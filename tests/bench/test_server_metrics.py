@@ -22,6 +22,8 @@ bucketserve:generation_tokens_total{model_name="m",tenant="a"} 10.0
 bucketserve:generation_tokens_total{model_name="m",tenant="b"} 5.0
 # TYPE bucketserve:prefill_batch_tokens counter
 bucketserve:prefill_batch_tokens_total 100.0
+# TYPE bucketserve:prefill_computed_tokens counter
+bucketserve:prefill_computed_tokens_total 90.0
 # TYPE bucketserve:prefill_padded_tokens counter
 bucketserve:prefill_padded_tokens_total 100.0
 # TYPE bucketserve:unrelated gauge
@@ -31,7 +33,9 @@ AFTER = BEFORE.replace("} 2.0", "} 5.0").replace("total 4.0", "total 6.0").repla
     "ratio 0.25", "ratio 0.125"
 ).replace('"b"} 5.0', '"b"} 25.0').replace(
     "batch_tokens_total 100.0", "batch_tokens_total 400.0"
-).replace("padded_tokens_total 100.0", "padded_tokens_total 600.0")
+).replace("padded_tokens_total 100.0", "padded_tokens_total 600.0").replace(
+    "computed_tokens_total 90.0", "computed_tokens_total 390.0"
+)
 
 
 def test_counters_are_summed_over_labels_and_differenced() -> None:
@@ -42,6 +46,7 @@ def test_counters_are_summed_over_labels_and_differenced() -> None:
         "padding_waste_ratio": 0.25,
         "generation_tokens": 15.0,
         "prefill_batch_tokens": 100.0,
+        "prefill_computed_tokens": 90.0,
         "prefill_padded_tokens": 100.0,
     }
     assert diff(before, after) == {
@@ -50,6 +55,7 @@ def test_counters_are_summed_over_labels_and_differenced() -> None:
         "padding_waste_ratio": 0.125,  # a gauge: its value after the run
         "generation_tokens": 20.0,
         "prefill_batch_tokens": 300.0,
+        "prefill_computed_tokens": 300.0,
         "prefill_padded_tokens": 500.0,
         "prefill_padding_share": pytest.approx(0.4),  # the run's 200 padding of 500
     }

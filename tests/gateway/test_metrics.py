@@ -97,7 +97,9 @@ def test_metrics_parse_and_move_with_traffic(
     assert value(after, "bucketserve:generation_tokens_total", tenant=tenant) == 18
     # unpadded on the CPU, prefill runs exactly the prompt tokens (the backend is shared with
     # other tests: count this test's batches only)
-    for name in ("prefill_batch_tokens_total", "prefill_padded_tokens_total"):
+    names = ("prefill_batch_tokens_total", "prefill_computed_tokens_total",
+             "prefill_padded_tokens_total")
+    for name in names:
         ran = value(after, f"bucketserve:{name}") - value(before, f"bucketserve:{name}")
         assert ran == sum(d.prompt_tokens for d in done), name
     assert value(after, "bucketserve:request_success_total", finished_reason="length") == 3
