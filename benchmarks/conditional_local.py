@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from benchmarks.offline_throughput import write_json
-from benchmarks.ray_up_local import RAY, RECIPE, ROOT, _first_answer, _free_port, _ray, ray_env
+from benchmarks.ray_up_local import RECIPE, ROOT, _first_answer, _ray, ray_env, start_service
 
 SERVE = ROOT / "bucketserve/deploy/serve-local.yaml"
 MODES = ("auto", "always", "never")
@@ -40,11 +40,7 @@ def one_mode(env: dict[str, str], mode: str, args: argparse.Namespace, work: Pat
     path = work / f"serve-{mode}.yaml"
     path.write_text(yaml.safe_dump(config))
     _ray(env, "up", RECIPE, "-y", "--no-config-cache")
-    grpc, http = _free_port(), _free_port()
-    serve = (f"bucketserve serve --config {path} --ray-address auto "
-             f"--grpc-port {grpc} --http-port {http}")
-    service = subprocess.Popen([RAY, "exec", RECIPE, serve], env=env, cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    service, grpc, http = start_service(env, path)
     try:
         _first_answer(f"127.0.0.1:{grpc}", time.perf_counter() + args.timeout, service)
         bench = [

@@ -37,11 +37,7 @@ def one_run(env: dict[str, str], timeout_s: float) -> dict[str, float]:
     t0 = time.perf_counter()
     _ray(env, "up", RECIPE, "-y", "--no-config-cache")
     t1 = time.perf_counter()
-    grpc, http = _free_port(), _free_port()
-    serve = (f"bucketserve serve --config bucketserve/deploy/serve-local.yaml --ray-address auto "
-             f"--grpc-port {grpc} --http-port {http}")
-    service = subprocess.Popen([RAY, "exec", RECIPE, serve], env=env, cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    service, grpc, _ = start_service(env, "bucketserve/deploy/serve-local.yaml")
     try:
         _first_answer(f"127.0.0.1:{grpc}", t1 + timeout_s, service)
         t2 = time.perf_counter()
@@ -52,6 +48,17 @@ def one_run(env: dict[str, str], timeout_s: float) -> dict[str, float]:
         service.wait(timeout=60)
     return {"ray_up_s": t1 - t0, "serve_to_first_answer_s": t2 - t1,
             "up_to_first_answer_s": t2 - t0, "ray_down_s": t4 - t3}
+
+
+def start_service(env: dict[str, str], config: str | Path) -> tuple[subprocess.Popen, int, int]:
+    """`bucketserve serve --config config` on the cluster's head (`ray exec`), on free ports:
+    (the process, its gRPC port, its HTTP port)."""
+    grpc, http = _free_port(), _free_port()
+    serve = (f"bucketserve serve --config {config} --ray-address auto "
+             f"--grpc-port {grpc} --http-port {http}")
+    service = subprocess.Popen([RAY, "exec", RECIPE, serve], env=env, cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return service, grpc, http
 
 
 def ray_env(home: Path) -> dict[str, str]:
