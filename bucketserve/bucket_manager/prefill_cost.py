@@ -28,6 +28,15 @@ class PrefillCost:
         return steps * self.step_s + share * self.prefill_token_s
 
 
+def absorbs(tokens: int, prefill_token_s: float | None, tpot_slack_s: float | None) -> bool:
+    """Whether a worker whose running requests' TPOT targets can still absorb `tpot_slack_s`
+    seconds (the least of them; None: no target to keep) can compute a `tokens`-token
+    prompt at `prefill_token_s` a token (None: not measured, nothing to go by)."""
+    if tpot_slack_s is None or prefill_token_s is None:
+        return True
+    return tokens * prefill_token_s <= tpot_slack_s
+
+
 @dataclass
 class ForecastBias:
     """How far TTFT forecasts fall from the first tokens that followed: moving averages of

@@ -174,7 +174,8 @@ class Controller:
 
     def _shed_if_late(self, state: RequestState) -> None:
         """Refuse `state` now if its tenant sheds and its forecast TTFT, corrected by how far
-        forecasts fell from first tokens so far, misses its target."""
+        forecasts fell from first tokens so far, misses its target, or no decode worker's
+        running requests could absorb its prompt within their TPOT targets."""
         tenant = self.buckets.tenants.get(state.request.tenant)
         if tenant is None or not tenant.config.sheds:
             return
@@ -183,7 +184,7 @@ class Controller:
         if raw is None:
             return
         forecast = raw * self.dispatcher.ttft_bias.factor
-        if forecast <= target:
+        if forecast <= target and self.dispatcher.tpot_room(state):
             state.forecast_ttft_s = raw
             return
         self.monitor.shed[tenant.name] += 1

@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable, Iterator
 from bucketserve.bucket_manager.bucket_manager import BucketManager
 from bucketserve.bucket_manager.config import TenantConfig
 from bucketserve.bucket_manager.prefill_batch import PrefillBatch
-from bucketserve.bucket_manager.prefill_cost import ForecastBias, PrefillCost
+from bucketserve.bucket_manager.prefill_cost import ForecastBias, PrefillCost, absorbs
 from bucketserve.bucket_manager.request import BucketRequest
 from bucketserve.controller.config import ControllerConfig
 from bucketserve.controller.handoff import Admitted, Handoff
@@ -121,6 +121,13 @@ class Dispatcher:
         own = request.effective_len
         ahead = self.buckets.tokens_ahead(request.tenant, own) + sent
         return cost.seconds(ahead + own)
+
+    def tpot_room(self, state: RequestState) -> bool:
+        """Whether some decode worker's running requests can absorb `state`'s prompt within
+        their TPOT targets (`absorbs`, from each worker's last report)."""
+        own = self.bucket_request(state).effective_len
+        reports = [h.stats for h in self.pool.role("decode", alive=True)]
+        return any(s is None or absorbs(own, s.prefill_token_s, s.tpot_slack_s) for s in reports)
 
     def first_token(self, state: RequestState) -> None:
         """`state`'s first token came: how it compares with its forecast corrects the next."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from bucketserve.bucket_manager import TenantConfig
-from bucketserve.bucket_manager.prefill_cost import ForecastBias, PrefillCost
+from bucketserve.bucket_manager.prefill_cost import ForecastBias, PrefillCost, absorbs
 from tests.bucket_manager.helpers import make_manager, req
 
 A = TenantConfig("a", priority=0, weight=1.0)
@@ -55,6 +55,13 @@ def test_prefill_cost_prices_steps_and_tokens_over_the_workers() -> None:
     colocated = PrefillCost(prefill_token_s=0.001, step_s=0.05, step_tokens=256)
     assert colocated.seconds(100) == pytest.approx(0.05 + 0.1)  # one step
     assert colocated.seconds(1000) == pytest.approx(4 * 0.05 + 1.0)  # four steps of 256
+
+
+def test_a_prompt_is_absorbed_only_within_the_running_requests_tpot_slack() -> None:
+    assert absorbs(100, 0.001, 0.1)  # 0.1 s of prefill, 0.1 s of slack
+    assert not absorbs(101, 0.001, 0.1)
+    assert absorbs(10_000, 0.001, None)  # no running request with a target it can meet
+    assert absorbs(10_000, None, 0.01)  # nothing measured: nothing to go by
 
 
 def test_the_forecast_bias_follows_the_first_tokens_weighted_by_their_size() -> None:
