@@ -22,6 +22,7 @@ from contextlib import aclosing
 from typing import Any
 
 from bucketserve.bucket_manager.bucket_manager import BucketManager
+from bucketserve.bucket_manager.request import BucketRequest
 from bucketserve.controller.config import ControllerConfig
 from bucketserve.controller.dispatcher import Dispatcher
 from bucketserve.controller.outcomes import (
@@ -162,8 +163,9 @@ class Controller:
         if not self.pool.serving():
             raise NoWorkersError("no live prefill or decode worker; retry once they restart")
         state = RequestState(request, RequestStream(request.request_id, self.abort))
-        self._shed_if_late(state)
-        self.dispatcher.queue(state)
+        queued = self.dispatcher.bucket_request(state)
+        self._shed_if_late(state, queued)
+        self.dispatcher.queue(state, queued)
         params = request.sampling_params
         for i in range(state.n):
             sample = params if state.n == 1 else params.sample(i)
@@ -172,7 +174,7 @@ class Controller:
         self.monitor.submitted()
         return state.stream
 
-    def _shed_if_late(self, state: RequestState) -> None:
+    def _shed_if_late(self, state: RequestState, queued: BucketRequest) -> None:
         """Refuse `state` now if its tenant sheds and its forecast TTFT, corrected by how far
         forecasts fell from first tokens so far, misses its target, or no decode worker's
         running requests could absorb its prompt within their TPOT targets."""
@@ -180,11 +182,11 @@ class Controller:
         if tenant is None or not tenant.config.sheds:
             return
         target = state.request.slo_ttft_s or tenant.config.ttft_slo_s
-        raw = None if target is None else self.dispatcher.forecast_ttft(state)
+        raw = None if target is None else self.dispatcher.forecast_ttft(queued)
         if raw is None:
             return
         forecast = raw * self.dispatcher.ttft_bias.factor
-        if forecast <= target and self.dispatcher.tpot_room(state):
+        if forecast <= target and self.dispatcher.tpot_room(queued):
             state.forecast_ttft_s = raw
             return
         self.monitor.shed[tenant.name] += 1

@@ -75,10 +75,11 @@ class Dispatcher:
 
     # -- the queue ---------------------------------------------------------------------------
 
-    def queue(self, state: RequestState) -> None:
-        """Queue `state` for a prefill of everything it has so far."""
+    def queue(self, state: RequestState, request: BucketRequest | None = None) -> None:
+        """Queue `state` for a prefill of everything it has so far (`request`: its
+        `bucket_request`, when the caller has it already)."""
         state.phase, state.decode_worker = "queued", None
-        self.buckets.add(self.bucket_request(state))
+        self.buckets.add(request or self.bucket_request(state))
         self.wake()
 
     def bucket_request(self, state: RequestState) -> BucketRequest:
@@ -93,8 +94,8 @@ class Dispatcher:
             request = self._with_prefix(request, state)
         return request
 
-    def forecast_ttft(self, state: RequestState) -> float | None:
-        """The seconds until `state`'s first token if queued now, priced by the workers'
+    def forecast_ttft(self, request: BucketRequest) -> float | None:
+        """The seconds until `request`'s first token if queued now, priced by the workers'
         measured prompt costs (`PrefillCost`): the prompt tokens the bucket manager serves
         before it (`BucketManager.tokens_ahead`: its tenant's priority and fair share),
         those already sent to workers, and its own. None until the workers measured.
@@ -117,15 +118,14 @@ class Dispatcher:
         else:
             cost = PrefillCost(token_s, workers=len(workers))
             sent = sum(self.pd.prefill_queued.values()) * self.limits.block_size
-        request = self.bucket_request(state)
         own = request.effective_len
         ahead = self.buckets.tokens_ahead(request.tenant, own) + sent
         return cost.seconds(ahead + own)
 
-    def tpot_room(self, state: RequestState) -> bool:
-        """Whether some decode worker's running requests can absorb `state`'s prompt within
-        their TPOT targets (`absorbs`, from each worker's last report)."""
-        own = self.bucket_request(state).effective_len
+    def tpot_room(self, request: BucketRequest) -> bool:
+        """Whether some decode worker's running requests can absorb `request`'s prompt
+        within their TPOT targets (`absorbs`, from each worker's last report)."""
+        own = request.effective_len
         reports = [h.stats for h in self.pool.role("decode", alive=True)]
         return any(s is None or absorbs(own, s.prefill_token_s, s.tpot_slack_s) for s in reports)
 
