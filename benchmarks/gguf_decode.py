@@ -247,7 +247,7 @@ def main() -> None:
         return
     import torch
 
-    from bucketserve.runtime.io.weights import resolve_model
+    from bucketserve.runtime.loader.model_files import resolve_model
 
     threads = torch.get_num_threads()
     results = []

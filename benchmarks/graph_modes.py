@@ -189,7 +189,7 @@ def main() -> None:
     from benchmarks.offline_throughput import write_json
     from benchmarks.workload import chat_prompts, encode_chats
     from bucketserve.runtime.io.tokenizer import Tokenizer
-    from bucketserve.runtime.io.weights import resolve_model
+    from bucketserve.runtime.loader.model_files import resolve_model
 
     if args.random_weights:
         from pathlib import Path

@@ -75,16 +75,16 @@ def run_static_worker(args: argparse.Namespace, batch_size: int) -> dict[str, An
     from transformers.utils import logging as hf_logging
 
     from benchmarks.static_batching import run_static
-    from bucketserve.runtime.io.model_config import ModelConfig
     from bucketserve.runtime.io.tokenizer import Tokenizer
-    from bucketserve.runtime.io.weights import resolve_model
+    from bucketserve.runtime.loader.model_files import resolve_model
+    from bucketserve.runtime.models import load_model_config
 
     model_dir = resolve_model(args.model)
     tokenizer = Tokenizer.from_dir(model_dir)
     prompts = load_prompts(args, tokenizer)
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    eos = set(ModelConfig.from_dir(model_dir).eos_token_ids) | {tokenizer.eos_token_id}
+    eos = set(load_model_config(model_dir).eos_token_ids) | {tokenizer.eos_token_id}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     run_static(model, prompts[:batch_size], batch_size, 4, pad, eos)  # warm-up
     t0 = time.perf_counter()

@@ -37,7 +37,7 @@ def make_model(out: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bucketserve.runtime.io.weights import resolve_model
+    from bucketserve.runtime.loader.model_files import resolve_model
 
     if (out / "model.safetensors").is_file():
         return out

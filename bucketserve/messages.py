@@ -121,6 +121,7 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: frozenset[int]
     tokenizer: Tokenizer
+    tool_call_parser: str | None = None
 
 
 @dataclass

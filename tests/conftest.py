@@ -78,7 +78,7 @@ def smollm_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if os.environ.get("BUCKETSERVE_TEST_TOKENIZER_DIR"):
         return Path(os.environ["BUCKETSERVE_TEST_TOKENIZER_DIR"])
     from bucketserve.runtime.io.default_model import default_gguf_path
-    from bucketserve.runtime.io.gguf_converter import GGUFConverter
+    from bucketserve.runtime.loader.gguf_converter import GGUFConverter
 
     out = tmp_path_factory.mktemp("smollm_tokenizer")
     GGUFConverter(default_gguf_path()).write_tokenizer(out)
@@ -119,7 +119,7 @@ def tiny_model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def smollm_dir() -> Path:
     """The embedded default, converted once and cached under the user's cache dir."""
-    from bucketserve.runtime.io.weights import resolve_model
+    from bucketserve.runtime.loader.model_files import resolve_model
 
     return resolve_model(None)
 
@@ -136,6 +136,6 @@ def gemma_gguf() -> Path:
 @pytest.fixture(scope="session")
 def gemma_dir(gemma_gguf: Path) -> Path:
     """Gemma 3 270M converted once (float32) and cached under the user's cache dir."""
-    from bucketserve.runtime.io.weights import resolve_model
+    from bucketserve.runtime.loader.model_files import resolve_model
 
     return resolve_model(gemma_gguf)

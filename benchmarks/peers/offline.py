@@ -59,6 +59,7 @@ from benchmarks.peers.harness import (
     write_json,
 )
 from bucketserve.runtime.io.model_config import ModelConfig
+from bucketserve.runtime.models import load_model_config
 
 SCRIPTS = {
     "vllm": "vllm_offline.py",
@@ -271,10 +272,10 @@ def main() -> None:
 
     from benchmarks.roofline import gemm_rate
     from bucketserve.runtime.io.tokenizer import Tokenizer
-    from bucketserve.runtime.io.weights import resolve_model
+    from bucketserve.runtime.loader.model_files import resolve_model
 
     model_dir = resolve_model(args.model)
-    config = ModelConfig.from_dir(model_dir)
+    config = load_model_config(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     every = {
         "chat": lambda: chat_workload(tokenizer, args.num_prompts, args.max_tokens),

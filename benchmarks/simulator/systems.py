@@ -62,8 +62,8 @@ class SystemConfig:
 
     def tenant(self) -> TenantConfig:
         if self.offline:
-            return TenantConfig("batch", tenant_class="offline", policy=self.policy)
-        return TenantConfig("default")
+            return TenantConfig(name="batch", tenant_class="offline", policy=self.policy)
+        return TenantConfig(name="default")
 
 
 def bucket_manager_config(cluster: ClusterConfig, system: SystemConfig) -> BucketManagerConfig:

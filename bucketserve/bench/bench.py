@@ -20,7 +20,7 @@ from bucketserve.bench.workload import Workload, WorkloadGenerator
 def load_tokenizer(model_path: str | None) -> Any:
     """The model's own tokenizer, so synthetic prompts have the lengths the server counts."""
     from bucketserve.runtime.io.tokenizer import Tokenizer
-    from bucketserve.runtime.io.weights import resolve_model
+    from bucketserve.runtime.loader.model_files import resolve_model
 
     return Tokenizer.from_dir(resolve_model(model_path, keep_blocks=True))
 

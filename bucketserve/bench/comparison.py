@@ -149,7 +149,7 @@ def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, 
                     "tpot_slo_s": spec.tpot_slo_s, "shed": shed}]  # fmt: skip
         config = with_tenants(base, TenantRegistry.from_dict(tenants).bucket_configs())
         return config, tenants, [TenantShare("chat", 1.0, "chat-key")]
-    config = with_tenants(base, [TenantConfig("default", **targets)])
+    config = with_tenants(base, [TenantConfig(name="default", **targets)])
     one_bucket = dataclasses.replace(config.buckets.request_buckets, max_buckets=1)
     batching = dataclasses.replace(
         config.buckets.batching, fit_batch_buckets=name == "fcfs-fit"

@@ -19,7 +19,7 @@ from bucketserve.bucket_manager.config import (
     TenantConfig,
 )
 from bucketserve.bucket_manager.monitor import BucketMetrics
-from bucketserve.bucket_manager.policy import Policy, TenantClass
+from bucketserve.bucket_manager.policy import Policy
 from bucketserve.bucket_manager.prefill_batch import PrefillBatch
 from bucketserve.bucket_manager.request import BucketRequest
 from bucketserve.bucket_manager.shape_buckets import PaddedShape, ShapeBuckets
@@ -44,6 +44,5 @@ __all__ = [
     "RequestBucketConfig",
     "ShapeBucketConfig",
     "ShapeBuckets",
-    "TenantClass",
     "TenantConfig",
 ]

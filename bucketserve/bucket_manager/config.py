@@ -1,24 +1,32 @@
-"""Config dataclasses of the bucket manager, one per component.
+"""Config of the bucket manager, one class per component.
 
-Every class validates in `__post_init__` and raises ValueError naming the field
-and the allowed values (the bucket manager is also a library: the simulator and the
-benchmarks build these directly). `ShapeBucketConfig.from_dict` reads the shape-bucket
-mappings of `bucketserve buckets`' flags and files.
+Every dataclass validates in `__post_init__` and raises ValueError naming the field and the
+allowed values (the bucket manager is also a library: the simulator and the benchmarks
+build these directly); `TenantConfig` is the config file's own model.
+`ShapeBucketConfig.from_dict` reads the shape-bucket mappings of `bucketserve buckets`'
+flags and files.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_validator
 
 from bucketserve import envs
-from bucketserve.bucket_manager.policy import Policy, TenantClass
 from bucketserve.runtime.core.tenant_tag import TenantTag
 from bucketserve.utils.checks import check_choice, check_int, check_number
+from bucketserve.utils.settings import Settings, SettingsError
 
 BUCKET_FILE_ENV = "BUCKETSERVE_BUCKET_FILE"
 STRATEGIES = ("exponential", "linear", "file", "unified")
-SHED_MODES = ("never", "predicted")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+BURST_SECONDS = 10.0  # default token_burst: this many seconds of token_rate_limit
+# keys whose plaintext ships with the project (bucketserve/deploy/serve.yaml): anyone has them
+DEMO_API_KEYS = ("interactive-demo-key", "batch-demo-key")
 
 
 def _build(cls: type, data: Any, where: str, nested: dict[str, Any] | None = None) -> Any:
@@ -199,62 +207,104 @@ class RequestBucketConfig:
         check_number("RequestBucketConfig.shape_edge_snap", self.shape_edge_snap, 0.0, 0.5)
 
 
-@dataclass(frozen=True)
-class TenantConfig:
-    """One tenant. Lower `priority` is served first (vLLM's convention).
+def hash_api_key(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
 
-    Online tenants are served by earliest arrival (policy fcfs); offline tenants
-    may use sjf or ljf. `max_wait_s` is the aging bound: a request that waited
-    that long is served next whatever its length, its tenant's priority or fair
-    share, so a low-priority tenant waits, but never starves (None: no aging).
 
-    `cache_domain`: the prefix-cache domain its blocks are named in (None: its own name;
-    tenants naming one domain share their cached prefixes). `cache_share`: the fraction
-    of a pool's evictable blocks it may hold while others want room (None: no bound).
-    `shed`: `predicted` answers a request at once with a retry-after when the queue ahead
-    would make it miss its TTFT target; `never` queues it (offline tenants always queue).
-    """
+def _digest(value: str) -> str:
+    if not _SHA256_HEX.fullmatch(value):
+        raise ValueError("must be 64 lowercase hex digits (the sha256 digest of a key)")
+    return value
 
-    name: str
-    tenant_class: TenantClass = TenantClass.ONLINE
-    policy: Policy = Policy.FCFS
+
+class TenantConfig(Settings):
+    """One tenant, as the config's `tenants` list gives it: the bucket manager's policy
+    (class, order, priority, weight, aging, SLO targets, cache domain and share, shedding)
+    and what the gateway enforces at admission (keys, concurrency, token rate). Keys are
+    kept only as sha256 hex digests. Lower `priority` is served first (vLLM's
+    convention); a request that waited `max_wait_s` is served next whatever its length,
+    its tenant's priority or fair share, so a low-priority tenant waits but never
+    starves."""
+
+    model_config = ConfigDict(validate_by_name=True)
+
+    name: str = Field(min_length=1)
+    """The tenant's name (metrics, logs, and `default` for the open tenant)."""
+    tenant_class: Literal["online", "offline"] = Field("online", alias="class")
+    """online: served by earliest arrival; offline: by the tenant's `policy`."""
+    policy: Literal["fcfs", "sjf", "ljf"] = "fcfs"
+    """Order within the tenant: fcfs, or for offline tenants sjf / ljf (shortest / longest
+    job first)."""
     priority: int = 0
-    weight: float = 1.0
-    max_wait_s: float | None = 30.0
-    ttft_slo_s: float | None = None
-    tpot_slo_s: float | None = None
-    cache_domain: str | None = None
-    cache_share: float | None = None
-    shed: str = "never"
+    """Lower is served first."""
+    weight: float = Field(1.0, gt=0)
+    """Fair share against tenants of the same priority."""
+    max_wait_s: float | None = Field(30.0, gt=0)
+    """Aging bound: a request that waited this long is served next, whatever its priority
+    (null: no aging)."""
+    ttft_slo_s: float | None = Field(None, gt=0)
+    """Time-to-first-token target of the tenant's requests (null: none)."""
+    tpot_slo_s: float | None = Field(None, gt=0)
+    """Time-per-output-token target of the tenant's requests (null: none)."""
+    api_keys: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
+    """Plaintext keys, hashed when read."""
+    api_key_sha256: list[Annotated[str, AfterValidator(_digest)]] = Field(default_factory=list)
+    """sha256 hex digests of the keys (the form to keep in a file)."""
+    max_concurrent_requests: int | None = Field(None, ge=1)
+    """Requests of the tenant in flight at once (null: no bound)."""
+    token_rate_limit: float | None = Field(None, gt=0)
+    """Prompt + output tokens per second (null: no bound)."""
+    token_burst: float | None = Field(None, ge=1)
+    """Tokens the rate limit lets through at once (null: 10 s of token_rate_limit)."""
+    cache_domain: str | None = Field(None, min_length=1)
+    """The prefix-cache domain its requests read and name cached blocks in (null: the
+    tenant's own, so no other tenant's request hits its blocks; tenants that trust each
+    other name one domain to share them). A request's `cache_salt` narrows it further."""
+    cache_share: float | None = Field(None, gt=0, le=1)
+    """The fraction of a KV pool's evictable cached blocks the tenant may hold while others
+    want room: eviction takes from the tenant most over its share first (null: no bound)."""
+    shed: Literal["never", "predicted"] = "never"
+    """predicted: a request the queue ahead would make miss its TTFT target (its own, else
+    the tenant's `ttft_slo_s`) is answered at once with 429 and Retry-After (gRPC
+    RESOURCE_EXHAUSTED with RetryInfo) instead of queueing; offline tenants always queue."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"TenantConfig.name must be a non-empty string, got {self.name!r}")
-        where = f"tenant {self.name!r}"
-        classes = tuple(c.value for c in TenantClass)
-        check_choice(f"{where}: tenant_class", self.tenant_class, classes)
-        check_choice(f"{where}: policy", self.policy, tuple(p.value for p in Policy))
-        object.__setattr__(self, "tenant_class", TenantClass(self.tenant_class))
-        object.__setattr__(self, "policy", Policy(self.policy))
-        if self.tenant_class is TenantClass.ONLINE and self.policy is not Policy.FCFS:
-            raise ValueError(
-                f"{where}: online tenants are served by earliest arrival, so policy must be "
-                f"'fcfs'; got {self.policy.value!r} (use tenant_class 'offline' for sjf/ljf)"
+    @field_validator("api_keys", "api_key_sha256", mode="before")
+    @classmethod
+    def _one_key(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("api_keys", mode="after")
+    @classmethod
+    def _hashed(cls, keys: list[str]) -> list[str]:
+        return [hash_api_key(k) for k in keys]  # the plaintext is not kept
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TenantConfig:
+        if self.token_burst is not None and self.token_rate_limit is None:
+            raise SettingsError("token_burst", "token_burst needs token_rate_limit")
+        if self.tenant_class == "online" and self.policy != "fcfs":
+            raise SettingsError(
+                "policy",
+                f"online tenants are served by earliest arrival, so policy must be 'fcfs'; "
+                f"got {self.policy!r} (use class 'offline' for sjf / ljf)",
             )
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            raise ValueError(f"{where}: priority must be an integer, got {self.priority!r}")
-        check_number(f"{where}: weight", self.weight, 1e-9)
-        for name in ("max_wait_s", "ttft_slo_s", "tpot_slo_s"):
-            value = getattr(self, name)
-            if value is not None:
-                check_number(f"{where}: {name}", value, 1e-9)
-        if self.cache_domain is not None and (
-            not isinstance(self.cache_domain, str) or not self.cache_domain
-        ):
-            raise ValueError(f"{where}: cache_domain must be a non-empty string or null")
-        if self.cache_share is not None:
-            check_number(f"{where}: cache_share", self.cache_share, 1e-9, 1.0)
-        check_choice(f"{where}: shed", self.shed, SHED_MODES)
+        return self
+
+    @property
+    def api_key_hashes(self) -> frozenset[str]:
+        return frozenset((*self.api_keys, *self.api_key_sha256))
+
+    @property
+    def burst(self) -> float | None:
+        """The token bucket's capacity (null: no rate limit)."""
+        if self.token_rate_limit is None:
+            return None
+        return self.token_burst or max(1.0, BURST_SECONDS * self.token_rate_limit)
+
+    @property
+    def demo_keys(self) -> list[str]:
+        """The published demo keys this tenant accepts."""
+        return [key for key in DEMO_API_KEYS if hash_api_key(key) in self.api_key_hashes]
 
     def tag(self, cache_salt: str | None = None) -> TenantTag:
         """What the engine core knows of a request of this tenant."""
@@ -264,7 +314,7 @@ class TenantConfig:
     def sheds(self) -> bool:
         """Whether a request predicted to miss its TTFT target (its own, else the tenant's)
         is refused at once."""
-        return self.shed == "predicted" and self.tenant_class is TenantClass.ONLINE
+        return self.shed == "predicted" and self.tenant_class == "online"
 
 
 @dataclass(frozen=True)
@@ -316,7 +366,7 @@ def default_tenant() -> TenantConfig:
     the project's benchmarks judge by (TTFT 4 s, TPOT 0.25 s: about a reader's pace), so
     the decode engines know when a request's first token is due. A tenant named `default`
     without API keys replaces it and keeps the service open."""
-    return TenantConfig(DEFAULT_TENANT, ttft_slo_s=4.0, tpot_slo_s=0.25)
+    return TenantConfig(name=DEFAULT_TENANT, ttft_slo_s=4.0, tpot_slo_s=0.25)
 
 
 def _default_tenants() -> tuple[TenantConfig, ...]:

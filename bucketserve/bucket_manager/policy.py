@@ -11,11 +11,6 @@ if TYPE_CHECKING:
 OrderKey = tuple[float, ...]
 
 
-class TenantClass(str, Enum):
-    ONLINE = "online"
-    OFFLINE = "offline"
-
-
 class Policy(str, Enum):
     FCFS = "fcfs"
     SJF = "sjf"

@@ -6,13 +6,14 @@ import heapq
 from collections.abc import Callable
 
 from bucketserve.bucket_manager.config import TenantConfig
-from bucketserve.bucket_manager.policy import OrderKey
+from bucketserve.bucket_manager.policy import OrderKey, Policy
 from bucketserve.bucket_manager.request import BucketRequest
 
 
 class Tenant:
     def __init__(self, config: TenantConfig) -> None:
         self.config = config
+        self.policy = Policy(config.policy)
         self.served_tokens = 0.0
         self.queued = 0
         self.queued_tokens = 0  # prompt tokens its queued requests compute
@@ -33,7 +34,7 @@ class Tenant:
         return self.config.priority, self.share, self.name
 
     def order_key(self, request: BucketRequest, seq: int) -> OrderKey:
-        return self.config.policy.order_key(request, seq)
+        return self.policy.order_key(request, seq)
 
     def track(self, request: BucketRequest, seq: int) -> None:
         heapq.heappush(self._arrivals, (request.arrival_time, seq, request))

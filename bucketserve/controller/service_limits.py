@@ -21,7 +21,8 @@ from bucketserve.controller.config import ControllerConfig
 from bucketserve.messages import ModelInfo
 from bucketserve.runtime.io.model_config import ModelConfig
 from bucketserve.runtime.io.tokenizer import Tokenizer
-from bucketserve.runtime.io.weights import resolve_model
+from bucketserve.runtime.loader.model_files import resolve_model
+from bucketserve.runtime.models import load_model_config
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -116,7 +117,7 @@ def describe_model(config: ControllerConfig) -> tuple[ModelInfo, BucketManagerCo
     """The served model's limits and tokenizer, and the bucket config sized for them."""
     runner = config.runner
     model_dir = resolve_model(runner.model, keep_blocks=runner.quantization == "auto")
-    model_config = ModelConfig.from_dir(model_dir)
+    model_config = load_model_config(model_dir)
     try:
         max_model_len = ServiceLimits.max_model_len(config, model_config)
     except ValueError as exc:
@@ -132,6 +133,7 @@ def describe_model(config: ControllerConfig) -> tuple[ModelInfo, BucketManagerCo
         vocab_size=model_config.vocab_size,
         eos_token_ids=frozenset(eos),
         tokenizer=tokenizer,
+        tool_call_parser=runner.tool_call_parser,
     )
     return info, ServiceLimits.bucket_config(config, max_model_len)
 

@@ -101,15 +101,13 @@ class ServeConfig:
     ) -> ServeConfig:
         s, buckets = settings, settings.buckets
         try:
-            tenants = TenantRegistry([t.spec() for t in s.tenants or ()])
+            tenants = TenantRegistry(s.tenants or ())
         except ValueError as exc:  # across tenants: names, keys
             raise ServeConfigError("tenants", str(exc)) from None
         runner = _runner(s)
         config = cls(
             source=source,
-            gateway=GatewayConfig(
-                **s.gateway.model_dump(), tool_call_parser=s.model.tool_call_parser
-            ),
+            gateway=s.gateway,
             tenants=tenants,
             controller=_controller(s, runner),
             request_buckets=RequestBucketConfig(
@@ -248,14 +246,14 @@ def with_tenants(config: ControllerConfig, tenants: Sequence[TenantConfig]) -> C
     """`config` whose bucket manager serves these tenants' policies. Without bucket settings
     these are the controller's defaults for the model (its derived request and shape
     buckets), which need the model's length."""
-    from bucketserve.runtime.io.model_config import ModelConfig
-    from bucketserve.runtime.io.weights import resolve_model
+    from bucketserve.runtime.loader.model_files import resolve_model
+    from bucketserve.runtime.models import load_model_config
 
     base = config.buckets
     if base is None:
         runner = config.runner
         keep = runner.quantization == "auto"
-        model = ModelConfig.from_dir(resolve_model(runner.model, keep_blocks=keep))
+        model = load_model_config(resolve_model(runner.model, keep_blocks=keep))
         base = ServiceLimits.bucket_config(config, ServiceLimits.max_model_len(config, model))
     return dataclasses.replace(config, buckets=dataclasses.replace(base, tenants=tuple(tenants)))
 
@@ -264,14 +262,14 @@ def _model_config(model: str | None, convert: bool) -> Any:
     """The model's ModelConfig; without `convert` a GGUF file's (the embedded default's
     too) comes from its metadata, writing nothing."""
     from bucketserve.runtime.io.default_model import default_gguf_path
-    from bucketserve.runtime.io.gguf_converter import GGUFConverter
-    from bucketserve.runtime.io.model_config import ModelConfig
-    from bucketserve.runtime.io.weights import resolve_model
+    from bucketserve.runtime.loader.gguf_converter import GGUFConverter
+    from bucketserve.runtime.loader.model_files import resolve_model
+    from bucketserve.runtime.models import load_model_config, parse_model_config
 
     path = default_gguf_path() if model is None else Path(model).expanduser()
     if not convert and path.suffix == ".gguf" and path.is_file():
-        return ModelConfig.from_dict(GGUFConverter(path).config_dict())
-    return ModelConfig.from_dir(resolve_model(model, keep_blocks=True))
+        return parse_model_config(GGUFConverter(path).config_dict())
+    return load_model_config(resolve_model(model, keep_blocks=True))
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -307,6 +305,7 @@ def _runner(s: ServeSettings) -> ModelRunnerConfig:
         seed=m.seed,
         execution=m.execution,
         chat_template=m.chat_template and load_chat_template(m.chat_template),
+        tool_call_parser=m.tool_call_parser,
     )
 
 

@@ -66,10 +66,7 @@ def _tenants(config: ServeConfig) -> str:
     if not registry.auth_required:
         return "none: open server, every request is tenant 'default' (no API key)"
     parts = []
-    for spec in registry.specs.values():
-        t = spec.config
-        keys = len(spec.api_key_hashes)
-        parts.append(
-            f"{t.name} ({t.tenant_class.value} {t.policy.value}, {keys} key{'s' * (keys > 1)})"
-        )
+    for t in registry.tenants.values():
+        keys = len(t.api_key_hashes)
+        parts.append(f"{t.name} ({t.tenant_class} {t.policy}, {keys} key{'s' * (keys > 1)})")
     return ", ".join(parts)

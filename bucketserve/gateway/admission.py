@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from numbers import Integral, Real
 from typing import Any, TypeVar
 
+from bucketserve.bucket_manager.config import TenantConfig
 from bucketserve.gateway.backend import Backend
 from bucketserve.gateway.errors import (
     BucketServeError,
@@ -28,7 +29,6 @@ from bucketserve.gateway.generation import Generation
 from bucketserve.gateway.metrics import GatewayMetrics
 from bucketserve.gateway.request_limits import RequestLimits, cache_salt, priority
 from bucketserve.gateway.tenant_registry import TenantRegistry
-from bucketserve.gateway.tenant_spec import TenantSpec
 from bucketserve.messages import ServeRequest
 from bucketserve.runtime.core.grammar_compiler import validate_structured_outputs
 from bucketserve.runtime.core.sampling_params import SamplingParams
@@ -144,11 +144,11 @@ class Admission:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def tenant(self, api_key: str | None) -> TenantSpec:
+    def tenant(self, api_key: str | None) -> TenantConfig:
         with self.counted():
             return self.registry.authenticate(api_key)
 
-    async def abort(self, request_id: str, tenant: TenantSpec) -> bool:
+    async def abort(self, request_id: str, tenant: TenantConfig) -> bool:
         """Cancel a running request of `tenant`; False if none runs under that id."""
         gen = self.running.get(request_id)
         if gen is None:
@@ -182,7 +182,7 @@ class Admission:
 
     # -- admission -------------------------------------------------------------------------
 
-    def _open(self, api_key: str | None) -> TenantSpec:
+    def _open(self, api_key: str | None) -> TenantConfig:
         tenant = self.registry.authenticate(api_key)
         if self.draining:
             raise UnavailableError("the server is shutting down; retry on another replica")
@@ -211,7 +211,7 @@ class Admission:
         self.registry.quotas[gen.tenant.name].release(unused)
         self.metrics.record(gen, time.monotonic())
 
-    def _build(self, inp: GenerateInput, prompt: Prompt, tenant: TenantSpec) -> ServeRequest:
+    def _build(self, inp: GenerateInput, prompt: Prompt, tenant: TenantConfig) -> ServeRequest:
         token_ids, text = prompt
         n = len(token_ids)
         self.limits.prompt_tokens(n)

@@ -13,7 +13,7 @@ from bucketserve.messages import ServeRequest, StreamDelta
 from bucketserve.runtime.core.logprobs import TokenLogprob
 
 if TYPE_CHECKING:
-    from bucketserve.gateway.tenant_spec import TenantSpec
+    from bucketserve.bucket_manager.config import TenantConfig
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Generation:
     def __init__(
         self,
         request: ServeRequest,
-        tenant: TenantSpec,
+        tenant: TenantConfig,
         stream: AsyncIterator[StreamDelta],
         abort: Callable[[str], Awaitable[bool]],
         on_done: Callable[[Generation], None],

@@ -46,7 +46,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.admission = admission
         self.model_name = model_name
         self.access_log = access_log
-        self.tool_parser = tool_parser(admission.config.tool_call_parser)
+        self.tool_parser = tool_parser(admission.model.tool_call_parser)
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> None:
         started, gen = time.monotonic(), None

@@ -100,9 +100,8 @@ class GatewayMetrics:
             self._judge_slo(gen, ttft, reason == "error")
 
     def _judge_slo(self, gen: Generation, ttft: float | None, failed: bool) -> None:
-        config = gen.tenant.config
-        ttft_target = gen.request.slo_ttft_s or config.ttft_slo_s
-        tpot_target = gen.request.slo_tpot_s or config.tpot_slo_s
+        ttft_target = gen.request.slo_ttft_s or gen.tenant.ttft_slo_s
+        tpot_target = gen.request.slo_tpot_s or gen.tenant.tpot_slo_s
         if ttft_target is None and tpot_target is None:
             return
         tpot = sum(gen.token_gaps) / len(gen.token_gaps) if gen.token_gaps else 0.0

@@ -117,13 +117,13 @@ def exposure_warnings(config: GatewayConfig, tenants: TenantRegistry) -> list[st
 def demo_key_warnings(tenants: TenantRegistry) -> list[str]:
     """One line per tenant that accepts a key whose plaintext ships with the project."""
     return [
-        f"tenant {spec.name!r} accepts the demo API key {key!r}, whose plaintext ships in "
+        f"tenant {tenant.name!r} accepts the demo API key {key!r}, whose plaintext ships in "
         "bucketserve/deploy/serve.yaml: anyone who reaches this server can use it. Replace "
         "the tenant's api_key_sha256 with the digest of a key of your own, e.g. from "
         "python -c \"import hashlib, secrets; k = secrets.token_urlsafe(32); "
         "print(k, hashlib.sha256(k.encode()).hexdigest())\""
-        for spec in tenants.specs.values()
-        for key in spec.demo_keys
+        for tenant in tenants.tenants.values()
+        for key in tenant.demo_keys
     ]
 
 

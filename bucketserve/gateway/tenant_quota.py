@@ -6,26 +6,26 @@ import math
 import time
 from collections.abc import Callable
 
+from bucketserve.bucket_manager.config import TenantConfig
 from bucketserve.gateway.errors import InvalidArgumentError, ResourceExhaustedError
-from bucketserve.gateway.tenant_spec import TenantSpec
 from bucketserve.gateway.token_bucket import TokenBucket
 
 CONCURRENCY_RETRY_AFTER_S = 1.0
 
 
 class TenantQuota:
-    def __init__(self, spec: TenantSpec, clock: Callable[[], float] = time.monotonic) -> None:
-        self.spec = spec
+    def __init__(self, tenant: TenantConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tenant = tenant
         self.running = 0
         self.bucket: TokenBucket | None = None
-        if spec.token_rate_limit is not None and spec.burst is not None:
-            self.bucket = TokenBucket(spec.token_rate_limit, spec.burst, clock)
+        if tenant.token_rate_limit is not None and tenant.burst is not None:
+            self.bucket = TokenBucket(tenant.token_rate_limit, tenant.burst, clock)
 
     def acquire(self, tokens: int) -> None:
         """Admit one request costing `tokens` (prompt + max output), or raise and change
         nothing: ResourceExhaustedError when over quota now, InvalidArgumentError when it
         could never fit."""
-        name, limit = self.spec.name, self.spec.max_concurrent_requests
+        name, limit = self.tenant.name, self.tenant.max_concurrent_requests
         if limit is not None and self.running >= limit:
             raise ResourceExhaustedError(
                 f"tenant {name!r} already has {self.running} requests running, its "
@@ -43,7 +43,7 @@ class TenantQuota:
             if wait > 0:
                 raise ResourceExhaustedError(
                     f"tenant {name!r} is over its token rate limit of "
-                    f"{self.spec.token_rate_limit:g} tokens/s; retry after {wait:.2f}s",
+                    f"{self.tenant.token_rate_limit:g} tokens/s; retry after {wait:.2f}s",
                     math.ceil(wait * 100) / 100,
                 )
         self.running += 1

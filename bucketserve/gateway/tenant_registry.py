@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from bucketserve.bucket_manager.config import DEFAULT_TENANT, TenantConfig, default_tenant
+from bucketserve.bucket_manager.config import (
+    DEFAULT_TENANT,
+    TenantConfig,
+    default_tenant,
+    hash_api_key,
+)
 from bucketserve.gateway.errors import AuthenticationError
 from bucketserve.gateway.tenant_quota import TenantQuota
-from bucketserve.gateway.tenant_spec import TenantSettings, TenantSpec, hash_api_key
 from bucketserve.utils.settings import SettingsError
 
 
@@ -17,26 +22,25 @@ class TenantRegistry:
     tenant's targets and limits and keeps the service open. Otherwise each request must
     carry a tenant's key."""
 
-    def __init__(self, specs: list[TenantSpec] | tuple[TenantSpec, ...] = ()) -> None:
-        specs = list(specs) or [TenantSpec(default_tenant())]
-        open_default = (
-            len(specs) == 1 and specs[0].name == DEFAULT_TENANT and not specs[0].api_key_hashes
-        )
+    def __init__(self, tenants: Sequence[TenantConfig] = ()) -> None:
+        tenants = list(tenants) or [default_tenant()]
+        lone = tenants[0] if len(tenants) == 1 else None
+        open_default = lone is not None and lone.name == DEFAULT_TENANT and not lone.api_key_hashes
         self.auth_required = not open_default
-        self.specs = {s.name: s for s in specs}
-        if len(self.specs) != len(specs):
-            names = [s.name for s in specs]
+        self.tenants = {t.name: t for t in tenants}
+        if len(self.tenants) != len(tenants):
+            names = [t.name for t in tenants]
             duplicates = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"tenants: duplicate names {duplicates}")
         self._by_hash: dict[str, str] = {}
-        for spec in specs:
-            for key_hash in spec.api_key_hashes:
-                other = self._by_hash.setdefault(key_hash, spec.name)
-                if other != spec.name:
-                    raise ValueError(f"tenants {other!r} and {spec.name!r} share an API key")
-            if self.auth_required and not spec.api_key_hashes:
-                raise ValueError(f"tenant {spec.name!r} has no api_keys; give it at least one")
-        self.quotas = {name: TenantQuota(spec) for name, spec in self.specs.items()}
+        for tenant in tenants:
+            for key_hash in tenant.api_key_hashes:
+                other = self._by_hash.setdefault(key_hash, tenant.name)
+                if other != tenant.name:
+                    raise ValueError(f"tenants {other!r} and {tenant.name!r} share an API key")
+            if self.auth_required and not tenant.api_key_hashes:
+                raise ValueError(f"tenant {tenant.name!r} has no api_keys; give it at least one")
+        self.quotas = {name: TenantQuota(t) for name, t in self.tenants.items()}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "tenants") -> TenantRegistry:
@@ -51,12 +55,12 @@ class TenantRegistry:
             items = [(f"{where}[{i}]", v) for i, v in enumerate(data)]
         else:
             raise SettingsError(where, "must be a list of tenant mappings or a mapping by name")
-        return cls([TenantSettings.parse(v, w).spec() for w, v in items])
+        return cls([TenantConfig.parse(v, w) for w, v in items])
 
-    def authenticate(self, api_key: str | None) -> TenantSpec:
+    def authenticate(self, api_key: str | None) -> TenantConfig:
         """The caller's tenant; AuthenticationError for a missing or unknown key."""
         if not self.auth_required:
-            return self.specs[DEFAULT_TENANT]
+            return self.tenants[DEFAULT_TENANT]
         if not api_key:
             raise AuthenticationError(
                 "this server needs an API key: send 'authorization: Bearer <key>'"
@@ -64,11 +68,10 @@ class TenantRegistry:
         name = self._by_hash.get(hash_api_key(api_key))
         if name is None:
             raise AuthenticationError("the API key is not valid for any tenant; check the key")
-        return self.specs[name]
+        return self.tenants[name]
 
     def bucket_configs(self) -> tuple[TenantConfig, ...]:
-        """The tenants as the bucket manager's policies see them."""
-        return tuple(spec.config for spec in self.specs.values())
+        return tuple(self.tenants.values())
 
 
 def parse_bearer(authorization: str | None) -> str | None:

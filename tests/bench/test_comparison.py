@@ -25,7 +25,7 @@ def test_the_three_systems_differ_only_in_buckets_policies_and_padding(
     assert a.buckets.request_buckets.max_buckets > 1
     assert b.buckets.request_buckets.max_buckets == c.buckets.request_buckets.max_buckets == 1
     assert [t.name for t in a.buckets.tenants] == ["chat", "batch"]
-    assert [t.policy.value for t in a.buckets.tenants] == ["fcfs", "sjf"]
+    assert [t.policy for t in a.buckets.tenants] == ["fcfs", "sjf"]
     assert [t.name for t in b.buckets.tenants] == [t.name for t in c.buckets.tenants] == ["default"]
     assert b_tenants is None and c_tenants is None and a_tenants
     assert (a.pad_to_shape_buckets, b.pad_to_shape_buckets, c.pad_to_shape_buckets) == (

@@ -37,7 +37,7 @@ def make_manager(
                 max_batched_tokens=max_batched_tokens,
                 fit_batch_buckets=fit_batch_buckets,
             ),
-            tenants=tenants or (TenantConfig("default"),),
+            tenants=tenants or (TenantConfig(name="default"),),
         ),
         padded=padded,
     )

@@ -217,7 +217,7 @@ def test_request_fields_are_validated():
 
 
 def test_snapshot_reports_buckets_queues_and_expected_waste():
-    manager = make_manager(TenantConfig("a"), TenantConfig("b"), max_num_seqs=2)
+    manager = make_manager(TenantConfig(name="a"), TenantConfig(name="b"), max_num_seqs=2)
     lengths = {"a": (100, 700, 150), "b": (800, 120, 60)}
     for tenant, lens in lengths.items():
         for i, length in enumerate(lens):

@@ -17,8 +17,8 @@ from bucketserve.bucket_manager import (
 from bucketserve.bucket_manager.batching_controller import BatchingController
 from tests.bucket_manager.helpers import ids, make_manager, req
 
-SJF = TenantConfig("batch", tenant_class="offline", policy="sjf", max_wait_s=None)
-LJF = TenantConfig("batch", tenant_class="offline", policy="ljf", max_wait_s=None)
+SJF = TenantConfig(name="batch", tenant_class="offline", policy="sjf", max_wait_s=None)
+LJF = TenantConfig(name="batch", tenant_class="offline", policy="ljf", max_wait_s=None)
 
 
 def test_the_effective_length_is_the_prompt_less_its_cached_prefix():

@@ -18,7 +18,7 @@ def load(manager, tenant="default", **kw):
 
 
 def offline(policy: str, **kw) -> TenantConfig:
-    return TenantConfig("default", tenant_class="offline", policy=policy, **kw)
+    return TenantConfig(name="default", tenant_class="offline", policy=policy, **kw)
 
 
 def test_online_fcfs_serves_the_bucket_with_the_earliest_arrival():
@@ -60,7 +60,9 @@ def test_request_priority_comes_before_arrival_and_length():
 
 def test_tenant_priority_first_then_fair_share():
     manager = make_manager(
-        TenantConfig("batch", priority=0), TenantConfig("vip", priority=-1), max_num_seqs=1
+        TenantConfig(name="batch", priority=0),
+        TenantConfig(name="vip", priority=-1),
+        max_num_seqs=1,
     )
     for i in range(3):
         manager.add(req(f"b{i}", 10, arrival=0.0, tenant="batch"))
@@ -72,7 +74,7 @@ def test_tenant_priority_first_then_fair_share():
 def test_fair_share_by_tokens_served_not_by_tokens_sent():
     # "heavy" sends 10x the tokens per request; with equal weights each gets the
     # same prefill tokens while both are backlogged: one heavy batch per ten light
-    manager = make_manager(TenantConfig("heavy"), TenantConfig("light"), max_num_seqs=1)
+    manager = make_manager(TenantConfig(name="heavy"), TenantConfig(name="light"), max_num_seqs=1)
     for i in range(30):
         manager.add(req(f"h{i}", 400, arrival=0.0, tenant="heavy"))
         manager.add(req(f"l{i}", 40, arrival=0.0, tenant="light"))
@@ -84,7 +86,7 @@ def test_fair_share_by_tokens_served_not_by_tokens_sent():
 
 def test_weights_scale_the_fair_share():
     manager = make_manager(
-        TenantConfig("one"), TenantConfig("two", weight=2.0), max_num_seqs=1
+        TenantConfig(name="one"), TenantConfig(name="two", weight=2.0), max_num_seqs=1
     )
     for i in range(10):
         manager.add(req(f"o{i}", 100, tenant="one"))
@@ -94,7 +96,7 @@ def test_weights_scale_the_fair_share():
 
 
 def test_a_tenant_back_from_idle_gets_no_backlog_of_credit():
-    manager = make_manager(TenantConfig("busy"), TenantConfig("late"), max_num_seqs=1)
+    manager = make_manager(TenantConfig(name="busy"), TenantConfig(name="late"), max_num_seqs=1)
     for i in range(20):
         manager.add(req(f"b{i}", 100, tenant="busy"))
     for _ in range(10):
@@ -126,8 +128,8 @@ def test_aging_serves_a_long_request_under_a_steady_stream_of_short_ones():
 def test_aging_crosses_tenant_priorities_so_a_low_priority_tenant_never_starves():
     def run(max_wait_s):
         manager = make_manager(
-            TenantConfig("vip", priority=-1),
-            TenantConfig("batch", max_wait_s=max_wait_s),
+            TenantConfig(name="vip", priority=-1),
+            TenantConfig(name="batch", max_wait_s=max_wait_s),
             max_num_seqs=1,
         )
         manager.add(req("late", 100, arrival=0.0, tenant="batch"))
@@ -143,7 +145,7 @@ def test_aging_crosses_tenant_priorities_so_a_low_priority_tenant_never_starves(
 
 def test_the_earliest_aged_arrival_goes_first_across_tenants():
     manager = make_manager(
-        TenantConfig("a", max_wait_s=1.0), TenantConfig("b", priority=1, max_wait_s=1.0),
+        TenantConfig(name="a", max_wait_s=1.0), TenantConfig(name="b", priority=1, max_wait_s=1.0),
         max_num_seqs=1,
     )
     manager.add(req("a-young", 100, arrival=4.5, tenant="a"))

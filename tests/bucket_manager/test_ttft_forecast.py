@@ -5,16 +5,18 @@ shares that count output tokens; the tenant settings' checks."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from bucketserve.bucket_manager import TenantConfig
 from bucketserve.bucket_manager.prefill_cost import ForecastBias, PrefillCost, absorbs
 from tests.bucket_manager.helpers import make_manager, req
 
-A = TenantConfig("a", priority=0, weight=1.0)
-B = TenantConfig("b", priority=0, weight=3.0)
-URGENT = TenantConfig("urgent", priority=-1)
-LATER = TenantConfig("later", priority=1)
+A = TenantConfig(name="a", priority=0, weight=1.0)
+B = TenantConfig(name="b", priority=0, weight=3.0)
+URGENT = TenantConfig(name="urgent", priority=-1)
+LATER = TenantConfig(name="later", priority=1)
 
 
 def test_tokens_ahead_weigh_priority_and_fair_share() -> None:
@@ -37,7 +39,7 @@ def test_tokens_ahead_weigh_priority_and_fair_share() -> None:
 
 
 def test_fair_shares_count_output_tokens() -> None:
-    m = make_manager(A, TenantConfig("c", priority=0, weight=1.0))
+    m = make_manager(A, TenantConfig(name="c", priority=0, weight=1.0))
     m.add(req("a1", 64, tenant="a"))
     m.add(req("c1", 64, tenant="c"))
     first = m.next_batch(1000, 128, 0.0)
@@ -80,21 +82,21 @@ def test_the_forecast_bias_follows_the_first_tokens_weighted_by_their_size() -> 
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"cache_share": 0.0}, "cache_share must be a number in"),
-        ({"cache_share": 1.5}, "cache_share must be a number in"),
-        ({"cache_domain": ""}, "cache_domain must be a non-empty string"),
-        ({"shed": "sometimes"}, "shed must be one of 'never', 'predicted'"),
+        ({"cache_share": 0.0}, "cache_share: must be a number in (0, 1] or null, got 0.0"),
+        ({"cache_share": 1.5}, "cache_share: must be a number in (0, 1] or null, got 1.5"),
+        ({"cache_domain": ""}, "cache_domain: must be a non-empty string"),
+        ({"shed": "sometimes"}, "shed: must be one of 'never', 'predicted', got 'sometimes'"),
     ],
 )
 def test_tenant_cache_and_shed_settings_are_checked(fields: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        TenantConfig("t", **fields)
+    with pytest.raises(ValueError, match=re.escape(f"tenants[0].{message}")):
+        TenantConfig.parse({"name": "t", **fields}, "tenants[0]")
 
 
 def test_only_online_tenants_shed_and_a_domain_defaults_to_the_tenant() -> None:
-    assert TenantConfig("t", shed="predicted").sheds
-    assert not TenantConfig("t", "offline", "sjf", shed="predicted").sheds
-    assert not TenantConfig("t").sheds
-    assert TenantConfig("t").tag().cache_domain == "t"
-    tag = TenantConfig("t", weight=2.0, cache_domain="team").tag("salt")
+    assert TenantConfig(name="t", shed="predicted").sheds
+    assert not TenantConfig(name="t", tenant_class="offline", policy="sjf", shed="predicted").sheds
+    assert not TenantConfig(name="t").sheds
+    assert TenantConfig(name="t").tag().cache_domain == "t"
+    tag = TenantConfig(name="t", weight=2.0, cache_domain="team").tag("salt")
     assert (tag.name, tag.weight, tag.cache_domain, tag.cache_salt) == ("t", 2.0, "team", "salt")

@@ -12,15 +12,13 @@ from typing import Any
 import pytest
 import yaml
 
-from bucketserve.bucket_manager.config import BatchingConfig, RequestBucketConfig, TenantConfig
-from bucketserve.bucket_manager.policy import Policy, TenantClass
+from bucketserve.bucket_manager.config import BatchingConfig, RequestBucketConfig
 from bucketserve.controller.config import ControllerConfig
 from bucketserve.deploy.cli import run_check
 from bucketserve.deploy.serve_config import ServeConfig, ServeConfigError
 from bucketserve.deploy.serve_settings import ModelSettings
 from bucketserve.deploy.service_runner import flag_overrides
 from bucketserve.gateway.gateway_config import GatewayConfig
-from bucketserve.gateway.tenant_spec import TenantSettings
 from bucketserve.runtime.worker.device import DTYPES
 from tests.gguf_reads import one_parse_per_gguf
 
@@ -83,8 +81,7 @@ def test_the_yaml_lands_in_the_typed_configs(tmp_path: Path, tiny_model_dir: Pat
     assert shapes.prompt.query.as_list(with_limit=False) == [8, 8, 64]
     assert shapes.decode.bs.max == 32  # not given: derived from max_num_seqs
     (tenant,) = buckets.tenants
-    assert (tenant.name, tenant.tenant_class, tenant.policy) == ("a", TenantClass.OFFLINE,
-                                                                 Policy.LJF)
+    assert (tenant.name, tenant.tenant_class, tenant.policy) == ("a", "offline", "ljf")
     assert config.tenants.auth_required and config.tenants.authenticate("k").name == "a"
     assert (config.gateway.grpc_port, config.gateway.http_port) == (6000, None)
     assert config.actor_resources("prefill") == {"CPU": 1.0, "p": 1, "HPU": 1}
@@ -115,7 +112,6 @@ def test_the_settings_defaults_are_the_configs_defaults() -> None:
     assert config.gateway == GatewayConfig()
     assert config.request_buckets == RequestBucketConfig()
     assert config.batching == BatchingConfig()
-    assert TenantSettings(name="t").tenant_config() == TenantConfig("t")
     dtypes = ModelSettings.model_fields["dtype"].annotation.__args__
     assert set(dtypes) == {"auto", *DTYPES}
 

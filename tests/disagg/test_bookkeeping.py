@@ -64,7 +64,7 @@ def test_the_admitted_request_is_one_object_from_the_controller_to_the_workers()
     assert (sent.request_id, sent.sampling_params) == ("r", request.sampling_params)
     assert sent.output_token_ids == [7] and sent.num_tokens == 4
     assert sent.priority == (0, -1)
-    assert state.worker_request(TenantConfig("t", priority=2)).priority == (2, -1)
+    assert state.worker_request(TenantConfig(name="t", priority=2)).priority == (2, -1)
     assert sent.ttft_left_s is None  # it has streamed a token: its TTFT is behind it
     state.output_token_ids.extend([8])  # a snapshot: later tokens are the next one's
     assert sent.output_token_ids == [7]
@@ -80,18 +80,18 @@ def test_the_admitted_request_is_one_object_from_the_controller_to_the_workers()
         left = fresh.worker_request(tenant).ttft_left_s
         return -(time.monotonic() - arrival), left, -(before - arrival)
 
-    least, left, most = left_of(TenantConfig("t", ttft_slo_s=4.0))
+    least, left, most = left_of(TenantConfig(name="t", ttft_slo_s=4.0))
     assert 4.0 + least <= left <= 4.0 + most  # its tenant's 4 s target, less the time waited
     fresh.request.slo_ttft_s = 10.0  # the request's own target wins
-    least, left, most = left_of(TenantConfig("t", ttft_slo_s=4.0))
+    least, left, most = left_of(TenantConfig(name="t", ttft_slo_s=4.0))
     assert 10.0 + least <= left <= 10.0 + most
-    least, left, most = left_of(TenantConfig("t"))
+    least, left, most = left_of(TenantConfig(name="t"))
     assert 10.0 + least <= left <= 10.0 + most
     fresh.request.slo_ttft_s = None
-    assert fresh.worker_request(TenantConfig("t")).ttft_left_s is None  # no target at all
-    assert fresh.worker_request(TenantConfig("t", tpot_slo_s=0.2)).tpot_s == 0.2
+    assert fresh.worker_request(TenantConfig(name="t")).ttft_left_s is None  # no target at all
+    assert fresh.worker_request(TenantConfig(name="t", tpot_slo_s=0.2)).tpot_s == 0.2
     fresh.request.slo_tpot_s = 0.1  # the request's own TPOT target wins, too
-    assert fresh.worker_request(TenantConfig("t", tpot_slo_s=0.2)).tpot_s == 0.1
+    assert fresh.worker_request(TenantConfig(name="t", tpot_slo_s=0.2)).tpot_s == 0.1
     assert state.worker_request().tpot_s is None
     assert sent.output_token_ids == [7]
     entry = state.bucket_request(max_tokens=3)

@@ -125,7 +125,8 @@ def test_a_higher_priority_tenant_overtakes_the_engine_queue(
         config = controller_config(
             tiny_model_dir, mode="local", topology="colocated", scheduler=one_at_a_time
         )
-        config = with_tenants(config, [TenantConfig("chat"), TenantConfig("batch", priority=1)])
+        tenants = [TenantConfig(name="chat"), TenantConfig(name="batch", priority=1)]
+        config = with_tenants(config, tenants)
         controller = Controller(config)
         await controller.start()
         done: list[str] = []

@@ -294,7 +294,7 @@ def test_served_requests_sharing_a_prefix_follow_it_and_match_the_engine(
                 # decode-0 (where the first went: equal rooms) books 5 blocks elsewhere
                 controller.pool.role("decode")[0].pending_blocks = 5
             stats = await controller.drain(30)
-            root = TenantConfig("default").tag().cache_root  # a service without tenants
+            root = TenantConfig(name="default").tag().cache_root  # a service without tenants
             first = block_hashes(prefix, BS, root=root)[0]
             holders = controller.dispatcher.pd.decode_cache.holders(first)
         finally:

@@ -73,7 +73,7 @@ def serve(loop_thread: LoopThread, model_dir: Path, topology: str) -> tuple[Any,
     options: dict[str, Any] = {"topology": topology}
     if ray:
         options.update(mode="ray", ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})
-    config = local_controller_config(model_dir, [TenantConfig("default")], **options)
+    config = local_controller_config(model_dir, [TenantConfig(name="default")], **options)
     controller = loop_thread.call(lambda: Controller(config))
     loop_thread.run(controller.start(), timeout=300)
     return start_server(loop_thread, controller), controller

@@ -66,7 +66,7 @@ def backend(loop_thread: LoopThread, tiny_model_dir: Path, tenant_registry: Tena
     (and `default`, the open server's)."""
     from bucketserve.controller.controller import Controller
 
-    tenants = [*tenant_registry.bucket_configs(), TenantConfig("default")]
+    tenants = [*tenant_registry.bucket_configs(), TenantConfig(name="default")]
     controller = loop_thread.call(
         lambda: Controller(local_controller_config(tiny_model_dir, tenants))
     )

@@ -26,7 +26,7 @@ def small_service(loop_thread: Any, tiny_model_dir: Path) -> Any:
     from bucketserve.controller.controller import Controller
 
     config = local_controller_config(
-        tiny_model_dir, [TenantConfig("default")], max_queued_requests=1
+        tiny_model_dir, [TenantConfig(name="default")], max_queued_requests=1
     )
     controller = loop_thread.call(lambda: Controller(config))
     loop_thread.run(controller.start())
@@ -68,7 +68,7 @@ def test_full_queue_is_resource_exhausted(loop_thread: Any, small_service: Any) 
 def test_no_workers_is_unavailable(loop_thread: Any, tiny_model_dir: Path) -> None:
     from bucketserve.controller.controller import Controller
 
-    config = local_controller_config(tiny_model_dir, [TenantConfig("default")])
+    config = local_controller_config(tiny_model_dir, [TenantConfig(name="default")])
     controller = loop_thread.call(lambda: Controller(config))
     loop_thread.run(controller.start())
     server = start_server(loop_thread, controller)

@@ -35,7 +35,7 @@ def base_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 def base_server(loop_thread: Any, base_model_dir: Path) -> Iterator[Any]:
     from bucketserve.controller.controller import Controller
 
-    tenants = [TenantConfig("default")]
+    tenants = [TenantConfig(name="default")]
     config = local_controller_config(base_model_dir, tenants, topology="colocated")
     controller = loop_thread.call(lambda: Controller(config))
     loop_thread.run(controller.start(), timeout=300)
@@ -63,7 +63,7 @@ def test_a_base_model_serves_completions_and_refuses_chat_naming_the_fix(
 def test_a_given_template_is_the_served_tokenizers(base_model_dir: Path) -> None:
     """What model.chat_template / --chat-template set (ModelRunnerConfig.chat_template) is
     what the gateway renders chat with."""
-    config = local_controller_config(base_model_dir, [TenantConfig("default")])
+    config = local_controller_config(base_model_dir, [TenantConfig(name="default")])
     info, _ = describe_model(config)
     with pytest.raises(ValueError, match="no chat template"):
         info.tokenizer.apply_chat_template(MESSAGES)

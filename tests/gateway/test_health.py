@@ -39,7 +39,7 @@ def test_a_dead_decode_worker_flips_health_until_it_is_back(
 ) -> None:
     from bucketserve.controller.controller import Controller
 
-    config = local_controller_config(tiny_model_dir, [TenantConfig("default")])
+    config = local_controller_config(tiny_model_dir, [TenantConfig(name="default")])
     controller = loop_thread.call(lambda: Controller(config))
     loop_thread.run(controller.start())
     server = start_server(loop_thread, controller)

@@ -41,7 +41,7 @@ def colocated(loop_thread: Any, tiny_model_dir: Path) -> Iterator[tuple[Any, Any
     from bucketserve.controller.controller import Controller
 
     config = local_controller_config(
-        tiny_model_dir, [TenantConfig("default")], topology="colocated"
+        tiny_model_dir, [TenantConfig(name="default")], topology="colocated"
     )
     controller = loop_thread.call(lambda: Controller(config))
     loop_thread.run(controller.start())

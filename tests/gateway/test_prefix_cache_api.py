@@ -45,7 +45,7 @@ def colocated(loop_thread: Any, tiny_model_dir: Path, tenant_registry: Any) -> I
     prefix cache on (the default)."""
     from bucketserve.controller.controller import Controller
 
-    tenants = [*tenant_registry.bucket_configs(), TenantConfig("default")]
+    tenants = [*tenant_registry.bucket_configs(), TenantConfig(name="default")]
     config = local_controller_config(tiny_model_dir, tenants, topology="colocated")
     controller = loop_thread.call(lambda: Controller(config))
     loop_thread.run(controller.start())

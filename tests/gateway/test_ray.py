@@ -24,7 +24,7 @@ def test_sdk_through_ray_actors_matches_the_engine_and_cancel_frees_blocks(
     from bucketserve.controller.controller import Controller
 
     config = local_controller_config(
-        tiny_model_dir, [TenantConfig("default")], mode="ray",
+        tiny_model_dir, [TenantConfig(name="default")], mode="ray",
         ray_init_kwargs={"num_cpus": 2, "log_to_driver": False},
     )
     controller = loop_thread.call(lambda: Controller(config))

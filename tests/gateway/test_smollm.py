@@ -24,7 +24,8 @@ def test_sdk_text_equals_the_engine_on_smollm2(loop_thread: Any, smollm_dir: Pat
     from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 
     runner = ModelRunnerConfig(model=str(smollm_dir), num_kv_blocks=64)
-    config = with_tenants(ControllerConfig(runner=runner, mode="local"), [TenantConfig("default")])
+    config = ControllerConfig(runner=runner, mode="local")
+    config = with_tenants(config, [TenantConfig(name="default")])
     controller = loop_thread.call(lambda: Controller(config))
     loop_thread.run(controller.start(), timeout=300)
     server = start_server(loop_thread, controller)

@@ -50,11 +50,12 @@ def serve(loop_thread: Any, model_dir: Path, topology: str, **gateway: Any) -> I
     from bucketserve.deploy.serve_config import with_tenants
     from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 
-    template = gateway.pop("chat_template", None)
-    runner = ModelRunnerConfig(model=str(model_dir), num_kv_blocks=128, chat_template=template)
-    config = with_tenants(
-        ControllerConfig(runner=runner, mode="local", topology=topology), [TenantConfig("default")]
+    template, parser = gateway.pop("chat_template", None), gateway.pop("tool_call_parser", None)
+    runner = ModelRunnerConfig(
+        model=str(model_dir), num_kv_blocks=128, chat_template=template, tool_call_parser=parser
     )
+    config = ControllerConfig(runner=runner, mode="local", topology=topology)
+    config = with_tenants(config, [TenantConfig(name="default")])
     controller = loop_thread.call(lambda: Controller(config))
     loop_thread.run(controller.start(), timeout=300)
     server = start_server(loop_thread, controller, **gateway)

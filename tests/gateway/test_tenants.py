@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bucketserve.bucket_manager.config import BucketManagerConfig, TenantConfig
-from bucketserve.bucket_manager.policy import Policy, TenantClass
+from bucketserve.bucket_manager.config import BucketManagerConfig, TenantConfig, hash_api_key
 from bucketserve.gateway.errors import (
     AuthenticationError,
     InvalidArgumentError,
@@ -13,7 +12,6 @@ from bucketserve.gateway.errors import (
 )
 from bucketserve.gateway.tenant_quota import TenantQuota
 from bucketserve.gateway.tenant_registry import TenantRegistry, parse_bearer
-from bucketserve.gateway.tenant_spec import TenantSpec, hash_api_key
 from bucketserve.gateway.token_bucket import TokenBucket
 
 TENANTS = [
@@ -50,9 +48,9 @@ def test_registry_from_list_feeds_the_bucket_manager() -> None:
     configs = registry.bucket_configs()
     assert [c.name for c in configs] == ["alice", "batch"]
     alice, batch = configs
-    assert alice.tenant_class is TenantClass.ONLINE and alice.policy is Policy.FCFS
+    assert (alice.tenant_class, alice.policy) == ("online", "fcfs")
     assert (alice.weight, alice.ttft_slo_s) == (2.0, 0.5)
-    assert batch.tenant_class is TenantClass.OFFLINE and batch.policy is Policy.SJF
+    assert (batch.tenant_class, batch.policy) == ("offline", "sjf")
     assert batch.priority == 1
     assert BucketManagerConfig(tenants=configs).tenants == configs  # the manager takes them
 
@@ -64,7 +62,7 @@ def test_registry_from_mapping_by_name() -> None:
 
 def test_keys_are_stored_hashed_only() -> None:
     registry = TenantRegistry.from_dict(TENANTS)
-    alice = registry.specs["alice"]
+    alice = registry.tenants["alice"]
     assert alice.api_key_hashes == {hash_api_key("alice-key-1"), hash_api_key("alice-key-2")}
     assert "alice-key-1" not in repr(alice)
     assert "alice-key-1" not in repr(registry.__dict__)
@@ -89,15 +87,15 @@ def test_open_registry_is_default_tenant_without_keys() -> None:
         assert spec.name == "default"
         assert registry.authenticate("anything").name == "default"
         assert registry.bucket_configs() == (
-            TenantConfig("default", ttft_slo_s=4.0, tpot_slo_s=0.25),
+            TenantConfig(name="default", ttft_slo_s=4.0, tpot_slo_s=0.25),
         )
 
 
 def test_a_lone_default_tenant_without_keys_sets_its_targets_and_stays_open() -> None:
     registry = TenantRegistry.from_dict({"default": {"ttft_slo_s": 1.5, "max_wait_s": None}})
     assert not registry.auth_required
-    assert registry.authenticate(None).config == TenantConfig(
-        "default", ttft_slo_s=1.5, max_wait_s=None
+    assert registry.authenticate(None) == TenantConfig(
+        name="default", ttft_slo_s=1.5, max_wait_s=None
     )
     keyed = TenantRegistry.from_dict([{"name": "default", "api_keys": ["k"]}])
     assert keyed.auth_required  # with a key it guards the service as any tenant does
@@ -146,7 +144,7 @@ def test_parse_bearer() -> None:
 
 
 def test_concurrency_quota_refuses_without_state_change() -> None:
-    quota = TenantQuota(TenantSpec(TenantConfig("t"), max_concurrent_requests=2))
+    quota = TenantQuota(TenantConfig(name="t", max_concurrent_requests=2))
     quota.acquire(10)
     quota.acquire(10)
     with pytest.raises(ResourceExhaustedError, match="max_concurrent_requests") as info:
@@ -160,7 +158,7 @@ def test_concurrency_quota_refuses_without_state_change() -> None:
 
 def test_token_rate_quota_with_retry_after_and_refund() -> None:
     clock = FakeClock()
-    spec = TenantSpec(TenantConfig("t"), token_rate_limit=10.0, token_burst=50.0)
+    spec = TenantConfig(name="t", token_rate_limit=10.0, token_burst=50.0)
     quota = TenantQuota(spec, clock)
     quota.acquire(40)
     with pytest.raises(ResourceExhaustedError, match="token rate limit") as info:
@@ -176,7 +174,7 @@ def test_token_rate_quota_with_retry_after_and_refund() -> None:
 
 
 def test_request_larger_than_burst_is_invalid_not_retryable() -> None:
-    quota = TenantQuota(TenantSpec(TenantConfig("t"), token_rate_limit=1.0, token_burst=20.0))
+    quota = TenantQuota(TenantConfig(name="t", token_rate_limit=1.0, token_burst=20.0))
     with pytest.raises(InvalidArgumentError, match="at most 20"):
         quota.acquire(21)
     assert quota.running == 0
@@ -184,7 +182,7 @@ def test_request_larger_than_burst_is_invalid_not_retryable() -> None:
 
 
 def test_default_burst_is_ten_seconds_of_rate() -> None:
-    assert TenantSpec(TenantConfig("t"), token_rate_limit=7.0).burst == 70.0
+    assert TenantConfig(name="t", token_rate_limit=7.0).burst == 70.0
 
 
 def test_token_bucket_refills_up_to_capacity() -> None:

@@ -168,9 +168,9 @@ def test_auto_parses_a_hermes_call_out_of_the_text(hermes: Any) -> None:
 @pytest.mark.smollm
 @pytest.mark.slow
 def test_tool_history_renders_and_auto_without_a_parser_is_a_400(
-    hermes: Any, loop_thread: Any
+    hermes: Any, loop_thread: Any, backend: Any
 ) -> None:
-    server, controller = hermes
+    server, _ = hermes
     history = [
         *ASK,
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
@@ -182,7 +182,7 @@ def test_tool_history_renders_and_auto_without_a_parser_is_a_400(
         {"messages": history, "tools": TOOLS, "max_tokens": 2},
     )
     assert status == 200, out
-    bare = start_server(loop_thread, controller)  # no model.tool_call_parser
+    bare = start_server(loop_thread, backend)  # a model served without model.tool_call_parser
     try:
         status, out, _ = http_post(
             f"{bare.http_url}/v1/chat/completions", {"messages": ASK, "tools": TOOLS}

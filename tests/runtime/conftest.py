@@ -93,7 +93,7 @@ def smollm_gguf_reads() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def vocab(smollm_gguf_reads) -> dict:
     from bucketserve.runtime.io.default_model import default_gguf_path
-    from bucketserve.runtime.io.gguf_converter import GGUFConverter
+    from bucketserve.runtime.loader.gguf_converter import GGUFConverter
 
     with one_parse_per_gguf(smollm_gguf_reads):
         conv = GGUFConverter(default_gguf_path())

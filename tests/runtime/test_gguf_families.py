@@ -15,12 +15,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.engine.llm import LLM
-from bucketserve.runtime.io.gguf_converter import GGUFConverter
 from bucketserve.runtime.io.tokenizer import Tokenizer
-from bucketserve.runtime.io.weights import resolve_model
+from bucketserve.runtime.layers.linear import Linear
+from bucketserve.runtime.loader.gguf_converter import GGUFConverter
+from bucketserve.runtime.loader.model_files import resolve_model
 from tests.conftest import TINY_CONFIG
 from tests.runtime.conftest import SMALL_VOCAB
-from tests.runtime.test_weights import write_gguf
+from tests.runtime.test_weights import runner_logits, write_gguf
 
 # llama.cpp architecture -> (transformers config class, overrides, llama.cpp pre-tokenizer)
 FAMILIES = {
@@ -28,6 +29,7 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", {}, "qwen2"),
     # transformers' GGUF loader takes Qwen 3's head_dim as 128 whatever the file says
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 128}, "qwen2"),
+    "phi3": ("Phi3Config", {"pad_token_id": 0}, "llama-bpe"),  # q, k, v and gate, up fused
 }
 # merges that only some pre-tokenizers let happen: digits in runs (GPT-2 all, Llama 3 by
 # three, Qwen one at a time), a contraction in capitals, a bracket before a word
@@ -91,6 +93,23 @@ def test_a_family_gguf_serves_the_greedy_tokens_of_transformers_on_the_same_file
     assert got == want
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == [f"{arch.title()}ForCausalLM"]
+
+
+def test_a_family_gguf_kept_in_its_blocks_stays_close_to_its_expansion(
+    family_gguf, cache_dir
+) -> None:
+    """Every GEMM weight in Q8_0 blocks (Phi-3's fused q/k/v and gate/up split by rows),
+    logits within test_weights' bound of the float32 expansion's."""
+    _, path = family_gguf
+    kept, logits = runner_logits(path, "auto")
+    _, reference = runner_logits(path, "none")
+    linears = [m for m in kept.model.model.layers.modules() if isinstance(m, Linear)]
+    assert linears and all(m.blocks and m.weight.numel() == 0 for m in linears)
+    assert (logits - reference).norm() / reference.norm() < 0.06
+    # the token chosen is the reference's or ties with it within the logits' error (Qwen2's
+    # top two here are 2 % apart)
+    error = (logits - reference).abs().max()
+    assert reference[logits.argmax()] >= reference.max() - 2 * error
 
 
 def test_a_family_gguf_tokenizes_like_transformers(family_gguf, cache_dir) -> None:

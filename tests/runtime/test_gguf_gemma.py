@@ -14,7 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
 from bucketserve.runtime.core.sampling_params import SamplingParams
-from bucketserve.runtime.io.weights import convert_gguf, iter_safetensors
+from bucketserve.runtime.io.weights import iter_safetensors
+from bucketserve.runtime.loader.model_files import convert_gguf
 from tests.gguf_reads import one_parse_per_gguf
 
 # HF name -> llama.cpp name, written out independently of the converter's own table.

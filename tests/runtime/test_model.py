@@ -10,8 +10,9 @@ from transformers import AutoModelForCausalLM
 
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.sequence import Sequence
-from bucketserve.runtime.io.model_config import ModelConfig, RopeScaling
+from bucketserve.runtime.io.model_config import RopeScaling
 from bucketserve.runtime.layers.rotary_embedding import rope_inv_freq
+from bucketserve.runtime.models import load_model_config, parse_model_config
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 
 BLOCK = 4
@@ -125,7 +126,7 @@ def test_rope_scaling_changes_frequencies():
 
 
 def test_config_rejects_unsupported_models(tiny_model_dir):
-    good = ModelConfig.from_dir(tiny_model_dir)
+    good = load_model_config(tiny_model_dir)
     assert (good.num_hidden_layers, good.num_queries_per_kv, good.head_dim) == (2, 2, 16)
     assert good.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
     base = {
@@ -136,19 +137,19 @@ def test_config_rejects_unsupported_models(tiny_model_dir):
         "num_attention_heads": 2,
     }
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
-        ModelConfig.from_dict({**base, "architectures": ["GPT2LMHeadModel"]})
+        parse_model_config({**base, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
-        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+        parse_model_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
-        ModelConfig.from_dict({**base, "hidden_act": "gelu"})
+        parse_model_config({**base, "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="lacks the required field 'vocab_size'"):
-        ModelConfig.from_dict({k: v for k, v in base.items() if k != "vocab_size"})
+        parse_model_config({k: v for k, v in base.items() if k != "vocab_size"})
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
-        ModelConfig.from_dict({**base, "num_key_value_heads": 3})
+        parse_model_config({**base, "num_key_value_heads": 3})
 
 
 def test_transformers5_rope_parameters_layout():
-    config = ModelConfig.from_dict(
+    config = parse_model_config(
         {
             "vocab_size": 10,
             "hidden_size": 8,
@@ -164,6 +165,6 @@ def test_transformers5_rope_parameters_layout():
 
 def test_generation_config_adds_stop_ids(tiny_model_dir, tmp_path):
     (tmp_path / "config.json").write_bytes((tiny_model_dir / "config.json").read_bytes())
-    assert ModelConfig.from_dir(tmp_path).eos_token_ids == (2,)
+    assert load_model_config(tmp_path).eos_token_ids == (2,)
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 5, 9]}')
-    assert ModelConfig.from_dir(tmp_path).eos_token_ids == (2, 5, 9)
+    assert load_model_config(tmp_path).eos_token_ids == (2, 5, 9)

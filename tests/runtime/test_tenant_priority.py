@@ -15,8 +15,8 @@ from bucketserve.runtime.core.scheduler import Scheduler, SchedulerConfig
 from bucketserve.runtime.core.sequence import Sequence, SequenceStatus
 from tests.bucket_manager.helpers import ids, make_manager
 
-INTERACTIVE = TenantConfig("interactive", "online", "fcfs", priority=0)
-BATCH = TenantConfig("batch", "offline", "sjf", priority=1)
+INTERACTIVE = TenantConfig(name="interactive", tenant_class="online", policy="fcfs", priority=0)
+BATCH = TenantConfig(name="batch", tenant_class="offline", policy="sjf", priority=1)
 TENANTS = {t.name: t for t in (INTERACTIVE, BATCH)}
 PUSHY = -1_000_000
 

@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.sequence import Sequence
 from bucketserve.runtime.engine.llm_engine import LLMEngine
-from bucketserve.runtime.io.model_config import ModelConfig
+from bucketserve.runtime.models import load_model_config, parse_model_config
 from bucketserve.runtime.models.causal_lm import check_tensor_parallel
 from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 from bucketserve.runtime.worker.tensor_parallel.tp_runner import (
@@ -96,7 +96,7 @@ def test_two_ranks_equal_one_and_transformers(llama):
     two, engine = run(model_dir, 2)
     assert one == reference
     assert two == reference
-    heads = ModelConfig.from_dir(model_dir).num_key_value_heads
+    heads = load_model_config(model_dir).num_key_value_heads
     assert engine.runner.kv_cache.num_kv_heads == max(1, heads // 2)  # the head rank's pool
     assert engine.stats.num_preemptions > 0
     assert engine.block_manager.num_free_blocks == NUM_BLOCKS
@@ -128,12 +128,12 @@ def test_families_that_shard_differently_over_two_ranks(family):  # noqa: F811 (
 def test_a_model_that_does_not_split_is_refused():
     base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 48}
     base |= {"intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 6}
-    check_tensor_parallel(ModelConfig.from_dict({**base, "num_key_value_heads": 2}), 2)
-    check_tensor_parallel(ModelConfig.from_dict({**base, "num_key_value_heads": 1}), 2)
+    check_tensor_parallel(parse_model_config({**base, "num_key_value_heads": 2}), 2)
+    check_tensor_parallel(parse_model_config({**base, "num_key_value_heads": 1}), 2)
     with pytest.raises(ValueError, match="num_attention_heads 6"):
-        check_tensor_parallel(ModelConfig.from_dict({**base, "num_key_value_heads": 2}), 4)
+        check_tensor_parallel(parse_model_config({**base, "num_key_value_heads": 2}), 4)
     with pytest.raises(ValueError, match=r"num_key_value_heads 3 \(neither divides"):
-        check_tensor_parallel(ModelConfig.from_dict({**base, "num_key_value_heads": 3}), 2)
+        check_tensor_parallel(parse_model_config({**base, "num_key_value_heads": 3}), 2)
 
 
 def test_a_dead_rank_fails_the_next_step_at_once(llama):

@@ -7,8 +7,8 @@ import pytest
 import tokenizers
 from transformers import AutoTokenizer
 
-from bucketserve.runtime.io.gguf_converter import GGUFConverter
 from bucketserve.runtime.io.tokenizer import Tokenizer
+from bucketserve.runtime.loader.gguf_converter import GGUFConverter
 
 TEXTS = [
     "Hello world",

@@ -15,10 +15,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.sequence import Sequence
 from bucketserve.runtime.io.default_model import default_gguf_path
-from bucketserve.runtime.io.gguf_converter import GGUFConverter
-from bucketserve.runtime.io.weights import convert_gguf, iter_safetensors, resolve_model
+from bucketserve.runtime.io.weights import iter_safetensors
 from bucketserve.runtime.layers.linear import Linear
 from bucketserve.runtime.layers.packing import describe_weights
+from bucketserve.runtime.loader.gguf_converter import GGUFConverter
+from bucketserve.runtime.loader.model_files import convert_gguf, resolve_model
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 from tests.conftest import TINY_CONFIG
 from tests.gguf_reads import one_parse_per_gguf
@@ -45,6 +46,8 @@ _GGUF_LAYER = {
     "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused tensors, as its checkpoints store them
+    "mlp.gate_up_proj": "ffn_up",
 }
 
 
@@ -95,6 +98,8 @@ def write_gguf(path: Path, hf_dir: Path, vocab: dict, arch: str = "llama", **opt
     w.add_token_merges(vocab["merges"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if cfg.get("pad_token_id") is not None:
+        w.add_pad_token_id(cfg["pad_token_id"])
     w.add_chat_template(vocab["template"])
     for name, tensor in iter_safetensors(hf_dir):
         data = tensor.numpy()
@@ -235,7 +240,8 @@ def test_unsupported_architecture_is_rejected(cache_dir, tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    refusal = r"'falcon' is not supported; supported: \('llama', 'qwen2', 'qwen3', 'gemma3'\)"
+    supported = "'llama', 'qwen2', 'qwen3', 'gemma3', 'phi3'"
+    refusal = rf"'falcon' is not supported; supported: \({supported}\)"
     with pytest.raises(ValueError, match=refusal):
         resolve_model(path)
     assert not cache_dir.exists()

@@ -61,7 +61,7 @@ class OpenAIApi:
         self.model_name = model_name
         self.config = config
         self.created = int(time.time())
-        self.tool_parser = tool_parser(config.tool_call_parser)
+        self.tool_parser = tool_parser(admission.model.tool_call_parser)
 
     def routes(self) -> list[web.RouteDef]:
         return [

@@ -1,23 +1,13 @@
-"""The model's shape, read from a Hugging Face config.json (the families in
-`SUPPORTED_ARCHITECTURES`)."""
+"""The model's shape, read from a Hugging Face config.json: the fields every family shares
+here, the family's own from its declaration (`runtime/models/registry.py` parses)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Gemma3ForCausalLM",
-    "OPTForCausalLM",
-)
-GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -139,53 +129,26 @@ class ModelConfig:
         return self.num_hidden_layers * layer + embed + h
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ValueError(f"{model_dir} has no config.json; pass a Hugging Face model directory")
-        config = cls.from_dict(json.loads(path.read_text()))
-        generation = Path(model_dir) / "generation_config.json"
-        if generation.is_file():
-            # Chat models often list extra stop ids (e.g. <|eot_id|>) only here.
-            extra = _as_ids(json.loads(generation.read_text()).get("eos_token_id"))
-            ids = config.eos_token_ids + tuple(i for i in extra if i not in config.eos_token_ids)
-            config = dataclasses.replace(config, eos_token_ids=ids)
-        return config
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        try:
-            return cls._from_dict(d)
-        except KeyError as e:
-            raise ValueError(f"config.json lacks the required field {e.args[0]!r}") from None
-
-    @classmethod
-    def _from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        archs = d.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; "
-                f"this runtime runs {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if arch == "OPTForCausalLM":
-            family = _opt_fields(d)
-        elif arch == "Gemma3ForCausalLM":
-            family = _gemma3_fields(d)
-        else:
-            family = _llama_like_fields(d, arch)
+    def from_dict(
+        cls,
+        d: dict[str, Any],
+        architecture: str,
+        family: dict[str, Any],
+        activations: tuple[str, ...],
+    ) -> ModelConfig:
+        """The config of config.json `d` (a missing required field: KeyError): the fields
+        every family shares, then `family`'s own (`ModelFamily.config_fields`)."""
         act = family.get("hidden_act", "silu")
-        allowed = ("relu",) if arch == "OPTForCausalLM" else GATED_ACTIVATIONS
-        if act not in allowed:
+        if act not in activations:
             raise ValueError(
-                f"hidden_act {act!r} is not supported for {arch}; use one of {allowed}"
+                f"hidden_act {act!r} is not supported for {architecture}; use one of {activations}"
             )
         heads = d["num_attention_heads"]
         rope = d.get("rope_parameters") or {}  # transformers >= 5 layout
         fields: dict[str, Any] = {
             "vocab_size": d["vocab_size"],
             "hidden_size": d["hidden_size"],
-            "intermediate_size": d["ffn_dim" if arch == "OPTForCausalLM" else "intermediate_size"],
+            "intermediate_size": family.get("intermediate_size") or d["intermediate_size"],
             "num_hidden_layers": d["num_hidden_layers"],
             "num_attention_heads": heads,
             "num_key_value_heads": d.get("num_key_value_heads") or heads,
@@ -199,94 +162,28 @@ class ModelConfig:
             "mlp_bias": d.get("mlp_bias", False),
             "bos_token_id": d.get("bos_token_id"),
             "eos_token_ids": _as_ids(d.get("eos_token_id")),
-            "architecture": arch,
+            "architecture": architecture,
         }
         fields.update(family)
-        if fields["sliding_window"] is None:
+        if fields.get("sliding_window") is None:
             fields["layer_types"] = ()
         return cls(**fields)
 
 
-def _llama_like_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
-    """Llama, Mistral (one window for every layer), Qwen2 and Qwen3 (a window from layer
-    `max_window_layers` on, where `use_sliding_window` turns it on)."""
-    window = d.get("sliding_window")
-    layers = d["num_hidden_layers"]
-    if arch == "LlamaForCausalLM":
-        window = None
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        if not d.get("use_sliding_window", False):
-            window = None
-        first = d.get("max_window_layers", layers)
-        default_types = [
-            "sliding_attention" if i >= first else "full_attention" for i in range(layers)
-        ]
-    else:
-        default_types = ["sliding_attention"] * layers
-    return {
-        "hidden_act": d.get("hidden_act", "silu"),
-        "sliding_window": window,
-        "layer_types": tuple(d.get("layer_types") or default_types),
-    }
-
-
-def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3 (text): interleaved sliding and global layers with rope bases of their own,
-    either as transformers 4 writes them (`rope_local_base_freq`, `rope_scaling` for the
-    global layers) or 5 (`rope_parameters` per layer type)."""
-    if d.get("attn_logit_softcapping") is not None:
-        raise ValueError("attn_logit_softcapping is not supported (Gemma 2 style attention)")
-    if d.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention is not supported: decoders are causal")
-    layers = d["num_hidden_layers"]
-    types = d.get("layer_types")
-    if not types:
-        pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
-        types = [
-            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
-        ]
-    rope = d.get("rope_parameters") or {}
-    full = rope.get("full_attention") or {}
-    local = rope.get("sliding_attention") or {}
-    if RopeScaling.from_dict(local) is not None:
-        raise ValueError("rope scaling on Gemma 3's sliding-window layers is not supported")
-    heads = d["num_attention_heads"]
-    return {
-        "hidden_act": d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
-        "tie_word_embeddings": d.get("tie_word_embeddings", True),
-        "sliding_window": d.get("sliding_window"),
-        "layer_types": tuple(types),
-        "rope_theta": float(full.get("rope_theta", d.get("rope_theta", 1_000_000.0))),
-        "rope_scaling": RopeScaling.from_dict(d.get("rope_scaling") or full),
-        "rope_local_theta": float(local.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))),
-        "query_pre_attn_scalar": float(
-            d.get("query_pre_attn_scalar") or d.get("head_dim") or d["hidden_size"] // heads
-        ),
-        "final_logit_softcapping": d.get("final_logit_softcapping"),
-    }
-
-
-def _opt_fields(d: dict[str, Any]) -> dict[str, Any]:
-    """OPT: learned positions, LayerNorm, a ReLU MLP, biases; no rotary embedding."""
-    bias = d.get("enable_bias", True)
-    pre_norm = d.get("do_layer_norm_before", True)
-    heads = d["num_attention_heads"]
-    return {
-        "intermediate_size": d["ffn_dim"],
-        "num_key_value_heads": heads,
-        "head_dim": d["hidden_size"] // heads,
-        "hidden_act": d.get("activation_function", "relu"),
-        "tie_word_embeddings": d.get("tie_word_embeddings", True),
-        "attention_bias": bias,
-        "mlp_bias": bias,
-        "rope_scaling": None,
-        "sliding_window": None,
-        "layer_types": (),
-        "layer_norm_elementwise_affine": d.get("layer_norm_elementwise_affine", True),
-        "do_layer_norm_before": pre_norm,
-        "final_layer_norm": pre_norm and not d.get("_remove_final_layer_norm", False),
-        "word_embed_proj_dim": d.get("word_embed_proj_dim") or d["hidden_size"],
-    }
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """A model directory's config.json, its `eos_token_id` joined by those of
+    generation_config.json (chat models often list extra stop ids, e.g. <|eot_id|>, there
+    alone)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir} has no config.json; pass a Hugging Face model directory")
+    d = json.loads(path.read_text())
+    generation = Path(model_dir) / "generation_config.json"
+    if generation.is_file():
+        ids = _as_ids(d.get("eos_token_id"))
+        extra = _as_ids(json.loads(generation.read_text()).get("eos_token_id"))
+        d["eos_token_id"] = [*ids, *(i for i in extra if i not in ids)]
+    return d
 
 
 def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:

@@ -3,6 +3,8 @@ Llama's config and checkpoint name them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -14,6 +16,7 @@ from bucketserve.runtime.layers.mlp import GatedMLP
 from bucketserve.runtime.layers.rotary_embedding import RotaryEmbedding
 from bucketserve.runtime.layers.self_attention import SelfAttention
 from bucketserve.runtime.models.causal_lm import CausalLM, DecoderModel
+from bucketserve.runtime.models.family import GGUFField, GGUFLayout, ModelFamily
 
 # checkpoint name fragment -> (our stacked parameter, shard index)
 STACKED_PARAMS = {
@@ -83,3 +86,41 @@ class LlamaForCausalLM(CausalLM):
         positions = max_positions or config.max_position_embeddings
         self.model = LlamaModel(config, positions, self.layer_cls)
         self.lm_head = self.lm_head_for(self.model.embed_tokens)
+
+
+def llama_fields(d: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Llama attends globally; Mistral with one window (`sliding_window`) in every layer."""
+    layers = d["num_hidden_layers"]
+    window = None if architecture == "LlamaForCausalLM" else d.get("sliding_window")
+    return {
+        "hidden_act": d.get("hidden_act", "silu"),
+        "sliding_window": window,
+        "layer_types": tuple(d.get("layer_types") or ["sliding_attention"] * layers),
+    }
+
+
+def gguf_config(field: GGUFField, common: dict[str, Any]) -> dict[str, Any]:
+    """What a Llama-style GGUF leaves to its architecture's defaults."""
+    return {"hidden_act": "silu", "rope_theta": field("rope.freq_base", 10000.0), "mlp_bias": False}
+
+
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+FAMILY = ModelFamily(
+    LlamaForCausalLM,
+    ("LlamaForCausalLM", "MistralForCausalLM"),  # Mistral: Llama's wiring, a window
+    llama_fields,
+    model_type="llama",
+    gguf=GGUFLayout("llama", GGUF_LAYER_NAMES, gguf_config, permuted_qk=True),  # also Mistral
+)

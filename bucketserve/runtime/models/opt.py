@@ -4,6 +4,8 @@ in and out where `word_embed_proj_dim` says so, and a tied head. No rotary embed
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -15,6 +17,7 @@ from bucketserve.runtime.layers.linear import Linear
 from bucketserve.runtime.layers.mlp import MLP
 from bucketserve.runtime.layers.self_attention import SelfAttention
 from bucketserve.runtime.models.causal_lm import CausalLM, DecoderModel
+from bucketserve.runtime.models.family import ModelFamily
 
 POSITION_OFFSET = 2  # OPT's table starts its positions at row 2
 # Hugging Face checkpoints name the decoder `model.decoder.` (facebook/opt-*: `decoder.`)
@@ -92,3 +95,31 @@ class OPTForCausalLM(CausalLM):
         super().__init__(config)
         self.model = OPTDecoder(config)
         self.lm_head = self.lm_head_for(self.model.embed_tokens)
+
+
+def opt_fields(d: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Learned positions, LayerNorm, a ReLU MLP, biases; no rotary embedding."""
+    bias = d.get("enable_bias", True)
+    pre_norm = d.get("do_layer_norm_before", True)
+    heads = d["num_attention_heads"]
+    return {
+        "intermediate_size": d["ffn_dim"],
+        "num_key_value_heads": heads,
+        "head_dim": d["hidden_size"] // heads,
+        "hidden_act": d.get("activation_function", "relu"),
+        "tie_word_embeddings": d.get("tie_word_embeddings", True),
+        "attention_bias": bias,
+        "mlp_bias": bias,
+        "rope_scaling": None,
+        "sliding_window": None,
+        "layer_types": (),
+        "layer_norm_elementwise_affine": d.get("layer_norm_elementwise_affine", True),
+        "do_layer_norm_before": pre_norm,
+        "final_layer_norm": pre_norm and not d.get("_remove_final_layer_norm", False),
+        "word_embed_proj_dim": d.get("word_embed_proj_dim") or d["hidden_size"],
+    }
+
+
+FAMILY = ModelFamily(
+    OPTForCausalLM, ("OPTForCausalLM",), opt_fields, model_type="opt", activations=("relu",)
+)

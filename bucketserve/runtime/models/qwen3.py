@@ -4,7 +4,15 @@ embedding, and no biases unless the config asks."""
 from __future__ import annotations
 
 from bucketserve.runtime.io.model_config import ModelConfig
-from bucketserve.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from bucketserve.runtime.models.family import GGUFLayout, ModelFamily
+from bucketserve.runtime.models.llama import (
+    GGUF_LAYER_NAMES,
+    GGUF_QK_NORM_NAMES,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    gguf_config,
+)
+from bucketserve.runtime.models.qwen2 import qwen_fields
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
@@ -14,3 +22,12 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen3DecoderLayer
+
+
+FAMILY = ModelFamily(
+    Qwen3ForCausalLM,
+    ("Qwen3ForCausalLM",),
+    qwen_fields,
+    model_type="qwen3",
+    gguf=GGUFLayout("qwen3", {**GGUF_LAYER_NAMES, **GGUF_QK_NORM_NAMES}, gguf_config),
+)

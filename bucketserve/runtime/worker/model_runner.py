@@ -16,9 +16,10 @@ from bucketserve.runtime.distributed.tp_group import TPGroup
 from bucketserve.runtime.io.model_config import ModelConfig
 from bucketserve.runtime.io.quantized import QUANTIZATION_MODES
 from bucketserve.runtime.io.tokenizer import Tokenizer
-from bucketserve.runtime.io.weights import iter_safetensors, resolve_model
+from bucketserve.runtime.io.weights import iter_safetensors
 from bucketserve.runtime.layers.packing import describe_weights, pack_weights
-from bucketserve.runtime.models import MODEL_REGISTRY
+from bucketserve.runtime.loader.model_files import resolve_model
+from bucketserve.runtime.models import load_model_config, model_class
 from bucketserve.runtime.worker.compiled_graphs import CompiledGraphs, GraphStats
 from bucketserve.runtime.worker.device import EXECUTION_MODES, Device
 from bucketserve.runtime.worker.kv_cache import KVCache
@@ -53,7 +54,9 @@ class ModelRunnerConfig:
     cuda, eager on cpu (there padding costs more than a compiled graph saves).
     Once unified shapes `(tokens, shared blocks, unique blocks, is_causal)` are warmed in
     graphs mode, every step runs as one, prompt chunks and decode rows together.
-    `chat_template` (a file or the Jinja text) replaces the model's own chat template.
+    `chat_template` (a file or the Jinja text) replaces the model's own chat template;
+    `tool_call_parser` names how the model writes tool calls in its text (the gateway reads
+    them with it).
     `quantization`: "auto" keeps a GGUF's quantized weights in their blocks where the CPU
     kernels multiply them (eager float32 on CPU, no tensor parallelism), "none" expands every
     weight to float32.
@@ -70,6 +73,7 @@ class ModelRunnerConfig:
     seed: int = 0
     execution: str = "auto"
     chat_template: str | None = None
+    tool_call_parser: str | None = None
     quantization: str = "auto"
 
     def __post_init__(self) -> None:
@@ -123,7 +127,7 @@ class ModelRunner:
         self.dtype = self.device.resolve_dtype(config.dtype)
         self.execution = resolve_execution(config.execution, self.device.type)
         self.model_dir = resolve_model(config.model, keep_blocks=self._keeps_blocks())
-        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir, config.chat_template)
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
@@ -180,7 +184,7 @@ class ModelRunner:
         return self.model_config.num_hidden_layers
 
     def _build_model(self) -> torch.nn.Module:
-        model_cls = MODEL_REGISTRY[self.model_config.architecture]
+        model_cls = model_class(self.model_config.architecture)
         return model_cls.build(
             self.model_config,
             iter_safetensors(self.model_dir),

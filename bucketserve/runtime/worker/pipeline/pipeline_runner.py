@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from bucketserve.runtime.core.sequence import Sequence
-from bucketserve.runtime.io.model_config import ModelConfig
 from bucketserve.runtime.io.tokenizer import Tokenizer
-from bucketserve.runtime.io.weights import resolve_model
+from bucketserve.runtime.loader.model_files import resolve_model
+from bucketserve.runtime.models import load_model_config
 from bucketserve.runtime.worker.model_runner import (
     LayerHook,
     ModelRunnerConfig,
@@ -71,7 +71,7 @@ class PipelineRunner:
     def __init__(self, config: ModelRunnerConfig, num_stages: int, make_stage: StageFactory):
         self.config = config
         self.model_dir = resolve_model(config.model, keep_blocks=config.quantization == "auto")
-        self.model_config = c = ModelConfig.from_dir(self.model_dir)
+        self.model_config = c = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir, config.chat_template)
         self.max_model_len = config.max_model_len or c.max_position_embeddings
         if self.max_model_len > c.max_position_embeddings:

@@ -1,4 +1,5 @@
-"""Turn a llama.cpp GGUF file into a Hugging Face model directory."""
+"""Turn a llama.cpp GGUF file into a Hugging Face model directory, as its family's
+`GGUFLayout` says."""
 
 from __future__ import annotations
 
@@ -18,44 +19,10 @@ from tqdm import tqdm
 from bucketserve.runtime.io.gguf_file import GGUFFile
 from bucketserve.runtime.io.gguf_tokenizer import GGUFTokenizer
 from bucketserve.runtime.io.quantized import BLOCK_TYPES, QuantizedTensor
+from bucketserve.runtime.models.registry import gguf_family
 
-# llama.cpp's architecture -> the Hugging Face architecture and model_type it converts to
-HF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),  # also Mistral's files
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
-}
-SUPPORTED_ARCHITECTURES = tuple(HF_ARCHITECTURES)
 _MISSING = object()
 
-_LLAMA_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-# Gemma 3 norms the residual stream four times a layer; llama.cpp's ffn_norm is the one
-# before the MLP.
-_GEMMA3_LAYER_NAMES = {
-    **_LLAMA_LAYER_NAMES,
-    **_QK_NORM_NAMES,
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_LAYER_NAMES = {
-    "llama": _LLAMA_LAYER_NAMES,
-    "qwen2": _LLAMA_LAYER_NAMES,  # with q/k/v biases
-    "qwen3": {**_LLAMA_LAYER_NAMES, **_QK_NORM_NAMES},
-    "gemma3": _GEMMA3_LAYER_NAMES,
-}
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -67,13 +34,8 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _STACKED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 # The matrices a block-kept weight may be: the GEMMs, the head and the token table.
 _BLOCK_TENSORS = re.compile(
-    r"token_embd\.weight|output\.weight|blk\.\d+\.(attn_[qkv]|attn_output|ffn_\w+)\.weight"
+    r"token_embd\.weight|output\.weight|blk\.\d+\.(attn_[qkv]|attn_qkv|attn_output|ffn_\w+)\.weight"
 )
-# What llama.cpp assumes for Gemma 3 files that do not say: every sixth layer attends
-# globally, the sliding layers rotate with base 10000.
-GEMMA3_SLIDING_PATTERN = 6
-GEMMA3_LOCAL_ROPE_BASE = 10000.0
-GEMMA3_27B_LAYERS = 62  # the one size that scales queries by hidden / heads, not head_dim
 
 
 class GGUFConverter:
@@ -83,11 +45,8 @@ class GGUFConverter:
         self.path = Path(path)
         self.file = GGUFFile(self.path)
         self.arch = self.field("general.architecture")
-        if self.arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"GGUF architecture {self.arch!r} is not supported; "
-                f"supported: {SUPPORTED_ARCHITECTURES}"
-            )
+        self.family = gguf_family(self.arch)
+        self.layout = self.family.gguf
         self.tensor_names = set(self.file.tensors)
         self.tokenizer = GGUFTokenizer(self.field, self.arch)
 
@@ -101,7 +60,7 @@ class GGUFConverter:
         return self.field(f"{self.arch}.{key}", default)
 
     def config_dict(self) -> dict[str, Any]:
-        """config.json of the Hugging Face architecture (HF_ARCHITECTURES)."""
+        """config.json of the family's Hugging Face architecture."""
         hidden = self._arch_field("embedding_length")
         heads = self._arch_field("attention.head_count")
         head_dim = self._arch_field("attention.key_length", hidden // heads)
@@ -112,7 +71,9 @@ class GGUFConverter:
                 "GGUF with rope_freqs (Llama-3.1 style rope scaling) is not supported; "
                 "use the Hugging Face safetensors directory instead"
             )
-        config = {
+        if any(name.startswith("rope_factors") for name in self.tensor_names):
+            raise ValueError("GGUF with rope_factors (LongRoPE, Phi-3 128k) is not supported")
+        common = {
             "vocab_size": self._arch_field("vocab_size", len(self.tokenizer.tokens)),
             "hidden_size": hidden,
             "intermediate_size": self._arch_field("feed_forward_length"),
@@ -130,40 +91,11 @@ class GGUFConverter:
             "pad_token_id": self.field("tokenizer.ggml.padding_token_id", None),
             "torch_dtype": "float32",
         }
-        if self.arch == "gemma3":
-            return {**self._gemma3_config(config), **config}
-        architecture, model_type = HF_ARCHITECTURES[self.arch]
         return {
-            "architectures": [architecture],
-            "model_type": model_type,
-            **config,
-            "hidden_act": "silu",
-            "rope_theta": self._arch_field("rope.freq_base", 10000.0),
-            "mlp_bias": False,
-        }
-
-    def _gemma3_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        """The keys a Hugging Face Gemma 3 checkpoint's config.json has beyond Llama's."""
-        layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
-        pattern = self._arch_field("attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
-        if isinstance(pattern, list):
-            sliding = [bool(p) for p in pattern]
-        else:
-            sliding = [(i + 1) % pattern != 0 for i in range(layers)]
-        scalar = config["head_dim"]
-        if layers == GEMMA3_27B_LAYERS:
-            scalar = config["hidden_size"] // heads
-        return {
-            "architectures": ["Gemma3ForCausalLM"],
-            "model_type": "gemma3_text",
-            "hidden_activation": "gelu_pytorch_tanh",
-            "rope_theta": self._arch_field("rope.freq_base", 1_000_000.0),
-            "rope_local_base_freq": self._arch_field("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE),
-            "sliding_window": self._arch_field("attention.sliding_window"),
-            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-            "query_pre_attn_scalar": scalar,
-            "attn_logit_softcapping": self._arch_field("attn_logit_softcapping", None),
-            "final_logit_softcapping": self._arch_field("final_logit_softcapping", None),
+            "architectures": [self.family.architectures[0]],
+            "model_type": self.family.model_type,
+            **common,
+            **self.layout.config(self._arch_field, common),
         }
 
     def _rope_scaling(self) -> dict[str, Any] | None:
@@ -185,13 +117,14 @@ class GGUFConverter:
         keys = ("bos_token_id", "eos_token_id", "pad_token_id")
         config = self.config_dict()
         out = {k: config[k] for k in keys if config[k] is not None}
-        # Gemma ends a chat turn with <end_of_turn>, a stop token for llama.cpp and in the
-        # Hugging Face checkpoints, though the file names only <eos>.
-        if self.arch == "gemma3" and "<end_of_turn>" in self.tokenizer.tokens:
+        # e.g. Gemma's <end_of_turn>: a stop token for llama.cpp and in the Hugging Face
+        # checkpoints, though the file names only <eos>
+        turn_end = self.layout.turn_end
+        if turn_end is not None and turn_end in self.tokenizer.tokens:
             eos = config["eos_token_id"]
             out["eos_token_id"] = [
                 *([] if eos is None else [eos]),
-                self.tokenizer.tokens.index("<end_of_turn>"),
+                self.tokenizer.tokens.index(turn_end),
             ]
         return out
 
@@ -248,17 +181,20 @@ class GGUFConverter:
             m = _LAYER_RE.fullmatch(name)
             group = next((g for g in _STACKED if m and m.group(2) in g), ())
             members = [f"blk.{m.group(1)}.{part}.weight" for part in group]
-            if any(types.get(other) not in BLOCK_TYPES for other in members):
+            # a part the file has not (Phi-3's gate, fused into ffn_up) holds nothing back
+            if any(other in types and types[other] not in BLOCK_TYPES for other in members):
                 kept.discard(name)
         return kept
 
     def iter_tensors(
-        self, progress: bool = False, config: dict[str, Any] | None = None,
+        self,
+        progress: bool = False,
+        config: dict[str, Any] | None = None,
         keep_blocks: bool = False,
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """(HF name, float32 tensor) pairs in the Hugging Face layout: llama.cpp's Q/K row
-        permutation undone (Llama alone: Qwen's files keep Hugging Face's rows), its 1 + w
-        norm weights back to w (Gemma). With `keep_blocks`, the `kept_blocks` tensors come
+        permutation undone (`GGUFLayout.permuted_qk`), its 1 + w norm weights back to w
+        (`unit_offset_norms`). With `keep_blocks`, the `kept_blocks` tensors come
         as their blocks (rows permuted alike)."""
         config = config or self.config_dict()
         kept = self.kept_blocks() if keep_blocks else set()
@@ -273,9 +209,9 @@ class GGUFConverter:
             else:
                 data = gguf.quants.dequantize(t.data, t.type).reshape(t.shape).astype(np.float32)
             proj = name.split(".")[-2]
-            if self.arch == "llama" and proj in heads:
+            if self.layout.permuted_qk and proj in heads:
                 data = _unpermute(data, heads[proj])
-            if self.arch == "gemma3" and name.endswith("norm.weight"):
+            if self.layout.unit_offset_norms and name.endswith("norm.weight"):
                 data = data - np.float32(1)
             tensor = torch.from_numpy(np.ascontiguousarray(data))
             yield name, QuantizedTensor(tensor, t.type.name) if t.name in kept else tensor
@@ -283,7 +219,7 @@ class GGUFConverter:
     def _hf_name(self, name: str) -> str:
         if name in _TOP_NAMES:
             return _TOP_NAMES[name]
-        layer_names = _LAYER_NAMES[self.arch]
+        layer_names = self.layout.layer_names
         m = _LAYER_RE.fullmatch(name)
         if m is None or m.group(2) not in layer_names:
             raise ValueError(f"GGUF tensor {name!r} has no Hugging Face {self.arch} counterpart")
