@@ -4,9 +4,8 @@ request can expect behind the queue ahead of it (torch-free)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
-from bucketserve.utils.moving_average import moving_average
+from collections import deque
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -39,20 +38,26 @@ def absorbs(tokens: int, prefill_token_s: float | None, tpot_slack_s: float | No
 
 @dataclass
 class ForecastBias:
-    """How far TTFT forecasts fall from the first tokens that followed: moving averages of
-    both, whose ratio scales the next forecast. What the cost model leaves out (prompts held
-    back to keep running requests' TPOT, sampling, the gateway) shows up here, so a busy
-    engine's forecasts lengthen with it rather than admitting requests that then miss."""
+    """How far TTFT forecasts fell short of the first tokens that followed: the residuals
+    (actual - forecast) of the last `window` admitted requests; a forecast is corrected by
+    their `quantile`. What the cost model leaves out (prompts held back to keep running
+    requests' TPOT, sampling, the gateway) shows up here; an attainment target asks for
+    the tail, so the correction is a high quantile rather than the mean."""
 
-    forecast_s: float | None = None
-    actual_s: float | None = None
+    window: int = 32
+    quantile: float = 0.9
+    residuals: deque[float] = field(default_factory=deque)
 
     def observe(self, forecast_s: float, actual_s: float) -> None:
-        self.forecast_s = moving_average(self.forecast_s, forecast_s)
-        self.actual_s = moving_average(self.actual_s, actual_s)
+        self.residuals.append(actual_s - forecast_s)
+        if len(self.residuals) > self.window:
+            self.residuals.popleft()
 
-    @property
-    def factor(self) -> float:
-        if not self.forecast_s or self.actual_s is None:
-            return 1.0
-        return self.actual_s / self.forecast_s
+    def correct(self, forecast_s: float) -> float:
+        """`forecast_s` plus the quantile of the residuals (never less: a forecast the
+        requests beat stands)."""
+        if not self.residuals:
+            return forecast_s
+        ranked = sorted(self.residuals)
+        late = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))]
+        return forecast_s + max(0.0, late)

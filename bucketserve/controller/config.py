@@ -5,49 +5,62 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from annotated_types import Ge, Gt
+from pydantic import AfterValidator, Field
 
 from bucketserve.bucket_manager.config import BucketManagerConfig
 from bucketserve.controller.pd_scheduler import PREFILL_PATHS
+from bucketserve.kv_worker.config import WorkerConfig
 from bucketserve.runtime.core.scheduler import SchedulerConfig
 from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 from bucketserve.utils.checks import check_choice, check_pace
+from bucketserve.utils.settings import Settings
+
+Execution = Literal["auto", "eager", "graphs"]
 
 
-@dataclass
-class PlacementConfig:
-    """Where one role's Ray actors go.
+def _core_ids(cpus: list[int] | None) -> list[int] | None:
+    if cpus is not None and (not cpus or len(set(cpus)) != len(cpus)):
+        raise ValueError(f"must be null or a list of distinct core ids >= 0; got {cpus!r}")
+    return cpus
 
-    `accelerator`: one card per actor — "hpu" (`resources={"HPU": 1}`), "gpu"
-    (`num_gpus=1`), "none" (CPU), or "auto": HPU when the cluster has it,
-    else GPU when it has it, else none. `resources` adds custom resources per
-    actor (e.g. a node label pinning the role to some nodes). `torch_threads`
-    sizes the actor's intra-op pool (None: all the node's cores, for either
-    role: a co-located pair takes turns more than it overlaps, since a burst's
-    prefill batch runs while the decode pool waits for it, and the worker pool
-    makes idle OpenMP threads sleep rather than spin). `cpus` pins each actor
-    to those core ids (and sizes its pool to them unless `torch_threads` says
-    otherwise): disjoint lists partition one machine between the roles.
-    `pipeline_parallel_size` > 1 makes each worker of the role a group of that many stage
-    actors, one card each, packed by a Ray placement group with `stage_packing` ("PACK":
-    on one node where possible; "STRICT_PACK": only on one node) next to the worker's own
-    actor, which holds the scheduler and no card.
-    `tensor_parallel_size` > 1 shards each layer of a worker over that many ranks, one card
-    (or `num_cpus`) each: a placement group of a bundle per rank (packed by
-    `stage_packing`), the worker's actor rank 0 in bundle 0, rank r a RankActor in bundle r.
-    `execution` ("eager" | "graphs" | "auto") overrides the model runner's for this role.
-    The config file's `controller.prefill` / `controller.decode` sections check the values.
-    """
 
-    accelerator: str = "auto"
-    num_cpus: float = 1.0
-    resources: dict[str, float] = field(default_factory=dict)
-    torch_threads: int | None = None
-    cpus: list[int] | None = None
-    pipeline_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    stage_packing: str = "PACK"
-    execution: str | None = None
+class PlacementConfig(Settings):
+    """Where one role's Ray actors go (the config file's `controller.prefill` and
+    `controller.decode` sections extend it). A worker with `pipeline_parallel_size` > 1 is
+    a group of stage actors next to its own actor, which holds the scheduler and no card;
+    with `tensor_parallel_size` > 1, a placement group of a bundle per rank, the worker's
+    actor rank 0 in bundle 0. Without `torch_threads` a worker's pool takes all the node's
+    cores whatever its role: a co-located pair takes turns more than it overlaps, since a
+    burst's prefill batch runs while the decode pool waits for it, and the worker pool
+    makes idle OpenMP threads sleep rather than spin."""
+
+    accelerator: Literal["auto", "hpu", "gpu", "none"] = "auto"
+    """A card per actor: hpu (resources HPU: 1), gpu (num_gpus 1), none, or auto: the card
+    the cluster has."""
+    num_cpus: float = Field(1.0, ge=0)
+    """Ray CPUs per actor."""
+    resources: dict[str, Annotated[float, Gt(0)]] = Field(default_factory=dict)
+    """Extra Ray resources per actor, e.g. {prefill_node: 1} to pin the role to nodes."""
+    torch_threads: int | None = Field(None, ge=1)
+    """Intra-op threads per actor; null: all the node's cores, or len(cpus)."""
+    cpus: Annotated[list[Annotated[int, Ge(0)]] | None, AfterValidator(_core_ids)] = None
+    """Pin each actor to these core ids, e.g. [0]; disjoint lists per role partition one
+    machine."""
+    pipeline_parallel_size: int = Field(1, ge=1)
+    """Pipeline stages per worker: a group of that many stage actors, one card each."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Ranks per worker, each layer sharded over them: a Ray actor per rank, one card each,
+    in one placement group (packed as stage_packing says); with pipeline_parallel_size > 1
+    each stage is a group of that many ranks (colocated topology only). In the disaggregated
+    topology it needs mode ray and the same size for prefill and decode."""
+    stage_packing: Literal["PACK", "STRICT_PACK"] = "PACK"
+    """How a worker's stage actors (or tensor-parallel ranks) are placed: PACK (one node
+    where possible) or STRICT_PACK (only on one node)."""
+    execution: Execution | None = None
+    """eager, graphs or auto for this role; null: model.execution."""
 
 
 @dataclass
@@ -105,9 +118,9 @@ class ControllerConfig:
     decode_placement: PlacementConfig = field(default_factory=PlacementConfig)
     max_restarts: int = -1
     buckets: BucketManagerConfig | None = None
-    pad_to_shape_buckets: str | bool = "auto"
-    warmup: str = "auto"
-    lease_ttl_s: float = 60.0
+    pad_to_shape_buckets: str | bool = WorkerConfig.pad_to_shape_buckets
+    warmup: str = WorkerConfig.warmup
+    lease_ttl_s: float = WorkerConfig.lease_ttl_s
     worker_timeout_s: float = 120.0  # a worker call or decode step this long: it hangs
     max_queued_requests: int = 4096
     max_batches_per_prefill: int = 2  # in flight at one prefill worker, so it never idles

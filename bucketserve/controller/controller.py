@@ -185,17 +185,25 @@ class Controller:
         raw = None if target is None else self.dispatcher.forecast_ttft(queued)
         if raw is None:
             return
-        forecast = raw * self.dispatcher.ttft_bias.factor
-        if forecast <= target and self.dispatcher.tpot_room(queued):
+        forecast = self.dispatcher.ttft_bias.correct(raw)
+        if forecast > target:
+            wait = max(1.0, forecast - target)
+            why = (
+                f"with the prompts queued ahead its first token would come in about "
+                f"{forecast:.2f} s, past its TTFT target of {target:g} s"
+            )
+        elif not self.dispatcher.tpot_room(queued):
+            wait = 1.0
+            why = (
+                "computing its prompt and those queued ahead would make the running requests "
+                "of every decode worker miss their TPOT targets"
+            )
+        else:
             state.forecast_ttft_s = raw
             return
         self.monitor.shed[tenant.name] += 1
-        wait = max(1.0, forecast - target)
         raise SloShedError(
-            f"tenant {tenant.name!r}: with the prompts queued ahead its first token would "
-            f"come in about {forecast:.2f} s, past its TTFT target of {target:g} s; retry "
-            f"after {wait:.0f} s",
-            retry_after_s=wait,
+            f"tenant {tenant.name!r}: {why}; retry after {wait:.0f} s", retry_after_s=wait
         )
 
     async def abort(self, request_id: str) -> bool:

@@ -99,7 +99,7 @@ class Dispatcher:
         measured prompt costs (`PrefillCost`): the prompt tokens the bucket manager serves
         before it (`BucketManager.tokens_ahead`: its tenant's priority and fair share),
         those already sent to workers, and its own. None until the workers measured.
-        `ttft_bias.factor` says how far such forecasts fell from their first tokens."""
+        `ttft_bias` corrects them by how far such forecasts fell short of first tokens."""
         c = self.config
         workers = [
             h for h in self.pool.role("decode" if c.colocated else "prefill", alive=True)
@@ -123,11 +123,20 @@ class Dispatcher:
         return cost.seconds(ahead + own)
 
     def tpot_room(self, request: BucketRequest) -> bool:
-        """Whether some decode worker's running requests can absorb `request`'s prompt
-        within their TPOT targets (`absorbs`, from each worker's last report)."""
+        """Whether some decode worker's running requests can absorb, within their TPOT
+        targets, every prompt token it will compute before `request`'s first token: those
+        sent to it, its share of those the bucket manager serves first, and `request`'s
+        own (`absorbs`, from each worker's last report). The engine holds a prompt back
+        for its running requests' TPOT on the same terms, so one admitted past this would
+        wait there and miss its TTFT."""
         own = request.effective_len
         reports = [h.stats for h in self.pool.role("decode", alive=True)]
-        return any(s is None or absorbs(own, s.prefill_token_s, s.tpot_slack_s) for s in reports)
+        ahead = self.buckets.tokens_ahead(request.tenant, own) / max(1, len(reports))
+        return any(
+            s is None
+            or absorbs(own + ahead + s.prompt_tokens_to_come, s.prefill_token_s, s.tpot_slack_s)
+            for s in reports
+        )
 
     def first_token(self, state: RequestState) -> None:
         """`state`'s first token came: how it compares with its forecast corrects the next."""

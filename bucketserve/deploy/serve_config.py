@@ -356,8 +356,8 @@ def _controller(s: ServeSettings, runner: ModelRunnerConfig) -> ControllerConfig
 
 
 def _placement(role: PlacementSettings) -> PlacementConfig:
-    fields = {f.name for f in dataclasses.fields(PlacementConfig)}
-    return PlacementConfig(**{k: v for k, v in role.model_dump().items() if k in fields})
+    """The placement part of a role's section (it adds worker counts and engine keys)."""
+    return PlacementConfig(**role.model_dump(include=set(PlacementConfig.model_fields)))
 
 
 def _shape_buckets(buckets: BucketsSettings, block_size: int) -> dict[str, Any]:

@@ -13,17 +13,21 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from annotated_types import Ge, Gt
+from annotated_types import Ge
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from bucketserve.bucket_manager.config import TenantConfig
+from bucketserve.bucket_manager.config import BatchingConfig, RequestBucketConfig, TenantConfig
+from bucketserve.controller.config import ControllerConfig, Execution, PlacementConfig
 from bucketserve.gateway.gateway_config import GatewayConfig
 from bucketserve.utils.settings import Settings, SettingsError
 
 logger = logging.getLogger(__name__)
 
+# The service's defaults are the configs' own: each default is written once, there.
+CONTROLLER, BATCHING, REQUEST_BUCKETS = ControllerConfig(), BatchingConfig(), RequestBucketConfig()
+RUNNER, SERVING_SCHEDULER = CONTROLLER.runner, CONTROLLER.scheduler
+
 DEVICES = ("auto", "cpu", "cuda", "cuda:<i>", "hpu")
-Execution = Literal["auto", "eager", "graphs"]
 
 
 def _device(device: str) -> str:
@@ -31,12 +35,6 @@ def _device(device: str) -> str:
     if name in ("auto", "cpu", "cuda", "hpu") or re.fullmatch(r"cuda:\d+", name):
         return device
     raise ValueError(f"must be one of {list(DEVICES)}; got {device!r}")
-
-
-def _core_ids(cpus: list[int] | None) -> list[int] | None:
-    if cpus is not None and (not cpus or len(set(cpus)) != len(cpus)):
-        raise ValueError(f"must be null or a list of distinct core ids >= 0; got {cpus!r}")
-    return cpus
 
 
 def _chat_template(template: str | None) -> str | None:
@@ -52,20 +50,20 @@ class ModelSettings(Settings):
     """HF model directory or .gguf file (on the head node); null: the embedded
     SmolLM2-135M-Instruct."""
     dtype: Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half"] = (
-        "auto"
+        RUNNER.dtype
     )
     """auto: float32 on CPU, bfloat16 on cuda and hpu."""
-    quantization: Literal["auto", "none"] = "auto"
+    quantization: Literal["auto", "none"] = RUNNER.quantization
     """auto: a GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K weights stay in their
     blocks on CPU workers (eager, float32, no tensor parallelism), other types expanded to
     float32; none: every weight expanded to float32."""
-    device: Annotated[str, AfterValidator(_device)] = "auto"
+    device: Annotated[str, AfterValidator(_device)] = RUNNER.device
     """auto, cpu, cuda, cuda:<i> or hpu, as each worker sees it."""
     max_model_len: int | None = Field(None, ge=1)
     """Longest prompt + output; null: the model's max_position_embeddings."""
-    seed: int = 0
+    seed: int = RUNNER.seed
     """Sampling seed of the workers."""
-    execution: Execution = "auto"
+    execution: Execution = RUNNER.execution
     """eager: each step as it comes; graphs: one compiled graph per shape bucket, compiled
     at warm-up; auto: graphs on hpu and cuda, eager on cpu."""
     chat_template: Annotated[str | None, AfterValidator(_chat_template)] = None
@@ -78,128 +76,104 @@ class ModelSettings(Settings):
 
 
 class KVCacheSettings(Settings):
-    block_size: int = Field(16, ge=1)
+    block_size: int = Field(RUNNER.block_size, ge=1)
     """Tokens per KV block."""
-    memory_fraction: float = Field(0.8, gt=0, le=1)
+    memory_fraction: float = Field(RUNNER.kv_memory_fraction, gt=0, le=1)
     """Share of the memory free after loading the weights that the KV pool takes."""
     num_blocks: int | None = Field(None, ge=1)
     """A fixed pool size per decode worker instead of memory_fraction."""
-    cpu_bytes: int = Field(1 << 30, ge=1)
+    cpu_bytes: int = Field(RUNNER.cpu_kv_cache_bytes, ge=1)
     """Cap of the pool on CPU workers."""
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = SERVING_SCHEDULER.enable_prefix_caching
     """Keep computed full blocks named by their tokens, so a request whose prompt starts
     like an earlier one's reuses their KV and computes only the rest (every worker, both
     shapes); false: every prompt is computed whole."""
 
 
-class PlacementSettings(Settings):
+class PlacementSettings(PlacementConfig):
     """How many workers of one role, and where their Ray actors go."""
 
     num_workers: int = Field(1, ge=1)
     """Workers of this role (the colocated topology starts no prefill workers)."""
-    accelerator: Literal["auto", "hpu", "gpu", "none"] = "auto"
-    """A card per actor: hpu (resources HPU: 1), gpu (num_gpus 1), none, or auto: the card
-    the cluster has."""
-    num_cpus: float = Field(1.0, ge=0)
-    """Ray CPUs per actor."""
-    resources: dict[str, Annotated[float, Gt(0)]] = Field(default_factory=dict)
-    """Extra Ray resources per actor, e.g. {prefill_node: 1} to pin the role to nodes."""
-    torch_threads: int | None = Field(None, ge=1)
-    """Intra-op threads per actor; null: all the node's cores, or len(cpus)."""
-    cpus: Annotated[list[Annotated[int, Ge(0)]] | None, AfterValidator(_core_ids)] = None
-    """Pin each actor to these core ids, e.g. [0]; disjoint lists per role partition one
-    machine."""
-    pipeline_parallel_size: int = Field(1, ge=1)
-    """Pipeline stages per worker: a group of that many stage actors, one card each."""
-    tensor_parallel_size: int = Field(1, ge=1)
-    """Ranks per worker, each layer sharded over them: a Ray actor per rank, one card each,
-    in one placement group (packed as stage_packing says); with pipeline_parallel_size > 1
-    each stage is a group of that many ranks (colocated topology only). In the disaggregated
-    shape it needs mode ray and the same size for prefill and decode."""
-    stage_packing: Literal["PACK", "STRICT_PACK"] = "PACK"
-    """How a worker's stage actors (or tensor-parallel ranks) are placed: PACK (one node
-    where possible) or STRICT_PACK (only on one node)."""
-    execution: Execution | None = None
-    """eager, graphs or auto for this role; null: model.execution."""
 
 
 class PrefillSettings(PlacementSettings):
     kv_blocks: int | None = Field(None, ge=1)
     """Prefill pool size; null: as kv_cache. It holds batches until their handoff."""
-    max_batches: int = Field(2, ge=1)
+    max_batches: int = Field(CONTROLLER.max_batches_per_prefill, ge=1)
     """Batches in flight at one prefill worker."""
 
 
 class DecodeSettings(PlacementSettings):
-    pipeline_depth: int = Field(1, ge=1)
+    pipeline_depth: int = Field(CONTROLLER.pipeline_depth, ge=1)
     """Microbatches in flight (1: synchronous schedule / submit / finish / update)."""
     pace: float | None = Field(None, gt=0, le=1)
     """Disaggregated, prefill on the same cores: while a prefill batch for the worker runs,
     a step waits until a request would get its next token later than this fraction of its
     TPOT target (e.g. 0.8); null: never waits."""
-    max_num_seqs: int = Field(64, ge=1)
+    max_num_seqs: int = Field(SERVING_SCHEDULER.max_num_seqs, ge=1)
     """Sequences in one decode batch."""
-    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_batched_tokens: int = Field(SERVING_SCHEDULER.max_num_batched_tokens, ge=1)
     """Tokens of one engine step."""
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = SERVING_SCHEDULER.enable_chunked_prefill
     """Prefill a long prompt over several steps (the colocated topology, and recomputing a
     preempted sequence)."""
-    long_prefill_token_threshold: int = Field(512, ge=0)
+    long_prefill_token_threshold: int = Field(SERVING_SCHEDULER.long_prefill_token_threshold, ge=0)
     """A prompt with more tokens than this left to compute is long: it computes at most
     this many a step, so a short prompt arriving meanwhile waits for a chunk, not the
     whole prompt (vLLM's knob, off there by default); 0: off, as in the offline `LLM`."""
-    max_long_partial_prefills: int = Field(1, ge=1)
+    max_long_partial_prefills: int = Field(SERVING_SCHEDULER.max_long_partial_prefills, ge=1)
     """Long prompts in progress at once; the next starts when one has its first token,
     while shorter prompts start beside them."""
-    watermark: float = Field(0.01, ge=0, lt=1)
+    watermark: float = Field(SERVING_SCHEDULER.watermark, ge=0, lt=1)
     """Share of the KV blocks kept free before admitting more."""
-    scheduling_policy: Literal["fcfs", "priority"] = "priority"
+    scheduling_policy: Literal["fcfs", "priority"] = SERVING_SCHEDULER.scheduling_policy
     """fcfs, or priority: by tenant priority, then request priority."""
-    slo_admission: bool = True
+    slo_admission: bool = SERVING_SCHEDULER.slo_admission
     """A new prompt waits while its prefill would cost a running request its TPOT target,
     and one past its TTFT deadline yields to those on time it would make late; false:
     plain queue order, as vLLM's."""
-    late_yield_s: float | None = Field(8.0, gt=0)
+    late_yield_s: float | None = Field(SERVING_SCHEDULER.late_yield_s, gt=0)
     """Seconds past its TTFT deadline a prompt yields (and is held for running TPOTs)
     before it takes its place back; null: no bound."""
 
 
 class ControllerSettings(Settings):
-    topology: Literal["disaggregated", "colocated"] = "colocated"
+    topology: Literal["disaggregated", "colocated"] = CONTROLLER.topology
     """disaggregated: prefill workers hand KV to decode workers (separate cards);
     colocated: no prefill workers, each decode worker prefills in chunks within its steps
     (one machine or one card). Named `shape` before: that key is read, with a warning,
     until 0.2."""
-    remote_prefill: Literal["auto", "always", "never"] = "auto"
+    remote_prefill: Literal["auto", "always", "never"] = CONTROLLER.remote_prefill
     """disaggregated: auto sends each request to a prefill worker or lets its decode worker
     prefill it, whichever is cheaper now (its uncached tokens, each side's queue, the
     decode worker's running requests, the KV transfer); always: every prompt on a prefill
     worker; never: none (the decode workers prefill, as colocated)."""
-    mode: Literal["ray", "local"] = "ray"
+    mode: Literal["ray", "local"] = CONTROLLER.mode
     """ray: workers are Ray actors; local: threads in this process."""
-    ray_address: str | None = None
+    ray_address: str | None = CONTROLLER.ray_address
     """null: start a local Ray; auto: join the running cluster; or host:port."""
-    transport: Literal["auto", "ray", "collective", "inprocess"] = "auto"
+    transport: Literal["auto", "ray", "collective", "inprocess"] = CONTROLLER.transport
     """KV transport: ray (object store), collective (NCCL / HCCL), inprocess (mode local),
     or auto."""
-    max_restarts: int = Field(-1, ge=-1)
+    max_restarts: int = Field(CONTROLLER.max_restarts, ge=-1)
     """Restarts of a dead worker actor (-1: forever)."""
-    lease_ttl_s: float = Field(60.0, gt=0)
+    lease_ttl_s: float = Field(CONTROLLER.lease_ttl_s, gt=0)
     """Blocks held for a handoff are freed if not acknowledged within this."""
-    worker_timeout_s: float = Field(120.0, gt=0)
+    worker_timeout_s: float = Field(CONTROLLER.worker_timeout_s, gt=0)
     """A worker call or decode step taking longer is hung: the worker is restarted."""
-    max_queued_requests: int = Field(4096, ge=1)
+    max_queued_requests: int = Field(CONTROLLER.max_queued_requests, ge=1)
     """Requests waiting in the bucket manager before new ones are refused."""
-    max_requeues: int = Field(3, ge=0)
+    max_requeues: int = Field(CONTROLLER.max_requeues, ge=0)
     """Re-prefills of a request whose decode worker died."""
-    stats_interval_s: float = Field(1.0, gt=0)
+    stats_interval_s: float = Field(CONTROLLER.stats_interval_s, gt=0)
     """How often workers report their statistics."""
-    placement_timeout_s: float = Field(300.0, gt=0)
+    placement_timeout_s: float = Field(CONTROLLER.placement_timeout_s, gt=0)
     """How long to wait for Ray to place the workers (an autoscaler adds nodes); then serve
     with those placed."""
-    pad_to_shape_buckets: Literal["auto"] | bool = "auto"
+    pad_to_shape_buckets: Literal["auto"] | bool = CONTROLLER.pad_to_shape_buckets
     """Pad batches to shape buckets: auto (on hpu and cuda, not on CPU), true or false."""
-    warmup: Literal["auto", "all", "smallest", "none"] = "auto"
+    warmup: Literal["auto", "all", "smallest", "none"] = CONTROLLER.warmup
     """Which shape buckets to compile at start (auto: all when padding, else the
     smallest)."""
     prefill: PrefillSettings = PrefillSettings()
@@ -314,11 +288,11 @@ class DecodeShapes(Settings):
 
 
 class BatchingSettings(Settings):
-    safety_fraction: float = Field(0.9, gt=0, le=1)
+    safety_fraction: float = Field(BATCHING.safety_fraction, gt=0, le=1)
     """A prefill batch fits this share of the decode pool's free blocks (Eq. 5-6)."""
-    max_num_seqs: int = Field(256, ge=1)
+    max_num_seqs: int = Field(BATCHING.max_num_seqs, ge=1)
     """Requests in one prefill batch (padded: also at most the largest prompt bs)."""
-    max_batched_tokens: int | None = Field(2048, ge=1)
+    max_batched_tokens: int | None = Field(BATCHING.max_batched_tokens, ge=1)
     """Prompt tokens per prefill batch (a longer prompt goes alone): how long a request can
     wait behind one; raise it for offline work. null: no bound."""
 
@@ -335,12 +309,12 @@ class BucketsSettings(Settings):
     block_size..max_model_len, two per doubling)."""
     decode: DecodeShapes | None = None
     """Decode shape ranges; null: derived from the model (batch 1..max_num_seqs)."""
-    theta: float = Field(0.5, gt=0, le=1)
+    theta: float = Field(REQUEST_BUCKETS.theta, gt=0, le=1)
     """θ: split a request bucket when more than this share of it lies below its middle."""
     max_len: int | None = Field(None, ge=2)
     """L_max: request buckets cover [0, L_max); sets model.max_model_len. null: the
     model's length."""
-    max_buckets: int = Field(64, ge=1)
+    max_buckets: int = Field(REQUEST_BUCKETS.max_buckets, ge=1)
     """Most request buckets."""
     batching: BatchingSettings = BatchingSettings()
     """Prefill batches: memory-safe size (Eq. 5-6) and token budget."""

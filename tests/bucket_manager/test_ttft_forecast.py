@@ -66,17 +66,18 @@ def test_a_prompt_is_absorbed_only_within_the_running_requests_tpot_slack() -> N
     assert absorbs(10_000, None, 0.01)  # nothing measured: nothing to go by
 
 
-def test_the_forecast_bias_follows_the_first_tokens_weighted_by_their_size() -> None:
-    bias = ForecastBias()
-    assert bias.factor == 1.0  # nothing seen: the cost model as it is
-    bias.observe(1.0, 1.5)
-    assert bias.factor == pytest.approx(1.5)
-    # a small forecast far off moves the ratio of the averages little: 1.3 / 0.82
-    bias.observe(0.1, 0.5)
-    assert bias.factor == pytest.approx((1.5 + 0.2 * (0.5 - 1.5)) / (1.0 + 0.2 * (0.1 - 1.0)))
-    for _ in range(40):  # forecasts that come true bring it back to 1
-        bias.observe(2.0, 2.0)
-    assert bias.factor == pytest.approx(1.0, abs=0.01)
+def test_a_forecast_is_corrected_by_the_high_quantile_of_recent_misses() -> None:
+    bias = ForecastBias(window=10, quantile=0.9)
+    assert bias.correct(1.0) == 1.0  # nothing seen: the cost model as it is
+    for late in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 2.0):
+        bias.observe(1.0, 1.0 + late)
+    assert bias.correct(1.0) == pytest.approx(3.0)  # the 90th percentile of ten: the worst
+    bias.observe(1.0, 1.9)  # the window drops the oldest (0.0): 0.1 .. 0.8, 2.0, 0.9
+    assert len(bias.residuals) == 10
+    assert bias.correct(0.5) == pytest.approx(2.5)
+    for _ in range(10):  # forecasts that come early leave forecasts as they are
+        bias.observe(1.0, 0.5)
+    assert bias.correct(1.0) == 1.0
 
 
 @pytest.mark.parametrize(

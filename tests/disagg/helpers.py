@@ -54,7 +54,7 @@ def controller_config(model_dir: Path, **options: Any) -> Any:
     for role in ("prefill_placement", "decode_placement"):
         placement = options.get(role, PlacementConfig())
         if placement.torch_threads is None:
-            options[role] = dataclasses.replace(placement, torch_threads=worker_threads())
+            options[role] = placement.model_copy(update={"torch_threads": worker_threads()})
     return ControllerConfig(runner=runner, **options)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -114,11 +115,33 @@ def write_gguf(path: Path, hf_dir: Path, vocab: dict, arch: str = "llama", **opt
             w.add_tensor(gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(name), data)
+    if opts.get("rope_freqs"):
+        w.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(cfg))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def llama_cpp_rope_factors(cfg: dict) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf writes as rope_freqs for a llama3 rope scaling:
+    each rotary frequency's divisor."""
+    rope = cfg.get("rope_scaling") or cfg["rope_parameters"]
+    dim, base = cfg["head_dim"], cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    factors = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * base ** (i / dim)
+        if wavelen < original / high:
+            factors.append(1.0)
+        elif wavelen > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +201,24 @@ def test_gguf_conversion_undoes_llama_cpp_layout(tiny_model_factory, tiny_gguf, 
     hf_tok = AutoTokenizer.from_pretrained(model_dir)
     assert hf_tok.encode("Hello 12345") == [19556, 216, 33, 34, 35, 36, 37]
     assert hf_tok.chat_template == vocab["template"]
+
+
+def test_a_llama3_rope_scaled_gguf_gets_its_scaling_back_from_rope_freqs(
+    tiny_model_factory, vocab, cache_dir, tmp_path
+):
+    """Llama 3.1's files carry their rope scaling only as rope_freqs (per-dimension
+    divisors): read back as config.json's llama3 parameters, logits as transformers' on
+    the Hugging Face checkpoint."""
+    hf_dir = tiny_model_factory()  # llama3 scaling x8 from 64 positions, two dims between
+    path = write_gguf(tmp_path / "l31.gguf", hf_dir, vocab, linear_rope=False, rope_freqs=True)
+    model_dir = resolve_model(path)
+    scaling = json.loads((model_dir / "config.json").read_text())["rope_scaling"]
+    want = json.loads((hf_dir / "config.json").read_text())
+    want = want.get("rope_scaling") or want["rope_parameters"]
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        assert scaling[key] == pytest.approx(want[key], rel=1e-4), key
+    assert scaling["original_max_position_embeddings"] == want["original_max_position_embeddings"]
+    torch.testing.assert_close(last_logits(model_dir), hf_last_logits(hf_dir), atol=1e-4, rtol=0)
 
 
 def test_quantized_gguf_dequantizes_close_to_the_original(small_vocab, cache_dir, tmp_path):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ _TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rope scaling, as per-dimension factors
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # The tensors one GEMM weight stacks (model files' stacked_params): they stay in blocks
 # together or not at all.
@@ -66,11 +68,6 @@ class GGUFConverter:
         head_dim = self._arch_field("attention.key_length", hidden // heads)
         if self._arch_field("rope.dimension_count", head_dim) != head_dim:
             raise ValueError("GGUF with partial rotary embeddings is not supported")
-        if "rope_freqs.weight" in self.tensor_names:
-            raise ValueError(
-                "GGUF with rope_freqs (Llama-3.1 style rope scaling) is not supported; "
-                "use the Hugging Face safetensors directory instead"
-            )
         if any(name.startswith("rope_factors") for name in self.tensor_names):
             raise ValueError("GGUF with rope_factors (LongRoPE, Phi-3 128k) is not supported")
         common = {
@@ -82,7 +79,7 @@ class GGUFConverter:
             "num_key_value_heads": self._arch_field("attention.head_count_kv", heads),
             "head_dim": head_dim,
             "rms_norm_eps": self._arch_field("attention.layer_norm_rms_epsilon"),
-            "rope_scaling": self._rope_scaling(),
+            "rope_scaling": self._rope_scaling(head_dim),
             "max_position_embeddings": self._arch_field("context_length"),
             "tie_word_embeddings": "output.weight" not in self.tensor_names,
             "attention_bias": "blk.0.attn_q.bias" in self.tensor_names,
@@ -98,8 +95,13 @@ class GGUFConverter:
             **self.layout.config(self._arch_field, common),
         }
 
-    def _rope_scaling(self) -> dict[str, Any] | None:
+    def _rope_scaling(self, head_dim: int) -> dict[str, Any] | None:
         kind = self._arch_field("rope.scaling.type", "none")
+        if kind == "none" and ROPE_FREQS in self.tensor_names:
+            t = self.file.tensors[ROPE_FREQS]
+            factors = gguf.quants.dequantize(t.data, t.type).astype(np.float64).reshape(-1)
+            base = self._arch_field("rope.freq_base", 10000.0)
+            return llama3_rope_scaling(factors, base, head_dim)
         if kind == "none":
             return None
         if kind != "linear":
@@ -203,6 +205,8 @@ class GGUFConverter:
             self.file.tensors.values(), desc=f"converting {self.path.name}", disable=not progress
         )
         for t in tensors:
+            if t.name == ROPE_FREQS:  # in config.json's rope_scaling
+                continue
             name = self._hf_name(t.name)
             if t.name in kept:
                 data = np.array(t.data).reshape(t.shape[0], -1)
@@ -224,6 +228,34 @@ class GGUFConverter:
         if m is None or m.group(2) not in layer_names:
             raise ValueError(f"GGUF tensor {name!r} has no Hugging Face {self.arch} counterpart")
         return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
+
+
+def llama3_rope_scaling(factors: np.ndarray, base: float, head_dim: int) -> dict[str, Any] | None:
+    """The `llama3` rope scaling (config.json's form) whose per-dimension divisors of the
+    rotary frequencies llama.cpp's converter wrote as `rope_freqs`: 1 for the short
+    wavelengths, `factor` for the long ones and, between, `1 / ((1 - s) / factor + s)` with
+    `s = original / wavelength / (high - low) - low / (high - low)` linear in 1 / wavelength.
+    Only that line is determined (`low` = 1 is taken), which is all the frequencies use."""
+    factor = float(factors.max())
+    if factor <= 1.0:
+        return None
+    wavelen = 2 * np.pi * base ** (np.arange(0, head_dim, 2) / head_dim)
+    smooth = (1 / factors - 1 / factor) / (1 - 1 / factor)  # 1: kept, 0: divided by factor
+    mid = (smooth > 1e-4) & (smooth < 1 - 1e-4)
+    if mid.sum() >= 2:
+        slope, intercept = np.polyfit(1 / wavelen[mid], smooth[mid], 1)
+        high, original = 1 - 1 / intercept, -slope / intercept
+    else:  # a step: both ends of the line between the last kept and the first divided one
+        kept, scaled = wavelen[smooth >= 1 - 1e-4], wavelen[smooth <= 1e-4]
+        original = math.floor(scaled.min())
+        high = original / (kept.max() if kept.size else original / 2) / (1 + 1e-6)
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": float(high),
+        "original_max_position_embeddings": round(float(original)),
+    }
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
