@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -27,13 +28,25 @@ class PrefillCost:
         return steps * self.step_s + share * self.prefill_token_s
 
 
-def absorbs(tokens: int, prefill_token_s: float | None, tpot_slack_s: float | None) -> bool:
+def absorbs(tokens: float, prefill_token_s: float | None, tpot_slack_s: float | None) -> bool:
     """Whether a worker whose running requests' TPOT targets can still absorb `tpot_slack_s`
     seconds (the least of them; None: no target to keep) can compute a `tokens`-token
     prompt at `prefill_token_s` a token (None: not measured, nothing to go by)."""
     if tpot_slack_s is None or prefill_token_s is None:
         return True
     return tokens * prefill_token_s <= tpot_slack_s
+
+
+def some_worker_absorbs(
+    own: int, ahead: float, workers: Sequence[tuple[int, float | None, float | None] | None]
+) -> bool:
+    """Whether some decode worker can compute, within its running requests' TPOT slack,
+    every prompt token before a request's first token: the `own` prompt tokens, its share
+    of the `ahead` ones the bucket manager serves first, and those already sent to it.
+    `workers`: each one's (tokens sent, prompt token price, least TPOT slack) as last
+    reported; None: not reported yet (nothing to go by)."""
+    share = ahead / max(1, len(workers))
+    return any(w is None or absorbs(own + share + w[0], w[1], w[2]) for w in workers)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable, Iterator
 from bucketserve.bucket_manager.bucket_manager import BucketManager
 from bucketserve.bucket_manager.config import TenantConfig
 from bucketserve.bucket_manager.prefill_batch import PrefillBatch
-from bucketserve.bucket_manager.prefill_cost import ForecastBias, PrefillCost, absorbs
+from bucketserve.bucket_manager.prefill_cost import ForecastBias, PrefillCost, some_worker_absorbs
 from bucketserve.bucket_manager.request import BucketRequest
 from bucketserve.controller.config import ControllerConfig
 from bucketserve.controller.handoff import Admitted, Handoff
@@ -124,19 +124,16 @@ class Dispatcher:
 
     def tpot_room(self, request: BucketRequest) -> bool:
         """Whether some decode worker's running requests can absorb, within their TPOT
-        targets, every prompt token it will compute before `request`'s first token: those
-        sent to it, its share of those the bucket manager serves first, and `request`'s
-        own (`absorbs`, from each worker's last report). The engine holds a prompt back
-        for its running requests' TPOT on the same terms, so one admitted past this would
-        wait there and miss its TTFT."""
+        targets, every prompt token it will compute before `request`'s first token
+        (`some_worker_absorbs`, from each worker's last report). The engine holds a prompt
+        back for its running requests' TPOT on the same terms, so one admitted past this
+        would wait there and miss its TTFT."""
         own = request.effective_len
-        reports = [h.stats for h in self.pool.role("decode", alive=True)]
-        ahead = self.buckets.tokens_ahead(request.tenant, own) / max(1, len(reports))
-        return any(
-            s is None
-            or absorbs(own + ahead + s.prompt_tokens_to_come, s.prefill_token_s, s.tpot_slack_s)
-            for s in reports
-        )
+        workers = [
+            None if s is None else (s.prompt_tokens_to_come, s.prefill_token_s, s.tpot_slack_s)
+            for s in (h.stats for h in self.pool.role("decode", alive=True))
+        ]
+        return some_worker_absorbs(own, self.buckets.tokens_ahead(request.tenant, own), workers)
 
     def first_token(self, state: RequestState) -> None:
         """`state`'s first token came: how it compares with its forecast corrects the next."""

@@ -10,7 +10,12 @@ import re
 import pytest
 
 from bucketserve.bucket_manager import TenantConfig
-from bucketserve.bucket_manager.prefill_cost import ForecastBias, PrefillCost, absorbs
+from bucketserve.bucket_manager.prefill_cost import (
+    ForecastBias,
+    PrefillCost,
+    absorbs,
+    some_worker_absorbs,
+)
 from tests.bucket_manager.helpers import make_manager, req
 
 A = TenantConfig(name="a", priority=0, weight=1.0)
@@ -64,6 +69,16 @@ def test_a_prompt_is_absorbed_only_within_the_running_requests_tpot_slack() -> N
     assert not absorbs(101, 0.001, 0.1)
     assert absorbs(10_000, 0.001, None)  # no running request with a target it can meet
     assert absorbs(10_000, None, 0.01)  # nothing measured: nothing to go by
+
+
+def test_a_worker_must_absorb_every_prompt_token_computed_before_the_request() -> None:
+    tight = (20, 0.001, 0.1)  # 20 tokens sent to it, 1 ms a token, 0.1 s of TPOT slack
+    assert some_worker_absorbs(80, 0, [tight])  # 100 tokens: 0.1 s
+    assert not some_worker_absorbs(50, 40, [tight])  # its own alone would fit: 110
+    assert some_worker_absorbs(50, 40, [tight, tight])  # the 40 ahead split over two: 90
+    assert not some_worker_absorbs(81, 0, [tight, (0, 0.001, 0.05)])
+    assert some_worker_absorbs(10_000, 0, [tight, None])  # one not reported yet
+    assert not some_worker_absorbs(1, 0, [])  # no decode worker alive
 
 
 def test_a_forecast_is_corrected_by_the_high_quantile_of_recent_misses() -> None:
