@@ -19,7 +19,7 @@ from bucketserve.runtime.io.default_model import default_gguf_path
 from bucketserve.runtime.io.weights import iter_safetensors
 from bucketserve.runtime.layers.linear import Linear
 from bucketserve.runtime.layers.packing import describe_weights
-from bucketserve.runtime.loader.gguf_converter import GGUFConverter
+from bucketserve.runtime.loader.gguf_converter import GGUFConverter, llama3_rope_scaling
 from bucketserve.runtime.loader.model_files import convert_gguf, resolve_model
 from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
 from tests.conftest import TINY_CONFIG
@@ -219,6 +219,15 @@ def test_a_llama3_rope_scaled_gguf_gets_its_scaling_back_from_rope_freqs(
         assert scaling[key] == pytest.approx(want[key], rel=1e-4), key
     assert scaling["original_max_position_embeddings"] == want["original_max_position_embeddings"]
     torch.testing.assert_close(last_logits(model_dir), hf_last_logits(hf_dir), atol=1e-4, rtol=0)
+
+
+def test_rope_freqs_no_llama3_scaling_reproduces_are_refused() -> None:
+    lone = np.array([1.0, 1.0, 1.0, 3.0, 8.0, 8.0, 8.0, 8.0])  # one dimension between
+    with pytest.raises(ValueError, match="no llama3 rope scaling reproduces"):
+        llama3_rope_scaling(lone, 10000.0, 16)
+    with pytest.raises(ValueError, match="no llama3 rope scaling reproduces"):
+        llama3_rope_scaling(np.array([8.0, 1.0] * 4), 10000.0, 16)  # not monotonic
+    assert llama3_rope_scaling(np.ones(8), 10000.0, 16) is None
 
 
 def test_quantized_gguf_dequantizes_close_to_the_original(small_vocab, cache_dir, tmp_path):

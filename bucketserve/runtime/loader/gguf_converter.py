@@ -19,7 +19,9 @@ from tqdm import tqdm
 
 from bucketserve.runtime.io.gguf_file import GGUFFile
 from bucketserve.runtime.io.gguf_tokenizer import GGUFTokenizer
+from bucketserve.runtime.io.model_config import RopeScaling
 from bucketserve.runtime.io.quantized import BLOCK_TYPES, QuantizedTensor
+from bucketserve.runtime.layers.rotary_embedding import rope_inv_freq
 from bucketserve.runtime.models.registry import gguf_family
 
 _MISSING = object()
@@ -235,11 +237,13 @@ def llama3_rope_scaling(factors: np.ndarray, base: float, head_dim: int) -> dict
     rotary frequencies llama.cpp's converter wrote as `rope_freqs`: 1 for the short
     wavelengths, `factor` for the long ones and, between, `1 / ((1 - s) / factor + s)` with
     `s = original / wavelength / (high - low) - low / (high - low)` linear in 1 / wavelength.
-    Only that line is determined (`low` = 1 is taken), which is all the frequencies use."""
+    Only that line is determined (`low` = 1 is taken), which is all the frequencies use.
+    Divisors no such scaling reproduces are refused."""
     factor = float(factors.max())
     if factor <= 1.0:
         return None
-    wavelen = 2 * np.pi * base ** (np.arange(0, head_dim, 2) / head_dim)
+    plain = rope_inv_freq(head_dim, base, None).double().numpy()
+    wavelen = 2 * np.pi / plain
     smooth = (1 / factors - 1 / factor) / (1 - 1 / factor)  # 1: kept, 0: divided by factor
     mid = (smooth > 1e-4) & (smooth < 1 - 1e-4)
     if mid.sum() >= 2:
@@ -249,13 +253,20 @@ def llama3_rope_scaling(factors: np.ndarray, base: float, head_dim: int) -> dict
         kept, scaled = wavelen[smooth >= 1 - 1e-4], wavelen[smooth <= 1e-4]
         original = math.floor(scaled.min())
         high = original / (kept.max() if kept.size else original / 2) / (1 + 1e-6)
-    return {
+    scaling = {
         "rope_type": "llama3",
         "factor": factor,
         "low_freq_factor": 1.0,
         "high_freq_factor": float(high),
         "original_max_position_embeddings": round(float(original)),
     }
+    scaled = rope_inv_freq(head_dim, base, RopeScaling.from_dict(scaling)).double().numpy()
+    if not np.allclose(scaled, plain / factors, rtol=1e-3):
+        raise ValueError(
+            "GGUF rope_freqs that no llama3 rope scaling reproduces are not supported; "
+            "use the Hugging Face safetensors directory instead"
+        )
+    return scaling
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:

@@ -38,7 +38,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 start += rows
 
 
-def _rows(tensor: torch.Tensor | QuantizedTensor, start: int, rows: int):
+def _rows(
+    tensor: torch.Tensor | QuantizedTensor, start: int, rows: int
+) -> torch.Tensor | QuantizedTensor:
     if isinstance(tensor, QuantizedTensor):
         return QuantizedTensor(tensor.blocks[start : start + rows], tensor.block_type)
     return tensor[start : start + rows]
