@@ -64,7 +64,7 @@ def controller_config(
 ) -> Any:
     """1 prefill + 1 decode worker (`mode` local or ray), every other setting the service's
     default."""
-    from bucketserve.controller.config import ControllerConfig, PlacementConfig
+    from bucketserve.controller.config import ControllerConfig
     from bucketserve.controller.service_limits import ServiceLimits
     from bucketserve.runtime.core.scheduler import SchedulerConfig
     from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
@@ -74,13 +74,16 @@ def controller_config(
     batching = dataclasses.replace(buckets.batching, max_batched_tokens=max_batched_tokens)
     return ControllerConfig(
         runner=runner,
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
         buckets=dataclasses.replace(buckets, batching=batching),
         topology="disaggregated",  # what this benchmark measures
         mode=mode,
         ray_init_kwargs={"log_to_driver": False},
-        prefill_placement=PlacementConfig(torch_threads=prefill_threads),
-        decode_placement=PlacementConfig(torch_threads=decode_threads),
+        prefill={"torch_threads": prefill_threads},
+        # the engine's scheduling (fcfs, unchunked) as when these figures were taken
+        decode={
+            **SchedulerConfig(max_num_seqs=max_num_seqs).model_dump(),
+            "torch_threads": decode_threads,
+        },
     )
 
 

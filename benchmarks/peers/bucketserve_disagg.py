@@ -7,7 +7,6 @@ background tasks (dispatch, leases) keep running between commands."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import threading
 from typing import Any
@@ -26,9 +25,8 @@ def load(spec: dict[str, Any]) -> tuple[Generate, Reset, str]:
         spec["max_num_batched_tokens"], spec["dtype"],
     )
     caching = spec.get("enable_prefix_caching", True)
-    config = dataclasses.replace(
-        config, scheduler=dataclasses.replace(config.scheduler, enable_prefix_caching=caching)
-    )
+    decode = config.decode.model_copy(update={"enable_prefix_caching": caching})
+    config = config.model_copy(update={"decode": decode})
     controller = Controller(config)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, name="controller", daemon=True).start()

@@ -67,7 +67,7 @@ class ServiceSpec:
     execution: str = "auto"
     topology: str | None = None  # the controller's default unless set
     batch_max_wait_s: float | None = None  # the batch tenant's aging bound; None: the default
-    # every system's ControllerConfig.decode_pace, with every tenant's TPOT target set to
+    # every system's controller.decode.pace, with every tenant's TPOT target set to
     # `tpot_slo_s` (the bench's), which the pacing keeps
     decode_pace: float | None = None
     tpot_slo_s: float | None = None
@@ -105,7 +105,7 @@ class ServiceSpec:
 def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, list[TenantShare]]:
     """(controller config, server tenants, client tenant mix) of one system."""
     from bucketserve.bucket_manager.config import TenantConfig
-    from bucketserve.controller.config import ControllerConfig
+    from bucketserve.controller.config import ControllerConfig, DecodeConfig
     from bucketserve.deploy.serve_config import with_tenants
     from bucketserve.gateway.tenant_registry import TenantRegistry
     from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
@@ -120,7 +120,7 @@ def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, 
     topology = {} if spec.topology is None else {"topology": spec.topology}
     base = ControllerConfig(
         runner=runner, mode=spec.mode, warmup=warmup, pad_to_shape_buckets=padding,
-        decode_pace=spec.decode_pace, **topology,
+        decode=DecodeConfig(pace=spec.decode_pace), **topology,
     )
     # pacing keeps each request's TPOT target: both systems get the bench's
     targets = {} if spec.decode_pace is None else {"tpot_slo_s": spec.tpot_slo_s}
@@ -154,15 +154,15 @@ def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, 
     batching = dataclasses.replace(
         config.buckets.batching, fit_batch_buckets=name == "fcfs-fit"
     )
-    config = dataclasses.replace(
-        config,
-        buckets=dataclasses.replace(
-            config.buckets, request_buckets=one_bucket, batching=batching
-        ),
-        pad_to_shape_buckets=spec.pads or name == "shape-only",
-        scheduler=dataclasses.replace(
-            config.scheduler, scheduling_policy="fcfs", slo_admission=name == "fcfs-slo"
-        ),
+    fcfs = {"scheduling_policy": "fcfs", "slo_admission": name == "fcfs-slo"}
+    config = config.model_copy(
+        update={
+            "buckets": dataclasses.replace(
+                config.buckets, request_buckets=one_bucket, batching=batching
+            ),
+            "pad_to_shape_buckets": spec.pads or name == "shape-only",
+            "decode": config.decode.model_copy(update=fcfs),
+        }
     )
     return config, None, [TenantShare("default")]
 

@@ -139,7 +139,7 @@ def load_section(path: Path) -> dict[str, Any]:
     # the unified buckets' points: the decode engine's step limits and its pool
     engine = ((data.get("controller") or {}).get("decode")) or {}
     for key in ("max_num_seqs", "max_num_batched_tokens"):
-        shapes[key] = engine.get(key, getattr(SchedulerConfig, key))
+        shapes[key] = engine.get(key, SchedulerConfig.model_fields[key].default)
     if kv_cache.get("num_blocks") is not None:
         shapes["num_blocks"] = kv_cache["num_blocks"]
     return shapes

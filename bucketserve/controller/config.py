@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Gt
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, InstanceOf, model_validator
 
 from bucketserve.bucket_manager.config import BucketManagerConfig
-from bucketserve.controller.pd_scheduler import PREFILL_PATHS
 from bucketserve.kv_worker.config import WorkerConfig
 from bucketserve.runtime.core.scheduler import SchedulerConfig
 from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
-from bucketserve.utils.checks import check_choice, check_pace
-from bucketserve.utils.settings import Settings
+from bucketserve.utils.settings import Settings, SettingsError
+
+logger = logging.getLogger(__name__)
 
 Execution = Literal["auto", "eager", "graphs"]
 
@@ -28,15 +28,17 @@ def _core_ids(cpus: list[int] | None) -> list[int] | None:
 
 
 class PlacementConfig(Settings):
-    """Where one role's Ray actors go (the config file's `controller.prefill` and
-    `controller.decode` sections extend it). A worker with `pipeline_parallel_size` > 1 is
-    a group of stage actors next to its own actor, which holds the scheduler and no card;
-    with `tensor_parallel_size` > 1, a placement group of a bundle per rank, the worker's
-    actor rank 0 in bundle 0. Without `torch_threads` a worker's pool takes all the node's
-    cores whatever its role: a co-located pair takes turns more than it overlaps, since a
-    burst's prefill batch runs while the decode pool waits for it, and the worker pool
-    makes idle OpenMP threads sleep rather than spin."""
+    """How many workers of one role, and where their Ray actors go (the config file's
+    `controller.prefill` and `controller.decode` sections extend it). A worker with
+    `pipeline_parallel_size` > 1 is a group of stage actors next to its own actor, which
+    holds the scheduler and no card; with `tensor_parallel_size` > 1, a placement group of a
+    bundle per rank, the worker's actor rank 0 in bundle 0. Without `torch_threads` a
+    worker's pool takes all the node's cores whatever its role: a co-located pair takes
+    turns more than it overlaps, since a burst's prefill batch runs while the decode pool
+    waits for it, and the worker pool makes idle OpenMP threads sleep rather than spin."""
 
+    num_workers: int = Field(1, ge=1)
+    """Workers of this role (the colocated topology starts no prefill workers)."""
     accelerator: Literal["auto", "hpu", "gpu", "none"] = "auto"
     """A card per actor: hpu (resources HPU: 1), gpu (num_gpus 1), none, or auto: the card
     the cluster has."""
@@ -63,125 +65,183 @@ class PlacementConfig(Settings):
     """eager, graphs or auto for this role; null: model.execution."""
 
 
-@dataclass
-class ControllerConfig:
-    """Everything the Controller starts and serves with.
+class PrefillConfig(PlacementConfig):
+    """The prefill workers (the disaggregated topology starts them) and where they go."""
 
-    `runner` configures every worker's model runner (its `num_kv_blocks` sizes
-    the decode pools; `prefill_kv_blocks` the prefill pools, which only hold
-    batches until their handoff is acknowledged). `mode="local"` runs all
-    workers in this process on threads with the in-process transport; `ray`
-    makes them actors (local Ray, or `ray_address`, "auto" to join).
-    `transport="auto"`: in-process locally; on Ray the device collective
-    when every worker sits on CUDA or HPU, else the Ray object store.
-    `buckets=None` derives request and shape buckets from the model.
-    `topology="disaggregated"` hands each prefill batch's KV from a prefill worker to a
-    decode worker; `"colocated"` runs no prefill workers: each decode worker's engine
-    prefills its batches itself, chunked into its decode steps under the scheduler's
-    token budget, so no KV moves and decode never waits behind a whole long prompt.
-    The decode engines schedule by priority (`scheduler.scheduling_policy`): a request
-    ranks by its tenant's priority, then its own, so in the colocated topology, where a
-    batch joins the engine as soon as the pool has room, tenant priorities still order
-    the prompts waiting for the token budget; a prompt past its TTFT deadline yields to
-    those on time it would make late, for at most `scheduler.late_yield_s`, which bounds
-    the TTFT tail an overload gives the prompts that yield. A prompt longer than
-    `scheduler.long_prefill_token_threshold` (512) computes in chunks of that size, one long
-    prompt at a time, so a short prompt arriving meanwhile waits for a chunk, not the whole.
-    `remote_prefill` (disaggregated only): `auto` sends each request to a prefill worker or
-    lets its decode worker prefill it in its own steps, whichever costs less now
-    (`PDScheduler.route`: its uncached tokens, each side's queue, the decode worker's running
-    requests and step budget, the KV's transfer time); `always` prefills every prompt on a
-    prefill worker, `never` none (the decode workers prefill, as colocated).
-    `decode_pace` (disaggregated only): while a prefill batch for a decode worker is in
-    flight, its steps wait until a running request would otherwise get its next token
-    later than this fraction of its TPOT target, so a prefill worker on the same cores gets
-    them (`bucketserve.decode_worker.pacer`); requests without a TPOT target are never held. None
-    (the default) never holds a step.
-    """
+    kv_blocks: int | None = Field(None, ge=1)
+    """Prefill pool size; null: as kv_cache. It holds batches until their handoff."""
+    max_batches: int = Field(2, ge=1)
+    """Batches in flight at one prefill worker (two: it never idles between them)."""
 
-    runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
-    scheduler: SchedulerConfig = field(
-        default_factory=lambda: SchedulerConfig(
-            scheduling_policy="priority", late_yield_s=8.0, long_prefill_token_threshold=512
-        )
-    )
-    pipeline_depth: int = 1
-    prefill_kv_blocks: int | None = None
-    num_prefill: int = 1
-    num_decode: int = 1
-    topology: str = "colocated"  # one machine: no KV moves, prefill never waits for a device
-    mode: str = "ray"
-    transport: str = "auto"
+
+class DecodeConfig(PlacementConfig, SchedulerConfig):
+    """The decode workers, their continuous-batching engines and where they go: the
+    engine's keys are `SchedulerConfig`'s, with the service's defaults where they differ
+    from the offline engine's (vLLM's)."""
+
+    pipeline_depth: int = Field(1, ge=1)
+    """Microbatches in flight (1: synchronous schedule / submit / finish / update)."""
+    pace: float | None = Field(None, gt=0, le=1)
+    """Disaggregated, prefill on the same cores: while a prefill batch for the worker runs,
+    a step waits until a request would get its next token later than this fraction of its
+    TPOT target (e.g. 0.8), so the prefill worker gets the cores
+    (`bucketserve.decode_worker.pacer`); null: never waits."""
+    scheduling_policy: Literal["fcfs", "priority"] = "priority"
+    """fcfs, or priority: by tenant priority, then request priority (so in the colocated
+    topology tenant priorities still order the prompts waiting for the token budget)."""
+    late_yield_s: float | None = Field(8.0, gt=0)
+    """Seconds past its TTFT deadline a prompt yields (and is held for running TPOTs)
+    before it takes its place back, which bounds the TTFT tail of an overload; null: no
+    bound."""
+    long_prefill_token_threshold: int = Field(512, ge=0)
+    """A prompt with more tokens than this left to compute is long: it computes at most
+    this many a step, so a short prompt arriving meanwhile waits for a chunk, not the
+    whole prompt (vLLM's knob, off there by default); 0: off, as in the offline `LLM`."""
+
+
+class ControllerConfig(Settings):
+    """The config file's `controller` section, and what the Controller starts with: the
+    model runner every worker builds (`runner`, from the `model` and `kv_cache` sections)
+    and the bucket manager's config (`buckets`; None derives request and shape buckets
+    from the model), which the code sets. `transport` auto is in-process locally; on Ray
+    the device collective when every worker sits on CUDA or HPU, else the Ray object
+    store."""
+
+    topology: Literal["disaggregated", "colocated"] = "colocated"
+    """disaggregated: prefill workers hand KV to decode workers (separate cards);
+    colocated: no prefill workers, each decode worker prefills in chunks within its steps
+    (one machine or one card). Named `shape` before: that key is read, with a warning,
+    until 0.2."""
+    remote_prefill: Literal["auto", "always", "never"] = "auto"
+    """disaggregated: auto sends each request to a prefill worker or lets its decode worker
+    prefill it, whichever is cheaper now (`PDScheduler.route`: its uncached tokens, each
+    side's queue, the decode worker's running requests, the KV transfer); always: every
+    prompt on a prefill worker; never: none (the decode workers prefill, as colocated)."""
+    mode: Literal["ray", "local"] = "ray"
+    """ray: workers are Ray actors; local: threads in this process."""
     ray_address: str | None = None
-    ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
-    prefill_placement: PlacementConfig = field(default_factory=PlacementConfig)
-    decode_placement: PlacementConfig = field(default_factory=PlacementConfig)
-    max_restarts: int = -1
-    buckets: BucketManagerConfig | None = None
-    pad_to_shape_buckets: str | bool = WorkerConfig.pad_to_shape_buckets
-    warmup: str = WorkerConfig.warmup
-    lease_ttl_s: float = WorkerConfig.lease_ttl_s
-    worker_timeout_s: float = 120.0  # a worker call or decode step this long: it hangs
-    max_queued_requests: int = 4096
-    max_batches_per_prefill: int = 2  # in flight at one prefill worker, so it never idles
-    max_requeues: int = 3  # re-prefills of one request before it ends with an error
-    stats_interval_s: float = 1.0
-    placement_timeout_s: float = 300.0  # for Ray to place a worker (an autoscaler adds nodes)
-    decode_pace: float | None = None
-    remote_prefill: str = "auto"  # disaggregated: PREFILL_PATHS, per request by cost
+    """null: start a local Ray; auto: join the running cluster; or host:port."""
+    transport: Literal["auto", "ray", "collective", "inprocess"] = "auto"
+    """KV transport: ray (object store), collective (NCCL / HCCL), inprocess (mode local),
+    or auto."""
+    max_restarts: int = Field(-1, ge=-1)
+    """Restarts of a dead worker actor (-1: forever)."""
+    lease_ttl_s: float = Field(WorkerConfig.lease_ttl_s, gt=0)
+    """Blocks held for a handoff are freed if not acknowledged within this."""
+    worker_timeout_s: float = Field(120.0, gt=0)
+    """A worker call or decode step taking longer is hung: the worker is restarted."""
+    max_queued_requests: int = Field(4096, ge=1)
+    """Requests waiting in the bucket manager before new ones are refused."""
+    max_requeues: int = Field(3, ge=0)
+    """Re-prefills of a request whose decode worker died."""
+    stats_interval_s: float = Field(1.0, gt=0)
+    """How often workers report their statistics."""
+    placement_timeout_s: float = Field(300.0, gt=0)
+    """How long to wait for Ray to place the workers (an autoscaler adds nodes); then serve
+    with those placed."""
+    pad_to_shape_buckets: Literal["auto"] | bool = WorkerConfig.pad_to_shape_buckets
+    """Pad batches to shape buckets: auto (on hpu and cuda, not on CPU), true or false."""
+    warmup: Literal["auto", "all", "smallest", "none"] = WorkerConfig.warmup
+    """Which shape buckets to compile at start (auto: all when padding, else the
+    smallest)."""
+    prefill: PrefillConfig = PrefillConfig()
+    """The prefill workers (the disaggregated topology starts them) and where they go."""
+    decode: DecodeConfig = DecodeConfig()
+    """The decode workers, their continuous-batching engines and where they go."""
+    runner: InstanceOf[ModelRunnerConfig] = Field(default_factory=ModelRunnerConfig, exclude=True)
+    buckets: InstanceOf[BucketManagerConfig] | None = Field(None, exclude=True)
+    ray_init_kwargs: dict[str, Any] = Field(default_factory=dict, exclude=True)
 
-    def __post_init__(self) -> None:
-        """The rules that tie fields together; the config file's models check each value
-        (`bucketserve.deploy.serve_settings`)."""
+    @model_validator(mode="before")
+    @classmethod
+    def _shape_is_topology(cls, data: Any) -> Any:
+        """`shape`, the key's old name: read as `topology`, with a warning, until 0.2."""
+        if not isinstance(data, dict) or "shape" not in data:
+            return data
+        if "topology" in data:
+            raise SettingsError(
+                "shape", "is the old name of controller.topology: give only topology"
+            )
+        logger.warning(
+            "controller.shape is deprecated: write controller.topology (shape is read until 0.2)"
+        )
+        data = dict(data)
+        data["topology"] = data.pop("shape")
+        return data
+
+    @model_validator(mode="after")
+    def _mode_and_transport(self) -> ControllerConfig:
+        if self.mode == "local" and self.ray_address is not None:
+            raise SettingsError(
+                "ray_address",
+                "mode 'local' runs every worker in this process without Ray; remove "
+                "ray_address or set controller.mode to 'ray'",
+            )
         if self.mode == "local" and self.transport not in ("auto", "inprocess"):
-            raise ValueError(
-                f"mode 'local' keeps every worker in this process, so transport must be 'auto' "
-                f"or 'inprocess'; got {self.transport!r} (use mode 'ray' for it)"
+            raise SettingsError(
+                "transport",
+                f"mode 'local' keeps every worker in this process, so transport must be "
+                f"'auto' or 'inprocess'; got {self.transport!r} (use mode 'ray' for it)",
             )
         if self.mode == "ray" and self.transport == "inprocess":
-            raise ValueError("transport 'inprocess' needs mode 'local': Ray actors are processes")
-        check_pace("ControllerConfig.decode_pace", self.decode_pace)
-        check_choice("ControllerConfig.remote_prefill", self.remote_prefill, PREFILL_PATHS)
-        if self.colocated and self.decode_pace is not None:
-            raise ValueError(
-                "ControllerConfig.decode_pace holds decode steps for a prefill worker's "
-                "batches; the colocated topology has none (its engine prefills within its "
-                "steps): leave decode_pace out or use topology 'disaggregated'"
+            raise SettingsError(
+                "transport", "transport 'inprocess' needs mode 'local': Ray actors are processes"
             )
+        if self.colocated and self.decode.pace is not None:
+            raise SettingsError(
+                "decode.pace",
+                "decode.pace holds decode steps for a prefill worker's batches; the colocated "
+                "topology has none (its engine prefills within its steps): leave pace out or "
+                "use topology 'disaggregated'",
+            )
+        stages = max(self.prefill.pipeline_parallel_size, self.decode.pipeline_parallel_size)
+        if self.transport == "collective" and stages > 1:
+            raise SettingsError(
+                "transport",
+                "transport 'collective' pairs whole workers on their devices; stage groups "
+                "(pipeline_parallel_size > 1) hand KV over through their heads: use 'ray'",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _parallel_sizes(self) -> ControllerConfig:
+        """Each prefill stage (rank) hands its layers' KV (its KV heads) to the decode stage
+        (rank) of the same index."""
+        if self.colocated:
+            return self
         for key, why in (
             ("pipeline_parallel_size", "stage i hands the KV of its layers to decode stage i, "
              "which must hold the same layers"),
             ("tensor_parallel_size", "rank r hands its KV heads to decode rank r, which must "
              "hold the same heads"),
         ):  # fmt: skip
-            prefill = getattr(self.prefill_placement, key)
-            decode = getattr(self.decode_placement, key)
-            if not self.colocated and prefill != decode:
-                raise ValueError(
+            prefill, decode = getattr(self.prefill, key), getattr(self.decode, key)
+            if prefill != decode:
+                raise SettingsError(
+                    f"decode.{key}",
                     f"controller.prefill.{key} ({prefill}) and controller.decode.{key} "
-                    f"({decode}) must be equal: prefill {why}"
+                    f"({decode}) must be equal: prefill {why}; set both to {prefill} or both "
+                    f"to {decode} (or use controller.topology: colocated)",
                 )
-        for role in ("decode",) if self.colocated else ("prefill", "decode"):
+        for role in ("prefill", "decode"):
             tp = self.placement(role).tensor_parallel_size
-            if tp > 1 and not self.colocated and self.placement(role).pipeline_parallel_size > 1:
-                raise ValueError(
-                    f"controller.{role}: tensor_parallel_size and pipeline_parallel_size > 1 "
-                    "in the disaggregated topology: stage groups hand KV over through their "
-                    "heads, which hold only rank 0's KV heads; set one of them to 1"
+            pp = self.placement(role).pipeline_parallel_size
+            if tp > 1 and pp > 1:
+                raise SettingsError(
+                    f"{role}.tensor_parallel_size",
+                    f"tensor_parallel_size {tp} with pipeline_parallel_size {pp} in the "
+                    "disaggregated topology: stage groups hand KV over through their heads, "
+                    "which hold only rank 0's KV heads; set one of them to 1 or use "
+                    "controller.topology: colocated",
                 )
-            if tp > 1 and not self.colocated and self.mode == "local":
-                raise ValueError(
-                    f"controller.{role}.tensor_parallel_size {tp} in the disaggregated topology "
-                    "needs mode 'ray': in local mode a worker's ranks are its child "
-                    "processes, which no KV transport reaches"
+            if tp > 1 and self.mode == "local":
+                raise SettingsError(
+                    f"{role}.tensor_parallel_size",
+                    f"tensor_parallel_size {tp} in the disaggregated topology needs "
+                    "controller.mode: ray (in local mode a worker's ranks are its child "
+                    "processes, which no KV transport reaches)",
                 )
-        prefill = self.prefill_placement.pipeline_parallel_size
-        decode = self.decode_placement.pipeline_parallel_size
-        if self.transport == "collective" and max(prefill, decode) > 1:
-            raise ValueError(
-                "transport 'collective' pairs whole workers on their devices; stage groups "
-                "(pipeline_parallel_size > 1) hand KV over through their heads: use 'ray'"
-            )
+        return self
 
     @property
     def colocated(self) -> bool:
@@ -190,7 +250,7 @@ class ControllerConfig:
     @property
     def num_prefill_workers(self) -> int:
         """Prefill workers to start: none when colocated."""
-        return 0 if self.colocated else self.num_prefill
+        return 0 if self.colocated else self.prefill.num_workers
 
     @property
     def resolved_transport(self) -> str:
@@ -202,13 +262,13 @@ class ControllerConfig:
 
     def prefill_runner(self) -> ModelRunnerConfig:
         runner = self.role_runner("prefill")
-        if self.prefill_kv_blocks is None:
+        if self.prefill.kv_blocks is None:
             return runner
-        return dataclasses.replace(runner, num_kv_blocks=self.prefill_kv_blocks)
+        return dataclasses.replace(runner, num_kv_blocks=self.prefill.kv_blocks)
 
     def role_runner(self, role: str) -> ModelRunnerConfig:
         """The runner config of one role: its placement's `execution` over the model's."""
-        placement = self.prefill_placement if role == "prefill" else self.decode_placement
+        placement = self.placement(role)
         if placement.execution is None:
             return self.runner
         return dataclasses.replace(self.runner, execution=placement.execution)
@@ -231,7 +291,7 @@ class ControllerConfig:
         pool spinning between batches would take the decode's cores."""
         if not self.shares_cores:
             return True
-        decode_processes = self.num_decode * self.decode_placement.pipeline_parallel_size
+        decode_processes = self.decode.num_workers * self.decode.pipeline_parallel_size
         return role == "decode" and decode_processes == 1
 
     @property
@@ -239,8 +299,8 @@ class ControllerConfig:
         """More than one worker process may run on the same cores: several workers (or
         stage actors), not pinned to cores (`cpus`)."""
         workers = (
-            self.num_prefill_workers * self.prefill_placement.pipeline_parallel_size
-            + self.num_decode * self.decode_placement.pipeline_parallel_size
+            self.num_prefill_workers * self.prefill.pipeline_parallel_size
+            + self.decode.num_workers * self.decode.pipeline_parallel_size
         )
         pinned = all(
             self.placement(role).cpus for role in ("prefill", "decode")
@@ -253,5 +313,5 @@ class ControllerConfig:
         return None if self.mode == "local" else self.placement(role).cpus
 
     def placement(self, role: str) -> PlacementConfig:
-        return self.prefill_placement if role == "prefill" else self.decode_placement
+        return self.prefill if role == "prefill" else self.decode
 

@@ -66,8 +66,8 @@ class Dispatcher:
         self.pool = pool
         self.monitor = monitor
         self.buckets = BucketManager(limits.buckets)
-        caching = config.scheduler.enable_prefix_caching
-        self.pd = PDScheduler(config.num_decode, limits.block_size, cache_aware=caching)
+        caching = config.decode.enable_prefix_caching
+        self.pd = PDScheduler(config.decode.num_workers, limits.block_size, cache_aware=caching)
         self._epochs: dict[str, int] = {}  # each worker's life its index entries are from
         self.handoff_s: float | None = None  # a handoff's calls beyond its compute and KV
         self.ttft_bias = ForecastBias()
@@ -112,7 +112,7 @@ class Dispatcher:
             steps = [h.stats.decode_step_s for h in workers if h.stats.decode_step_s is not None]
             cost = PrefillCost(
                 token_s, sum(steps) / len(steps) if steps else 0.0,
-                c.scheduler.max_num_batched_tokens, len(workers),
+                c.decode.max_num_batched_tokens, len(workers),
             )  # fmt: skip
             sent = sum(h.stats.prompt_tokens_to_come for h in workers)
         else:
@@ -211,7 +211,7 @@ class Dispatcher:
         to their decode worker's engine, as `controller.remote_prefill` and each path's cost
         say (`PDScheduler.route`)."""
         pd, flights, mode = self.pd, [], self.config.remote_prefill
-        limit = self.config.max_batches_per_prefill
+        limit = self.config.prefill.max_batches
         while len(self.buckets):
             prefills = self.pool.role("prefill", alive=True)
             skips_cached = self._compute_cache() is not None  # the prefill workers' caches
@@ -304,7 +304,7 @@ class Dispatcher:
             decode_step_s=(stats.decode_step_s or 0.0) if stats else 0.0,
             decode_backlog_tokens=stats.prompt_tokens_to_come if stats else 0,
             decode_running=stats.running if stats else 0,
-            step_tokens=self.config.scheduler.max_num_batched_tokens,
+            step_tokens=self.config.decode.max_num_batched_tokens,
             tpot_slack_s=stats.tpot_slack_s if stats else None,
         )
 

@@ -58,7 +58,7 @@ class ServiceLimits:
         every admitted prompt has a request bucket and the shapes use the pool's blocks."""
         block_size = config.runner.block_size
         if config.buckets is None:
-            max_num_seqs = config.scheduler.max_num_seqs
+            max_num_seqs = config.decode.max_num_seqs
             return ServiceLimits.default_buckets(max_model_len, block_size, max_num_seqs)
         return _size_for_model(config.buckets, max_model_len, block_size)
 

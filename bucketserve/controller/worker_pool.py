@@ -171,7 +171,7 @@ class WorkerPool:
         runner = self.config.prefill_runner()
         return PrefillWorkerConfig(
             runner=runner,
-            tensor_parallel_size=self.config.prefill_placement.tensor_parallel_size,
+            tensor_parallel_size=self.config.prefill.tensor_parallel_size,
             cache_shares=self._cache_shares(),
             **self._shared("prefill", index),
         )
@@ -186,14 +186,14 @@ class WorkerPool:
         return DecodeWorkerConfig(
             engine=EngineConfig(
                 c.role_runner("decode"),
-                dataclasses.replace(c.scheduler, cache_shares=self._cache_shares()),
-                c.pipeline_depth,
-                tensor_parallel_size=c.decode_placement.tensor_parallel_size,
+                c.decode.model_copy(update={"cache_shares": self._cache_shares()}),
+                c.decode.pipeline_depth,
+                tensor_parallel_size=c.decode.tensor_parallel_size,
             ),
             **self._shared("decode", index),
             stall_timeout_s=c.worker_timeout_s,
             prefills=c.colocated or c.remote_prefill != "always",
-            pace=c.decode_pace,
+            pace=c.decode.pace,
         )
 
     def _shared(self, role: str, index: int) -> dict[str, Any]:
@@ -209,7 +209,7 @@ class WorkerPool:
             "torch_threads": c.torch_threads(role),
             "cpus": c.cpus(role),
             "pipeline_parallel_size": c.placement(role).pipeline_parallel_size,
-            "enable_prefix_caching": c.scheduler.enable_prefix_caching,
+            "enable_prefix_caching": c.decode.enable_prefix_caching,
         }
 
     def _worker_transport(self) -> str:
@@ -242,7 +242,7 @@ class WorkerPool:
         ]
         handles += [
             LocalWorkerHandle(f"decode-{i}", "decode", decode(i), threads=ACTOR_CONCURRENCY)
-            for i in range(self.config.num_decode)
+            for i in range(self.config.decode.num_workers)
         ]
         return handles
 
@@ -269,10 +269,10 @@ class WorkerPool:
         groups = {
             role: _group_placement(self.actor_options(role, placement), placement)
             for role, placement in (
-                ("prefill", c.prefill_placement), ("decode", c.decode_placement)
+                ("prefill", c.prefill), ("decode", c.decode)
             )
         }
-        counts = {"prefill": c.num_prefill_workers, "decode": c.num_decode}
+        counts = {"prefill": c.num_prefill_workers, "decode": c.decode.num_workers}
         if c.ray_address is None:  # a Ray started here: no autoscaler adds nodes to it
             wanted = [
                 opts
@@ -431,7 +431,7 @@ def _check_feasible(options: list[dict[str, Any]], cluster: dict[str, float]) ->
             f"{k}: {v:g} wanted, {have:g} in the cluster" for k, (v, have) in short.items()
         )
         raise ValueError(
-            f"the workers cannot all be placed ({detail}); lower num_prefill / num_decode, "
+            f"the workers cannot all be placed ({detail}); lower a role's num_workers, "
             "change the placement, or add nodes"
         )
 

@@ -104,11 +104,8 @@ class DecodeWorker(KVWorker):
             config.stage_options,
             config.engine.tensor_parallel_size,
         )
-        scheduler = dataclasses.replace(
-            config.engine.scheduler,
-            enable_prefix_caching=config.enable_prefix_caching
-            and config.engine.scheduler.enable_prefix_caching,
-        )
+        caching = config.enable_prefix_caching and config.engine.scheduler.enable_prefix_caching
+        scheduler = config.engine.scheduler.model_copy(update={"enable_prefix_caching": caching})
         engine_config = dataclasses.replace(
             config.engine, runner=ModelRunnerConfig(), scheduler=scheduler, tensor_parallel_size=1
         )

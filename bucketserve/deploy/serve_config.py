@@ -33,22 +33,14 @@ from bucketserve.bucket_manager.config import (
 from bucketserve.controller.config import ControllerConfig, PlacementConfig
 from bucketserve.controller.service_limits import ServiceLimits
 from bucketserve.deploy.serve_config_error import ServeConfigError
-from bucketserve.deploy.serve_settings import (
-    BucketsSettings,
-    PlacementSettings,
-    ServeSettings,
-    ShapeRange,
-)
+from bucketserve.deploy.serve_settings import BucketsSettings, ServeSettings, ShapeRange
 from bucketserve.gateway.gateway_config import GatewayConfig
 from bucketserve.gateway.tenant_registry import TenantRegistry
-from bucketserve.runtime.core.scheduler import SchedulerConfig
 from bucketserve.runtime.io.tokenizer import load_chat_template
 from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 from bucketserve.utils.settings import SettingsError
 
 _CARD_DEVICES = {"hpu": "hpu", "cuda": "gpu"}  # model.device -> the card its workers need
-# ControllerConfig's rules across fields, by the field they name -> the key to change
-_RULE_KEYS = (("decode_pace", "controller.decode.pace"), ("transport", "controller.transport"))
 
 
 @dataclass(frozen=True)
@@ -145,7 +137,7 @@ class ServeConfig:
             return
         asks = {role: self.actor_resources(role) for role in ("prefill", "decode")}
         c = self.controller
-        counts = {"prefill": c.num_prefill_workers, "decode": c.num_decode}
+        counts = {"prefill": c.num_prefill_workers, "decode": c.decode.num_workers}
         for name, have in self.cluster_resources.items():
             want = {role: asks[role].get(name, 0) * counts[role] for role in asks}
             if sum(want.values()) <= have:
@@ -164,8 +156,7 @@ class ServeConfig:
     # -- views --------------------------------------------------------------------------------
 
     def placement(self, role: str) -> PlacementConfig:
-        c = self.controller
-        return c.prefill_placement if role == "prefill" else c.decode_placement
+        return self.controller.placement(role)
 
     def actor_resources(self, role: str) -> dict[str, float]:
         """What one worker of `role` asks Ray for, as its placement group does: one card
@@ -207,8 +198,10 @@ class ServeConfig:
             shape_buckets=dataclasses.replace(base.shape_buckets, **shape),
             batching=self.batching,
         )
-        config = dataclasses.replace(self.controller, buckets=buckets)
-        config = dataclasses.replace(config, buckets=ServiceLimits.bucket_config(config, max_len))
+        config = self.controller.model_copy(update={"buckets": buckets})
+        config = config.model_copy(
+            update={"buckets": ServiceLimits.bucket_config(config, max_len)}
+        )
         return with_tenants(config, self.tenants.bucket_configs())
 
     def model_len(self, convert: bool = True) -> int:
@@ -255,7 +248,9 @@ def with_tenants(config: ControllerConfig, tenants: Sequence[TenantConfig]) -> C
         keep = runner.quantization == "auto"
         model = load_model_config(resolve_model(runner.model, keep_blocks=keep))
         base = ServiceLimits.bucket_config(config, ServiceLimits.max_model_len(config, model))
-    return dataclasses.replace(config, buckets=dataclasses.replace(base, tenants=tuple(tenants)))
+    return config.model_copy(
+        update={"buckets": dataclasses.replace(base, tenants=tuple(tenants))}
+    )
 
 
 def _model_config(model: str | None, convert: bool) -> Any:
@@ -310,54 +305,11 @@ def _runner(s: ServeSettings) -> ModelRunnerConfig:
 
 
 def _controller(s: ServeSettings, runner: ModelRunnerConfig) -> ControllerConfig:
-    c, prefill, decode = s.controller, s.controller.prefill, s.controller.decode
-    try:
-        return ControllerConfig(
-            runner=runner,
-            scheduler=SchedulerConfig(
-                max_num_seqs=decode.max_num_seqs,
-                max_num_batched_tokens=decode.max_num_batched_tokens,
-                enable_chunked_prefill=decode.enable_chunked_prefill,
-                long_prefill_token_threshold=decode.long_prefill_token_threshold,
-                max_long_partial_prefills=decode.max_long_partial_prefills,
-                watermark=decode.watermark,
-                scheduling_policy=decode.scheduling_policy,
-                slo_admission=decode.slo_admission,
-                late_yield_s=decode.late_yield_s,
-                enable_prefix_caching=s.kv_cache.enable_prefix_caching,
-            ),
-            pipeline_depth=decode.pipeline_depth,
-            prefill_kv_blocks=prefill.kv_blocks,
-            num_prefill=prefill.num_workers,
-            num_decode=decode.num_workers,
-            topology=c.topology,
-            remote_prefill=c.remote_prefill,
-            mode=c.mode,
-            transport=c.transport,
-            ray_address=c.ray_address,
-            prefill_placement=_placement(prefill),
-            decode_placement=_placement(decode),
-            max_restarts=c.max_restarts,
-            pad_to_shape_buckets=c.pad_to_shape_buckets,
-            warmup=c.warmup,
-            lease_ttl_s=c.lease_ttl_s,
-            worker_timeout_s=c.worker_timeout_s,
-            max_queued_requests=c.max_queued_requests,
-            max_batches_per_prefill=prefill.max_batches,
-            max_requeues=c.max_requeues,
-            stats_interval_s=c.stats_interval_s,
-            placement_timeout_s=c.placement_timeout_s,
-            decode_pace=decode.pace,
-        )
-    except ValueError as exc:  # a rule across the controller's keys (shape, transport, stages)
-        message = str(exc)
-        key = next((k for name, k in _RULE_KEYS if name in message), "controller")
-        raise ServeConfigError(key, message) from None
-
-
-def _placement(role: PlacementSettings) -> PlacementConfig:
-    """The placement part of a role's section (it adds worker counts and engine keys)."""
-    return PlacementConfig(**role.model_dump(include=set(PlacementConfig.model_fields)))
+    """The file's controller section with what other sections give it: the model runner
+    and the decode engines' prefix caching (`kv_cache.enable_prefix_caching`)."""
+    caching = {"enable_prefix_caching": s.kv_cache.enable_prefix_caching}
+    decode = s.controller.decode.model_copy(update=caching)
+    return s.controller.model_copy(update={"runner": runner, "decode": decode})
 
 
 def _shape_buckets(buckets: BucketsSettings, block_size: int) -> dict[str, Any]:

@@ -21,13 +21,13 @@ def summarize(config: ServeConfig, model_len: int | None = None) -> str:
         f"device {runner.device}, "
         f"max_model_len {length or 'from the model'})",
         f"kv cache    block size {runner.block_size}, {kv} per decode worker, prefix caching "
-        + ("on" if c.scheduler.enable_prefix_caching else "off"),
+        + ("on" if c.decode.enable_prefix_caching else "off"),
         f"topology    {c.topology}"
         + (": the decode workers prefill in chunks" if c.colocated else ""),
         f"prefill     {c.num_prefill_workers} worker(s)"
         + (f", each {_asks(config, 'prefill')}" if c.num_prefill_workers else ""),
-        f"decode      {c.num_decode} worker(s), each {_asks(config, 'decode')}; "
-        f"max_num_seqs {c.scheduler.max_num_seqs}, pipeline depth {c.pipeline_depth}",
+        f"decode      {c.decode.num_workers} worker(s), each {_asks(config, 'decode')}; "
+        f"max_num_seqs {c.decode.max_num_seqs}, pipeline depth {c.decode.pipeline_depth}",
         f"controller  mode {c.mode}"
         + (f", Ray at {c.ray_address or 'a new local instance'}" if c.mode == "ray" else "")
         + f", transport {c.transport}",

@@ -2,7 +2,9 @@
 and an error names the key path (`controller.decode.num_workers`) and what is allowed there.
 
 A field's docstring is its description in the generated key reference
-(`docs/configuration.md`). A validator that checks several keys of one section raises
+(`docs/configuration.md`). A field declared with `exclude=True` is set by the code that
+builds the config, not by the file: the file may not name it and the reference omits it.
+A validator that checks several keys of one section raises
 `SettingsError(key, message)` to pin the error on that key.
 """
 
@@ -15,7 +17,7 @@ import typing
 from typing import Any, Literal, Self, Union
 
 import annotated_types
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
 from pydantic.fields import FieldInfo
 
 
@@ -43,11 +45,23 @@ class Settings(BaseModel):
         }
         return {k: v for k, v in data.items() if v is not None or k not in sections}
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_code_keys_in_files(cls, data: Any, info: ValidationInfo) -> Any:
+        if not isinstance(data, dict) or not (info.context or {}).get("file"):
+            return data
+        for key in data:
+            field = _field(cls, key)
+            if field is not None and field.exclude:
+                raise SettingsError(key, _unknown_key_text(key, file_keys(cls), None))
+        return data
+
     @classmethod
     def parse(cls, data: Any, where: str = "") -> Self:
-        """`data` validated; SettingsError for its first bad key, its path under `where`."""
+        """`data` (read from a file) validated; SettingsError for its first bad key, its
+        path under `where`."""
         try:
-            return cls.model_validate({} if data is None else data)
+            return cls.model_validate({} if data is None else data, context={"file": True})
         except ValidationError as exc:
             error = exc.errors(include_url=False)[0]
             path, message = explain(cls, data, error, where)
@@ -129,13 +143,21 @@ def _annotated(field: FieldInfo) -> Any:
 
 def _unknown_key(model: type[BaseModel], loc: tuple[Any, ...], parent_path: str) -> str:
     _, _, hint = _locate(model, loc[:-1])
-    parent = _model(hint) or model
-    allowed = sorted(f.alias or name for name, f in parent.model_fields.items())
-    key = str(loc[-1])
+    return _unknown_key_text(str(loc[-1]), file_keys(_model(hint) or model), parent_path)
+
+
+def _unknown_key_text(key: str, allowed: list[str], parent_path: str | None) -> str:
+    """`parent_path` "": the top level; None: said by the error's path."""
     close = difflib.get_close_matches(key, allowed, n=1)
     hint_text = f" (did you mean {close[0]!r}?)" if close else ""
-    where = f"under {parent_path}" if parent_path else "at the top level"
-    return f"unknown key {key!r}{hint_text}; allowed {where}: {allowed}"
+    where = "" if parent_path is None else f" under {parent_path}" if parent_path else (
+        " at the top level")
+    return f"unknown key {key!r}{hint_text}; allowed{where}: {allowed}"
+
+
+def file_keys(model: type[BaseModel]) -> list[str]:
+    """The keys a config file may give `model`: its fields but those the code sets."""
+    return sorted(f.alias or name for name, f in model.model_fields.items() if not f.exclude)
 
 
 # -- types in words -------------------------------------------------------------------------------

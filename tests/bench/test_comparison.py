@@ -38,12 +38,12 @@ def test_the_three_systems_differ_only_in_buckets_policies_and_padding(
     assert [t.max_wait_s for t in a.buckets.tenants] == [30.0, 30.0]  # the tenant default
     # fcfs starts prompts in plain queue order; fcfs-slo adds bucketserve's admission only
     slo, _, _ = system_setup("fcfs-slo", spec)
-    assert a.scheduler.slo_admission and slo.scheduler.slo_admission
-    assert not b.scheduler.slo_admission and not c.scheduler.slo_admission
-    assert slo == dataclasses.replace(
-        b, scheduler=dataclasses.replace(b.scheduler, slo_admission=True)
+    assert a.decode.slo_admission and slo.decode.slo_admission
+    assert not b.decode.slo_admission and not c.decode.slo_admission
+    assert slo == b.model_copy(
+        update={"decode": b.decode.model_copy(update={"slo_admission": True})}
     )
-    assert (a.scheduler.scheduling_policy, b.scheduler.scheduling_policy) == ("priority", "fcfs")
+    assert (a.decode.scheduling_policy, b.decode.scheduling_policy) == ("priority", "fcfs")
     aged, aged_tenants, _ = system_setup(
         "bucketserve", dataclasses.replace(spec, batch_max_wait_s=2.0)
     )
@@ -61,11 +61,11 @@ def test_decode_pace_paces_both_systems_to_the_same_tpot_target(tiny_model_dir: 
     spec = ServiceSpec(model=str(tiny_model_dir), max_model_len=256, block_size=4,
                        topology="disaggregated")
     plain, _, _ = system_setup("fcfs", spec)
-    assert plain.decode_pace is None and plain.buckets.tenants[0].tpot_slo_s is None
+    assert plain.decode.pace is None and plain.buckets.tenants[0].tpot_slo_s is None
     paced = dataclasses.replace(spec, decode_pace=0.8, tpot_slo_s=0.25)
     for name in ("bucketserve", "fcfs"):
         config, _, _ = system_setup(name, paced)
-        assert config.decode_pace == 0.8
+        assert config.decode.pace == 0.8
         assert {t.tpot_slo_s for t in config.buckets.tenants} == {0.25}
     with pytest.raises(ValueError, match="--decode-pace needs --topology disaggregated"):
         dataclasses.replace(paced, topology="colocated")
@@ -84,9 +84,8 @@ def test_padded_pads_every_system_and_refuses_shape_only(tiny_model_dir: Path) -
         Comparison(BenchConfig(), spec, ("bucketserve", "shape-only"))
     fit, _, _ = system_setup("fcfs-fit", spec)
     assert fit.buckets.batching.fit_batch_buckets and not b.buckets.batching.fit_batch_buckets
-    assert dataclasses.replace(
-        fit, buckets=dataclasses.replace(fit.buckets, batching=b.buckets.batching)
-    ) == b
+    batching = dataclasses.replace(fit.buckets, batching=b.buckets.batching)
+    assert fit.model_copy(update={"buckets": batching}) == b
     with pytest.raises(ValueError, match="fcfs-fit differs from fcfs only in padded batches"):
         Comparison(BenchConfig(), dataclasses.replace(spec, padded=False), ("fcfs-fit",))
 

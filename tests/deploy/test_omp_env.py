@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bucketserve.controller.config import ControllerConfig, PlacementConfig
+from bucketserve.controller.config import ControllerConfig
 from bucketserve.kv_worker.worker_env import omp_env
 
 
@@ -16,7 +16,7 @@ def _no_user_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_lone_colocated_worker_spins_as_long_as_libgomp_would() -> None:
-    config = ControllerConfig(topology="colocated", num_decode=1)
+    config = ControllerConfig(topology="colocated", decode={"num_workers": 1})
     assert not config.shares_cores and config.omp_spins("decode")
     assert omp_env(2, config.omp_spins("decode")) == {
         "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "300000"
@@ -35,11 +35,9 @@ def test_sharing_cores_only_the_single_decode_pool_spins() -> None:
 @pytest.mark.parametrize(
     "config",
     [
-        ControllerConfig(topology="disaggregated", num_decode=2),
-        ControllerConfig(topology="colocated", num_decode=2),
-        ControllerConfig(
-            topology="colocated", decode_placement=PlacementConfig(pipeline_parallel_size=2)
-        ),
+        ControllerConfig(topology="disaggregated", decode={"num_workers": 2}),
+        ControllerConfig(topology="colocated", decode={"num_workers": 2}),
+        ControllerConfig(topology="colocated", decode={"pipeline_parallel_size": 2}),
     ],
 )
 def test_several_decode_pools_sharing_cores_wait_passively(config: ControllerConfig) -> None:
@@ -50,8 +48,8 @@ def test_several_decode_pools_sharing_cores_wait_passively(config: ControllerCon
 def test_pinned_roles_do_not_share() -> None:
     config = ControllerConfig(
         topology="disaggregated",
-        prefill_placement=PlacementConfig(cpus=[0]),
-        decode_placement=PlacementConfig(cpus=[1]),
+        prefill={"cpus": [0]},
+        decode={"cpus": [1]},
     )
     assert not config.shares_cores and config.omp_spins("prefill")
 

@@ -21,9 +21,9 @@ def test_the_yaml_sets_stages_per_role(tiny_model_dir: Path) -> None:
         },
     })
     c = config.controller
-    assert c.prefill_placement.pipeline_parallel_size == 2
-    assert c.decode_placement.pipeline_parallel_size == 2
-    assert c.prefill_placement.stage_packing == "STRICT_PACK"
+    assert c.prefill.pipeline_parallel_size == 2
+    assert c.decode.pipeline_parallel_size == 2
+    assert c.prefill.stage_packing == "STRICT_PACK"
 
 
 def test_unequal_prefill_and_decode_stages_are_refused_naming_both_keys(
@@ -46,19 +46,19 @@ def test_unequal_prefill_and_decode_stages_are_refused_naming_both_keys(
     with pytest.raises(ValueError, match=both):
         ControllerConfig(
             topology="disaggregated",
-            prefill_placement=PlacementConfig(pipeline_parallel_size=2),
-            decode_placement=PlacementConfig(pipeline_parallel_size=3),
+            prefill={"pipeline_parallel_size": 2},
+            decode={"pipeline_parallel_size": 3},
         )
     # colocated runs no prefill workers: only the decode groups' stages count
     ControllerConfig(
         topology="colocated",
-        prefill_placement=PlacementConfig(pipeline_parallel_size=2),
-        decode_placement=PlacementConfig(pipeline_parallel_size=3),
+        prefill={"pipeline_parallel_size": 2},
+        decode={"pipeline_parallel_size": 3},
     )
     with pytest.raises(ValueError, match=r"stage groups .* use 'ray'"):
         ControllerConfig(
             transport="collective",
-            decode_placement=PlacementConfig(pipeline_parallel_size=2),
+            decode={"pipeline_parallel_size": 2},
         )
     with pytest.raises(ServeConfigError, match="stage_packing: must be one of 'PACK', 'STRICT"):
         ServeConfig.from_dict({"controller": {"prefill": {"stage_packing": "SPREAD"}}})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -65,12 +64,12 @@ def test_the_yaml_lands_in_the_typed_configs(tmp_path: Path, tiny_model_dir: Pat
     assert (runner.model, runner.dtype, runner.max_model_len) == (str(tiny_model_dir),
                                                                  "float32", 256)
     assert (runner.block_size, runner.kv_memory_fraction, runner.num_kv_blocks) == (8, 0.5, 300)
-    assert (controller.num_prefill, controller.num_decode, controller.prefill_kv_blocks) == (
-        2, 3, 40)
-    assert controller.prefill_placement.resources == {"p": 1}
-    assert controller.decode_placement.accelerator == "hpu"
-    assert (controller.scheduler.max_num_seqs, controller.pipeline_depth) == (32, 2)
-    assert (controller.topology, controller.decode_pace) == ("disaggregated", 0.8)
+    prefill, decode = controller.prefill, controller.decode
+    assert (prefill.num_workers, decode.num_workers, prefill.kv_blocks) == (2, 3, 40)
+    assert prefill.resources == {"p": 1}
+    assert decode.accelerator == "hpu"
+    assert (decode.max_num_seqs, decode.pipeline_depth) == (32, 2)
+    assert (controller.topology, decode.pace) == ("disaggregated", 0.8)
     assert (controller.mode, controller.ray_address) == ("ray", "auto")
     buckets = controller.buckets
     assert (buckets.request_buckets.theta, buckets.request_buckets.max_len) == (0.7, 256)
@@ -125,21 +124,21 @@ def test_an_empty_section_is_left_out_and_tenants_may_be_a_mapping_by_name() -> 
 def test_no_file_is_the_embedded_default() -> None:
     config = ServeConfig.load(None)
     assert config.controller.runner.model is None
-    assert (config.controller.num_prefill, config.controller.num_decode) == (1, 1)
+    assert (config.controller.prefill.num_workers, config.controller.decode.num_workers) == (1, 1)
     assert not config.tenants.auth_required
 
 
 def test_decode_engines_schedule_by_priority_unless_the_yaml_says_fcfs() -> None:
-    assert ServeConfig.from_dict({}).controller.scheduler.scheduling_policy == "priority"
+    assert ServeConfig.from_dict({}).controller.decode.scheduling_policy == "priority"
     fcfs = ServeConfig.from_dict({"controller": {"decode": {"scheduling_policy": "fcfs"}}})
-    assert fcfs.controller.scheduler.scheduling_policy == "fcfs"
+    assert fcfs.controller.decode.scheduling_policy == "fcfs"
 
 
 def test_late_prompts_yield_for_8_s_unless_the_yaml_says_otherwise() -> None:
-    assert ServeConfig.from_dict({}).controller.scheduler.late_yield_s == 8.0
+    assert ServeConfig.from_dict({}).controller.decode.late_yield_s == 8.0
     for value in (None, 3.5):
         config = ServeConfig.from_dict({"controller": {"decode": {"late_yield_s": value}}})
-        assert config.controller.scheduler.late_yield_s == value
+        assert config.controller.decode.late_yield_s == value
 
 
 def test_prefix_caching_is_on_in_every_worker_unless_the_yaml_turns_it_off(
@@ -155,7 +154,7 @@ def test_prefix_caching_is_on_in_every_worker_unless_the_yaml_turns_it_off(
         assert run_check(argparse.Namespace(file=path)) == 0, capsys.readouterr().err
         assert f"prefix caching {'on' if want else 'off'}" in capsys.readouterr().out
         controller = ServeConfig.load(path).controller
-        assert controller.scheduler.enable_prefix_caching is want
+        assert controller.decode.enable_prefix_caching is want
         pool = WorkerPool(controller, BucketManagerConfig())
         assert pool.prefill_config(0).enable_prefix_caching is want
         decode = pool.decode_config(0)
@@ -273,7 +272,7 @@ def test_cores_partitioned_between_the_roles_pin_each_actor_and_size_its_pool(
     controller = ServeConfig.load(path).controller
     assert (controller.cpus("prefill"), controller.cpus("decode")) == ([0], [1])
     assert (controller.torch_threads("prefill"), controller.torch_threads("decode")) == (1, 1)
-    local = dataclasses.replace(controller, mode="local")
+    local = controller.model_copy(update={"mode": "local"})
     assert local.cpus("prefill") is None  # one process: nothing to partition
 
 

@@ -41,7 +41,7 @@ def reference_outputs(model_dir: Path, work: list[tuple[list[int], SamplingParam
 def controller_config(model_dir: Path, **options: Any) -> Any:
     """The tiny model's service; each Ray actor's intra-op pool is this test process's share
     of the cores (`worker_threads`) unless a placement says."""
-    from bucketserve.controller.config import ControllerConfig, PlacementConfig
+    from bucketserve.controller.config import ControllerConfig
     from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 
     runner = ModelRunnerConfig(
@@ -51,10 +51,8 @@ def controller_config(model_dir: Path, **options: Any) -> Any:
     options = {
         "stats_interval_s": 0.2, "topology": "disaggregated", "remote_prefill": "always", **options
     }
-    for role in ("prefill_placement", "decode_placement"):
-        placement = options.get(role, PlacementConfig())
-        if placement.torch_threads is None:
-            options[role] = placement.model_copy(update={"torch_threads": worker_threads()})
+    for role in ("prefill", "decode"):  # a role's keys as a mapping
+        options[role] = {"torch_threads": worker_threads(), **options.get(role, {})}
     return ControllerConfig(runner=runner, **options)
 
 

@@ -4,14 +4,12 @@ within its decode steps (chunked under the token budget), no KV moves."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bucketserve.controller.controller import Controller
-from bucketserve.runtime.core.scheduler import SchedulerConfig
 from tests.disagg.helpers import (
     assert_drained,
     controller_config,
@@ -34,7 +32,9 @@ def test_colocated_matches_the_in_process_engine(
     tiny_model_dir: Path, work: list, reference: list, num_decode: int
 ) -> None:
     async def main() -> None:
-        controller = await started(tiny_model_dir, num_decode=num_decode, num_prefill=3)
+        controller = await started(
+            tiny_model_dir, decode={"num_workers": num_decode}, prefill={"num_workers": 3}
+        )
         assert [h.role for h in controller.pool.handles] == ["decode"] * num_decode
         outputs, stats = await serve_and_drain(controller, work, "colocated")
         assert outputs == reference
@@ -49,10 +49,10 @@ def test_colocated_chunked_prefill_matches_unchunked(
     tiny_model_dir: Path, long_work: list, long_reference: list
 ) -> None:
     """A 16-token step budget splits every long prompt into chunks, beside decode steps."""
-    chunked = SchedulerConfig(max_num_batched_tokens=16, enable_chunked_prefill=True)
+    chunked = {"max_num_batched_tokens": 16, "enable_chunked_prefill": True}
 
     async def main() -> None:
-        controller = await started(tiny_model_dir, scheduler=chunked)
+        controller = await started(tiny_model_dir, decode=chunked)
         assert max(len(p) for p, _ in long_work) > 16
         outputs, _ = await serve_and_drain(controller, long_work, "chunked")
         assert outputs == long_reference
@@ -86,7 +86,7 @@ def test_a_burst_that_fits_the_pool_waits_in_no_queue(tiny_model_dir: Path, work
 
     async def main() -> None:
         config = controller_config(tiny_model_dir, mode="local", topology="colocated")
-        controller = Controller(dataclasses.replace(config, buckets=small_batches(64)))
+        controller = Controller(config.model_copy(update={"buckets": small_batches(64)}))
         await controller.start()
         try:
             streams = [
@@ -121,9 +121,9 @@ def test_a_higher_priority_tenant_overtakes_the_engine_queue(
     from bucketserve.runtime.core.sampling_params import SamplingParams
 
     async def main() -> list[str]:
-        one_at_a_time = SchedulerConfig(max_num_seqs=1, scheduling_policy=policy)
+        one_at_a_time = {"max_num_seqs": 1, "scheduling_policy": policy}
         config = controller_config(
-            tiny_model_dir, mode="local", topology="colocated", scheduler=one_at_a_time
+            tiny_model_dir, mode="local", topology="colocated", decode=one_at_a_time
         )
         tenants = [TenantConfig(name="chat"), TenantConfig(name="batch", priority=1)]
         config = with_tenants(config, tenants)

@@ -13,6 +13,8 @@ from bucketserve.controller.config import ControllerConfig
 from bucketserve.decode_worker.config import DecodeWorkerConfig
 from bucketserve.decode_worker.decode_worker import DecodeWorker
 from bucketserve.decode_worker.pacer import DecodePacer
+from bucketserve.deploy.serve_config import ServeConfig
+from bucketserve.deploy.serve_config_error import ServeConfigError
 from bucketserve.messages import ServeRequest, WorkerRequest
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.sequence import Sequence
@@ -59,15 +61,18 @@ def test_nothing_waits_with_a_sequence_waiting_or_none_running() -> None:
 
 @pytest.mark.parametrize("pace", [0, 1.5, True, "0.8"])
 def test_a_pace_outside_0_1_is_refused_with_what_to_set(pace: object) -> None:
-    with pytest.raises(ValueError, match=r"decode_pace must be null .* in \(0, 1\]"):
-        ControllerConfig(topology="disaggregated", decode_pace=pace)
+    data = {"controller": {"topology": "disaggregated", "decode": {"pace": pace}}}
+    with pytest.raises(
+        ServeConfigError, match=r"controller\.decode\.pace: must be a number in \(0, 1\] or null"
+    ):
+        ServeConfig.from_dict(data)
     with pytest.raises(ValueError, match=r"DecodeWorkerConfig.pace must be null"):
         DecodeWorkerConfig(pace=pace)
 
 
 def test_the_colocated_topology_refuses_decode_pace() -> None:
     with pytest.raises(ValueError, match=r"colocated topology has none .* 'disaggregated'"):
-        ControllerConfig(topology="colocated", decode_pace=0.8)
+        ControllerConfig(topology="colocated", decode={"pace": 0.8})
 
 
 TPOT = 0.3

@@ -43,8 +43,8 @@ def test_matches_the_in_process_engine(
 ) -> None:
     async def main() -> None:
         controller = await started(
-            tiny_model_dir, num_prefill=num_prefill, num_decode=num_decode,
-            buckets=small_batches(),
+            tiny_model_dir, prefill={"num_workers": num_prefill},
+            decode={"num_workers": num_decode}, buckets=small_batches(),
         )
         outputs, stats = await serve_and_drain(controller, work, "local")
         assert outputs == reference
@@ -211,7 +211,7 @@ def test_an_unpadded_prefill_takes_a_whole_burst_past_the_warmed_batch_sizes(
     runner = dataclasses.replace(config.runner, num_kv_blocks=1024)
 
     async def main() -> None:
-        controller = Controller(dataclasses.replace(config, runner=runner))
+        controller = Controller(config.model_copy(update={"runner": runner}))
         await controller.start()
         padded = controller.buckets.padded
         outputs, stats = await serve_and_drain(controller, work + work, "burst")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from bucketserve.controller.config import PlacementConfig
 from bucketserve.controller.controller import Controller
 from tests.disagg.helpers import controller_config, serve_and_drain
 
@@ -36,12 +35,12 @@ def two_nodes() -> Iterator[str]:
 def test_kv_crosses_nodes_through_the_object_store(
     two_nodes: str, tiny_model_dir: Path, work: list, reference: list
 ) -> None:
-    def pinned(label: str) -> PlacementConfig:
-        return PlacementConfig(accelerator="none", resources={label: 1})
+    def pinned(label: str) -> dict:
+        return {"accelerator": "none", "resources": {label: 1}}
 
     config = controller_config(
         tiny_model_dir, mode="ray", ray_address=two_nodes,
-        prefill_placement=pinned("prefill_node"), decode_placement=pinned("decode_node"),
+        prefill=pinned("prefill_node"), decode=pinned("decode_node"),
     )
 
     async def main() -> None:

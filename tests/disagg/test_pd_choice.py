@@ -36,7 +36,7 @@ def simulator_choices() -> list[int]:
 def controller_choices(model_dir: Path) -> list[int]:
     async def main() -> list[int]:
         config = controller_config(
-            model_dir, mode="local", num_decode=NUM_DECODE, stats_interval_s=3600.0
+            model_dir, mode="local", decode={"num_workers": NUM_DECODE}, stats_interval_s=3600.0
         )
         controller = Controller(config)
         await controller.start()

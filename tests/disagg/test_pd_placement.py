@@ -228,7 +228,9 @@ def dispatch(controller: Controller) -> None:
 def test_the_colocated_dispatcher_queues_by_cached_length_and_places_by_cache(
     tiny_model_dir: Path,
 ) -> None:
-    config = controller_config(tiny_model_dir, mode="local", topology="colocated", num_decode=2)
+    config = controller_config(
+        tiny_model_dir, mode="local", topology="colocated", decode={"num_workers": 2}
+    )
     c = Controller(config)
     d0, d1 = IdleHandle("decode-0", 256), IdleHandle("decode-1", 256)
     c.pool.handles = [d0, d1]
@@ -255,8 +257,10 @@ def test_the_colocated_dispatcher_queues_by_cached_length_and_places_by_cache(
 
 
 def test_without_prefix_caching_nothing_is_hashed_or_moved(tiny_model_dir: Path) -> None:
-    config = controller_config(tiny_model_dir, mode="local", topology="colocated", num_decode=2)
-    config.scheduler.enable_prefix_caching = False
+    config = controller_config(
+        tiny_model_dir, mode="local", topology="colocated",
+        decode={"num_workers": 2, "enable_prefix_caching": False},
+    )  # fmt: skip
     c = Controller(config)
     d0, d1 = IdleHandle("decode-0", 256), IdleHandle("decode-1", 250)
     c.pool.handles = [d0, d1]
@@ -283,7 +287,9 @@ def test_served_requests_sharing_a_prefix_follow_it_and_match_the_engine(
     reference = reference_outputs(tiny_model_dir, work)
 
     async def main() -> tuple[list, Any, set]:
-        config = controller_config(tiny_model_dir, mode="local", topology="colocated", num_decode=2)
+        config = controller_config(
+        tiny_model_dir, mode="local", topology="colocated", decode={"num_workers": 2}
+    )
         controller = Controller(config)
         await controller.start()
         outputs = []

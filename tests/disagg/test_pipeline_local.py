@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from bucketserve.controller.config import PlacementConfig
 from bucketserve.controller.controller import Controller
 from tests.disagg.helpers import (
     controller_config,
@@ -15,7 +14,7 @@ from tests.disagg.helpers import (
     small_batches,
 )
 
-TWO = PlacementConfig(pipeline_parallel_size=2)
+TWO = {"pipeline_parallel_size": 2}
 
 
 def test_local_2_stage_groups_match_one_stage(tiny_model_factory) -> None:
@@ -26,7 +25,7 @@ def test_local_2_stage_groups_match_one_stage(tiny_model_factory) -> None:
     async def main() -> None:
         config = controller_config(
             model, mode="local", buckets=small_batches(),
-            prefill_placement=TWO, decode_placement=TWO,
+            prefill=TWO, decode=TWO,
         )
         controller = Controller(config)
         await controller.start()
@@ -36,7 +35,7 @@ def test_local_2_stage_groups_match_one_stage(tiny_model_factory) -> None:
         assert outputs == reference
         assert {w.pipeline_stages for w in stats.workers} == {2}
         assert stats.kv_bytes_moved > 0
-        # two prefill batches in the prefill stages at once (max_batches_per_prefill=2),
+        # two prefill batches in the prefill stages at once (controller.prefill.max_batches 2),
         # two decode microbatches in the decode stages
         assert prefill.runner.peak_in_flight == 2 and decode.runner.peak_in_flight == 2
 

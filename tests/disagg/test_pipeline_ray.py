@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from bucketserve.controller.config import PlacementConfig
 from bucketserve.controller.controller import Controller
 from tests.disagg.helpers import (
     assert_drained,
@@ -24,7 +23,7 @@ from tests.disagg.helpers import (
 )
 
 pytestmark = pytest.mark.slow
-STAGES = PlacementConfig(accelerator="hpu", num_cpus=0.25, pipeline_parallel_size=2)
+STAGES = {"accelerator": "hpu", "num_cpus": 0.25, "pipeline_parallel_size": 2}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +47,7 @@ def test_2_stage_prefill_and_decode_groups_take_two_cards_each_match_one_stage_a
     async def main() -> None:
         config = controller_config(
             three_layers, mode="ray", buckets=small_batches(),
-            prefill_placement=STAGES, decode_placement=STAGES,
+            prefill=STAGES, decode=STAGES,
         )
         controller = Controller(config)
         await controller.start()

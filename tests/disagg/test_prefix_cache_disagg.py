@@ -6,7 +6,6 @@ transport, padded or not, across a worker kill; after drain every block is free 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import threading
 from pathlib import Path
@@ -341,9 +340,9 @@ def service_work(max_tokens: int, ignore_eos: bool = False) -> list[tuple[list[i
 
 
 def caching_config(model_dir: Path, caching: bool, **options: Any) -> ControllerConfig:
-    scheduler = dataclasses.replace(ControllerConfig().scheduler, enable_prefix_caching=caching)
+    decode = {"enable_prefix_caching": caching}
     return controller_config(
-        model_dir, mode="local", buckets=small_batches(), scheduler=scheduler, **options
+        model_dir, mode="local", buckets=small_batches(), decode=decode, **options
     )
 
 

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from bucketserve.controller.config import PlacementConfig
 from bucketserve.controller.controller import Controller
 from tests.disagg.helpers import (
     assert_drained,
@@ -24,11 +23,11 @@ from tests.disagg.helpers import (
 )
 
 pytestmark = pytest.mark.slow
-CPU = PlacementConfig(accelerator="none")
+CPU = {"accelerator": "none"}
 
 
 def ray_config(model_dir: Path, **options: Any) -> Any:
-    placement = {"prefill_placement": CPU, "decode_placement": CPU}
+    placement = {"prefill": CPU, "decode": CPU}
     return controller_config(model_dir, mode="ray", **{**placement, **options})
 
 
@@ -82,8 +81,8 @@ def test_2p2d_places_one_prefill_actor_per_hpu_card_and_matches_the_engine(
 ) -> None:
     async def main() -> None:
         config = ray_config(
-            tiny_model_dir, num_prefill=2, num_decode=2, buckets=small_batches(),
-            prefill_placement=PlacementConfig(accelerator="auto"),
+            tiny_model_dir, buckets=small_batches(),
+            prefill={"num_workers": 2, "accelerator": "auto"}, decode={**CPU, "num_workers": 2},
         )
         controller = Controller(config)
         await controller.start()
@@ -102,10 +101,10 @@ def test_a_fifth_hpu_prefill_actor_is_refused_with_a_clear_error(
     ray_cards: None, tiny_model_dir: Path
 ) -> None:
     config = ray_config(
-        tiny_model_dir, num_prefill=5, prefill_placement=PlacementConfig(accelerator="hpu")
+        tiny_model_dir, prefill={"num_workers": 5, "accelerator": "hpu"}
     )
     controller = Controller(config)
-    options = controller.pool.actor_options("prefill", config.prefill_placement)
+    options = controller.pool.actor_options("prefill", config.prefill)
     assert options["resources"] == {"HPU": 1} and "num_gpus" not in options
     # restartable, and the call that crashed an actor is not re-run by Ray behind our back
     assert options["max_restarts"] == -1 and options["max_task_retries"] == 0
@@ -121,7 +120,8 @@ def test_collective_transport_over_gloo_matches_the_engine_and_survives_a_prefil
     prefill/decode pair: a killed prefill re-forms only its own pair."""
 
     async def main() -> None:
-        controller = Controller(ray_config(tiny_model_dir, transport="collective", num_prefill=2,
+        controller = Controller(ray_config(tiny_model_dir, transport="collective",
+                                           prefill={**CPU, "num_workers": 2},
                                            buckets=small_batches()))
         await controller.start()
         try:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from bucketserve.bucket_manager.config import BucketManagerConfig
-from bucketserve.controller.config import ControllerConfig, PlacementConfig
+from bucketserve.controller.config import ControllerConfig
 from bucketserve.controller.worker_pool import WorkerPool
 from bucketserve.deploy.serve_config import ServeConfig
 from bucketserve.deploy.serve_config_error import ServeConfigError
@@ -38,7 +38,7 @@ from tests.disagg.helpers import (
     tokens,
 )
 
-TP2 = PlacementConfig(accelerator="none", tensor_parallel_size=2)
+TP2 = {"accelerator": "none", "tensor_parallel_size": 2}
 
 
 # -- config ----------------------------------------------------------------------------------
@@ -96,10 +96,9 @@ def test_colocated_decode_ranks_reach_the_engine_and_a_model_that_cannot_split_i
         load(3).controller_config()
     with pytest.raises(ValueError, match=r"controller.prefill.tensor_parallel_size \(1\) and "
                        r"controller.decode.tensor_parallel_size \(2\) must be equal"):
-        ControllerConfig(topology="disaggregated", decode_placement=TP2)
+        ControllerConfig(topology="disaggregated", decode=TP2)
     with pytest.raises(ValueError, match="needs mode 'ray'"):
-        ControllerConfig(topology="disaggregated", mode="local", prefill_placement=TP2,
-                         decode_placement=TP2)  # fmt: skip
+        ControllerConfig(topology="disaggregated", mode="local", prefill=TP2, decode=TP2)
     disaggregated = ServeConfig.from_dict({
         "model": {"path": str(tiny_model_dir)},
         "controller": {"topology": "disaggregated", "prefill": {"tensor_parallel_size": 2},
@@ -184,10 +183,10 @@ def test_a_rank_ships_its_shard_with_the_step_it_was_begun_for() -> None:
 
 
 def tp_config(model_dir: Path, tp: int, **options: Any) -> ControllerConfig:
-    placement = PlacementConfig(accelerator="none", tensor_parallel_size=tp)
+    placement = {"accelerator": "none", "tensor_parallel_size": tp}
     return controller_config(
         model_dir, mode="ray", topology="colocated", buckets=small_batches(),
-        decode_placement=placement, prefill_placement=PlacementConfig(accelerator="none"),
+        decode=placement, prefill={"accelerator": "none"},
         **options,
     )  # fmt: skip
 
@@ -254,12 +253,11 @@ def test_disaggregated_tp2_ranks_hand_their_kv_shards_to_the_matching_decode_ran
     prefill rank 1 computed, so the tokens match one rank's only if each shard arrived."""
     from bucketserve.controller.controller import Controller
 
-    ranks = PlacementConfig(accelerator="hpu", num_cpus=0.25, tensor_parallel_size=2)
+    ranks = {"accelerator": "hpu", "num_cpus": 0.25, "tensor_parallel_size": 2}
 
     async def main() -> None:
         config = controller_config(
-            tiny_model_dir, mode="ray", buckets=small_batches(), prefill_placement=ranks,
-            decode_placement=ranks,
+            tiny_model_dir, mode="ray", buckets=small_batches(), prefill=ranks, decode=ranks,
         )  # fmt: skip
         controller = Controller(config)
         await controller.start()
@@ -324,7 +322,7 @@ def test_disaggregated_tp2_with_replicated_kv_heads_over_the_collective_transpor
     async def main() -> None:
         config = controller_config(
             model, mode="ray", transport="collective", buckets=small_batches(),
-            prefill_placement=TP2, decode_placement=TP2,
+            prefill=TP2, decode=TP2,
         )  # fmt: skip
         controller = Controller(config)
         await controller.start()

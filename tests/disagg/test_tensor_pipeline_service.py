@@ -57,7 +57,7 @@ def test_a_ray_tp2_pp2_decode_worker_takes_four_cards_matches_one_rank_and_survi
     async def main() -> None:
         config = controller_config(
             tiny_model_dir, mode="ray", topology="colocated", buckets=small_batches(),
-            decode_placement=TP2_PP2, prefill_placement=PlacementConfig(accelerator="none"),
+            decode=dict(TP2_PP2), prefill={"accelerator": "none"},
         )  # fmt: skip
         controller = Controller(config)
         await controller.start()

@@ -45,17 +45,17 @@ def tenant_registry() -> TenantRegistry:
 def local_controller_config(model_dir: Path, tenants: list[TenantConfig], **options: Any) -> Any:
     """All workers in this process: the fast path every gateway test but the Ray one uses
     (whose actors' pools take this test process's share of the cores, `worker_threads`)."""
-    from bucketserve.controller.config import ControllerConfig, PlacementConfig
+    from bucketserve.controller.config import ControllerConfig
     from bucketserve.deploy.serve_config import with_tenants
     from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 
     runner = ModelRunnerConfig(
         model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS
     )
-    placement = PlacementConfig(torch_threads=worker_threads())
+    placement = {"torch_threads": worker_threads()}
     options = {
         "mode": "local", "stats_interval_s": 0.2, "topology": "disaggregated",
-        "prefill_placement": placement, "decode_placement": placement, **options,
+        "prefill": placement, "decode": placement, **options,
     }  # fmt: skip
     return with_tenants(ControllerConfig(runner=runner, **options), tenants)
 

@@ -41,7 +41,7 @@ def own_backend(loop_thread: Any, tiny_model_dir: Path, tenant_registry: Any) ->
 
     config = local_controller_config(tiny_model_dir, tenant_registry.bucket_configs())
     runner = dataclasses.replace(config.runner, num_kv_blocks=12)
-    config = dataclasses.replace(config, runner=runner)
+    config = config.model_copy(update={"runner": runner})
     controller = loop_thread.call(lambda: Controller(config))
     loop_thread.run(controller.start())
     yield controller

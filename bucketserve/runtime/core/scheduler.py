@@ -4,89 +4,63 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from annotated_types import Gt, Le
+from pydantic import Field
 
 from bucketserve.runtime.core.block_manager import BlockManager
 from bucketserve.runtime.core.scheduler_output import SchedulerOutput
 from bucketserve.runtime.core.sequence import FinishReason, Sequence, SequenceStatus, finish_reason
 from bucketserve.runtime.core.slo_admission import SloAdmission, StepTimes
 from bucketserve.runtime.core.virtual_token_counter import VirtualTokenCounter
-from bucketserve.runtime.core.waiting_queue import POLICIES, WaitingQueue
+from bucketserve.runtime.core.waiting_queue import WaitingQueue
+from bucketserve.utils.settings import Settings
 
 
-@dataclass
-class SchedulerConfig:
-    """`max_num_seqs` caps the running batch, `max_num_batched_tokens` one step's tokens.
+class SchedulerConfig(Settings):
+    """A decode engine's continuous batching (the config file's `controller.decode` keys; the
+    offline `LLM` takes them as keywords). With chunked prefill a prompt longer than the
+    step's leftover budget is computed over several steps. On a CPU a prefill chunk of a few
+    hundred tokens already runs its GEMMs near the cores' peak, so batching two long prompts
+    together gains little and holds back the first's first token and everything queued
+    behind both; under a burst of long prompts the smaller steps cost some TTFT
+    (`docs/performance.md`). `slo_admission` is `bucketserve.runtime.core.slo_admission`;
+    a prompt past its TTFT deadline yields in `WaitingQueue.peek`."""
 
-    With chunked prefill a prompt longer than the step's leftover budget is
-    computed over several steps. `watermark` is the fraction of the pool kept
-    free when admitting a new prompt, so admission does not cause an
-    immediate preemption of what is already running. `scheduling_policy` orders the
-    waiting queue: `fcfs`, or `priority` (lowest `priority` first, then arrival; under
-    memory pressure the lowest-priority running sequence is preempted first), as vLLM's.
-    `slo_admission`: a new prompt waits while prefilling it would make a running sequence
-    miss its TPOT target, or an admitted prompt its TTFT deadline
-    (`bucketserve.runtime.core.slo_admission`),
-    and a prompt past its TTFT deadline yields to those still on time that starting it
-    first would make late (`WaitingQueue.peek`); inert for sequences without targets.
-    Off, prompts start in plain queue order, as vLLM's scheduler starts them.
-    `late_yield_s`: how long past its TTFT deadline a prompt yields before it takes its
-    queue place back and is no longer held for running sequences' TPOT (None: it yields
-    while any would be made late, and is held), which bounds the TTFT tail of an overload
-    at the cost of some of the SLOs the yielding keeps.
-    `enable_prefix_caching`: a prompt whose leading full blocks are cached starts after them
-    (`BlockManager`); the engine builds its block manager with it.
-    `long_prefill_token_threshold` (vLLM's knobs of these names): a prompt with more tokens
-    than this left to compute is long; it computes at most this many a step, and at most
-    `max_long_partial_prefills` long prompts are in progress at once, while shorter ones
-    start beside them in the same steps. On a CPU a prefill chunk of a few hundred tokens
-    already runs its GEMMs near the cores' peak, so batching two long prompts together gains
-    little and holds back the first's first token and everything queued behind both; under
-    a burst of long prompts the smaller steps cost some TTFT (`docs/performance.md`).
-    0 (or chunked prefill off): off, a prompt takes what the step's budget leaves.
-    `cache_shares`: tenant name -> the fraction of the evictable cached blocks it may hold
-    while others want room (`BlockManager`); tenants not named are not bounded.
-    """
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = Field(64, ge=1)
+    """Sequences in one decode batch."""
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    """Tokens of one engine step."""
     enable_chunked_prefill: bool = True
-    watermark: float = 0.01
-    scheduling_policy: str = "fcfs"
+    """Prefill a long prompt over several steps (the colocated topology, and recomputing a
+    preempted sequence)."""
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    """A prompt with more tokens than this left to compute is long: it computes at most
+    this many a step, so a short prompt arriving meanwhile waits for a chunk, not the
+    whole prompt (vLLM's knob, off there by default); 0: off, as in the offline `LLM`."""
+    max_long_partial_prefills: int = Field(1, ge=1)
+    """Long prompts in progress at once; the next starts when one has its first token,
+    while shorter prompts start beside them."""
+    watermark: float = Field(0.01, ge=0, lt=1)
+    """Share of the KV blocks kept free before admitting more."""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """fcfs, or priority: by tenant priority, then request priority (lowest first, then
+    arrival; under memory pressure the lowest-priority running sequence is preempted
+    first), as vLLM's."""
     slo_admission: bool = True
-    late_yield_s: float | None = None
-    enable_prefix_caching: bool = True
-    long_prefill_token_threshold: int = 0
-    max_long_partial_prefills: int = 1
-    cache_shares: dict[str, float] | None = None
-
-    def __post_init__(self) -> None:
-        y = self.late_yield_s
-        if y is not None and (isinstance(y, bool) or not isinstance(y, (int, float)) or y <= 0):
-            raise ValueError(
-                f"late_yield_s must be a number of seconds > 0, or null for no bound, got {y!r}"
-            )
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_long_partial_prefills"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        t = self.long_prefill_token_threshold
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise ValueError(
-                f"long_prefill_token_threshold must be an integer >= 0 (0: off), got {t!r}"
-            )
-        if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
-        for tenant, share in (self.cache_shares or {}).items():
-            if isinstance(share, bool) or not isinstance(share, (int, float)):
-                raise ValueError(f"cache_shares[{tenant!r}] must be a number, got {share!r}")
-            if not 0 < share <= 1:
-                raise ValueError(f"cache_shares[{tenant!r}] must be in (0, 1], got {share!r}")
-        if self.scheduling_policy not in POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {', '.join(POLICIES)}, "
-                f"got {self.scheduling_policy!r}"
-            )
+    """A new prompt waits while its prefill would cost a running request its TPOT target,
+    and one past its TTFT deadline yields to those on time it would make late; false:
+    plain queue order, as vLLM's."""
+    late_yield_s: float | None = Field(None, gt=0)
+    """Seconds past its TTFT deadline a prompt yields (and is held for running TPOTs)
+    before it takes its place back; null: no bound."""
+    enable_prefix_caching: bool = Field(True, exclude=True)
+    """A prompt whose leading full blocks are cached starts after them (`BlockManager`);
+    the config file's key is `kv_cache.enable_prefix_caching`."""
+    cache_shares: dict[str, Annotated[float, Gt(0), Le(1)]] | None = Field(None, exclude=True)
+    """Tenant name -> the fraction of the evictable cached blocks it may hold while others
+    want room (`BlockManager`); tenants not named are not bounded. Set from the tenants."""
 
 
 class Scheduler:

@@ -49,7 +49,7 @@ class EngineConfig:
         parts: dict[str, dict[str, Any]] = {"runner": {}, "scheduler": {}, "engine": {}}
         owners = {
             **{f.name: "runner" for f in dataclasses.fields(ModelRunnerConfig)},
-            **{f.name: "scheduler" for f in dataclasses.fields(SchedulerConfig)},
+            **dict.fromkeys(SchedulerConfig.model_fields, "scheduler"),
             "pipeline_depth": "engine",
             "pipeline_parallel_size": "engine",
             "tensor_parallel_size": "engine",
