@@ -71,7 +71,7 @@ def controller_config(
 
     runner = ModelRunnerConfig(model, dtype=dtype, device="cpu")
     buckets = ServiceLimits.default_buckets(max_model_len, runner.block_size, max_num_seqs)
-    batching = dataclasses.replace(buckets.batching, max_batched_tokens=max_batched_tokens)
+    batching = buckets.batching.model_copy(update={"max_batched_tokens": max_batched_tokens})
     return ControllerConfig(
         runner=runner,
         buckets=dataclasses.replace(buckets, batching=batching),

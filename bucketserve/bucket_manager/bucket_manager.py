@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from collections.abc import Hashable, Iterator
@@ -205,7 +204,7 @@ class BucketManager:
         if not self.padded:
             return config
         warmed = max((bs for bs, _, _ in self.shapes.prompt), default=config.max_num_seqs)
-        return dataclasses.replace(config, max_num_seqs=min(config.max_num_seqs, warmed))
+        return config.model_copy(update={"max_num_seqs": min(config.max_num_seqs, warmed)})
 
     def _whole_rows(self, lengths: list[int]) -> int:
         """The most of these prompts (their lengths to compute), in order, whose prompt

@@ -317,45 +317,27 @@ class TenantConfig(Settings):
         return self.shed == "predicted" and self.tenant_class == "online"
 
 
-@dataclass(frozen=True)
-class BatchingConfig:
-    """Eq. 5-6 in KV blocks: a batch fits `safety_fraction` x the decode pool's free blocks.
+class BatchingConfig(Settings):
+    """Prefill batches (the config file's `buckets.batching`): Eq. 5-6 in KV blocks, a batch
+    fits `safety_fraction` x the decode pool's free blocks. `count_output_tokens`: a request
+    needs ceil((prompt_len + max_tokens) / block_size) blocks, the most its sequence can
+    hold, so an admitted batch never outgrows its reservation; False counts the prompt only
+    (for pools that preempt instead). `fit_batch_buckets`: a batch padded to shape buckets
+    takes as many requests as fill a warmed batch size exactly (5 that fit become 4, not 8
+    rows with 3 empty); the rest form the next batch, which the next free prefill slot runs.
+    An empty row costs a whole prompt's compute, so on compute-bound prefill both batches
+    together cost less than the padded one. Unpadded batches are never trimmed."""
 
-    `count_output_tokens`: a request needs ceil((prompt_len + max_tokens) /
-    block_size) blocks, the most its sequence can hold, so an admitted batch
-    never outgrows its reservation; False counts the prompt only (for pools
-    that preempt instead).
-
-    `max_batched_tokens` bounds one prefill forward as vLLM's
-    `max_num_batched_tokens` does (and with its default): a batch's prompt
-    tokens, summed, stay within it, except that a longer prompt still goes
-    alone (None: no bound beyond the KV blocks and the shapes). It is how long
-    a prefill worker is busy with one batch, so how long a request arriving
-    behind it waits: offline work raises it, latency targets keep it low.
-
-    `fit_batch_buckets`: a batch padded to shape buckets takes as many requests
-    as fill a warmed batch size exactly (5 that fit become 4, not 8 rows with
-    3 empty); the rest form the next batch, which the next free prefill slot
-    runs. An empty row costs a whole prompt's compute, so on compute-bound
-    prefill both batches together cost less than the padded one. Unpadded
-    batches are never trimmed.
-    """
-
-    safety_fraction: float = 0.9
-    max_num_seqs: int = 256
-    count_output_tokens: bool = True
-    max_batched_tokens: int | None = 2048
-    fit_batch_buckets: bool = True
-
-    def __post_init__(self) -> None:
-        check_number("BatchingConfig.safety_fraction", self.safety_fraction, 1e-9, 1.0)
-        check_int("BatchingConfig.max_num_seqs", self.max_num_seqs, 1)
-        if self.max_batched_tokens is not None:
-            check_int("BatchingConfig.max_batched_tokens", self.max_batched_tokens, 1)
-        for name in ("count_output_tokens", "fit_batch_buckets"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ValueError(f"BatchingConfig.{name} must be true or false, got {value!r}")
+    safety_fraction: float = Field(0.9, gt=0, le=1)
+    """A prefill batch fits this share of the decode pool's free blocks (Eq. 5-6)."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Requests in one prefill batch (padded: also at most the largest prompt bs)."""
+    max_batched_tokens: int | None = Field(2048, ge=1)
+    """Prompt tokens per prefill batch (a longer prompt goes alone), as vLLM's
+    max_num_batched_tokens bounds one forward: how long a request can wait behind one;
+    raise it for offline work. null: no bound."""
+    count_output_tokens: bool = Field(True, exclude=True)
+    fit_batch_buckets: bool = Field(True, exclude=True)
 
 
 DEFAULT_TENANT = "default"

@@ -107,7 +107,7 @@ class ServeConfig:
                 max_buckets=buckets.max_buckets,
                 **({} if buckets.max_len is None else {"max_len": buckets.max_len}),
             ),
-            batching=BatchingConfig(**buckets.batching.model_dump()),
+            batching=buckets.batching,
             shape_buckets=_shape_buckets(buckets, runner.block_size),
             max_len=buckets.max_len,
             cluster_resources=dict(s.cluster.resources),

@@ -21,7 +21,7 @@ from bucketserve.gateway.gateway_config import GatewayConfig
 from bucketserve.utils.settings import Settings, SettingsError
 
 # The service's defaults are the configs' own: each default is written once, there.
-CONTROLLER, BATCHING, REQUEST_BUCKETS = ControllerConfig(), BatchingConfig(), RequestBucketConfig()
+CONTROLLER, REQUEST_BUCKETS = ControllerConfig(), RequestBucketConfig()
 RUNNER = CONTROLLER.runner
 
 DEVICES = ("auto", "cpu", "cuda", "cuda:<i>", "hpu")
@@ -133,16 +133,6 @@ class DecodeShapes(Settings):
     """KV blocks of the whole batch."""
 
 
-class BatchingSettings(Settings):
-    safety_fraction: float = Field(BATCHING.safety_fraction, gt=0, le=1)
-    """A prefill batch fits this share of the decode pool's free blocks (Eq. 5-6)."""
-    max_num_seqs: int = Field(BATCHING.max_num_seqs, ge=1)
-    """Requests in one prefill batch (padded: also at most the largest prompt bs)."""
-    max_batched_tokens: int | None = Field(BATCHING.max_batched_tokens, ge=1)
-    """Prompt tokens per prefill batch (a longer prompt goes alone): how long a request can
-    wait behind one; raise it for offline work. null: no bound."""
-
-
 class BucketsSettings(Settings):
     strategy: Literal["exponential", "linear", "file", "unified"] = "exponential"
     """Shape buckets: exponential, linear or file; unified: every decode-worker step (prompt
@@ -162,7 +152,7 @@ class BucketsSettings(Settings):
     model's length."""
     max_buckets: int = Field(REQUEST_BUCKETS.max_buckets, ge=1)
     """Most request buckets."""
-    batching: BatchingSettings = BatchingSettings()
+    batching: BatchingConfig = BatchingConfig()
     """Prefill batches: memory-safe size (Eq. 5-6) and token budget."""
 
 

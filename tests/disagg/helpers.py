@@ -106,7 +106,7 @@ def small_batches(max_num_seqs: int = 4) -> Any:
 
     buckets = ServiceLimits.default_buckets(512, BLOCK_SIZE, 64)
     return dataclasses.replace(
-        buckets, batching=dataclasses.replace(buckets.batching, max_num_seqs=max_num_seqs)
+        buckets, batching=buckets.batching.model_copy(update={"max_num_seqs": max_num_seqs})
     )
 
 
