@@ -67,9 +67,9 @@ def controller_config(
     from bucketserve.controller.config import ControllerConfig
     from bucketserve.controller.service_limits import ServiceLimits
     from bucketserve.runtime.core.scheduler import SchedulerConfig
-    from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+    from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
-    runner = ModelRunnerConfig(model, dtype=dtype, device="cpu")
+    runner = ModelRunnerConfig(model=model, dtype=dtype, device="cpu")
     buckets = ServiceLimits.default_buckets(max_model_len, runner.block_size, max_num_seqs)
     batching = buckets.batching.model_copy(update={"max_batched_tokens": max_batched_tokens})
     return ControllerConfig(

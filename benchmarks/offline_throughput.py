@@ -168,13 +168,16 @@ def run_engine_worker(args: argparse.Namespace, variant: dict[str, int]) -> dict
 
 def run_roofline_worker(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.roofline import decode_step_vs_roofline, gemm_rate, read_bandwidth
-    from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+    from bucketserve.runtime.worker.model_runner import ModelRunner
+    from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
     bandwidth = read_bandwidth()
     gemm = gemm_rate()
     blocks = DECODE_BATCH * -(-(args.decode_context + 1) // 16)
     runner = ModelRunner(
-        ModelRunnerConfig(args.model, dtype="float32", device="cpu", num_kv_blocks=blocks)
+        ModelRunnerConfig(
+            model=args.model, dtype="float32", device="cpu", num_kv_blocks=blocks
+        )
     )
     step = decode_step_vs_roofline(
         runner, DECODE_BATCH, args.decode_context, bandwidth["best"], gemm["matmul"], iters=10

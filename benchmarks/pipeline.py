@@ -89,11 +89,11 @@ def ray_runner(args: argparse.Namespace, stages: int, threads: int):
     import ray
 
     from bucketserve.kv_worker.stage_group import RayStage
-    from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
     from bucketserve.runtime.worker.pipeline.pipeline_runner import PipelineRunner
+    from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    config = ModelRunnerConfig(args.model, dtype="float32", device="cpu")
+    config = ModelRunnerConfig(model=args.model, dtype="float32", device="cpu")
     env = {"env_vars": {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "passive"}}
     options = {"num_cpus": 0, "runtime_env": env}
     return PipelineRunner(

@@ -138,7 +138,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/structured_decode.json")
     args = parser.parse_args()
 
-    from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+    from bucketserve.runtime.worker.model_runner import ModelRunner
+    from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
     runner = ModelRunner(
         ModelRunnerConfig(model=args.model, dtype=args.dtype, device="cpu", num_kv_blocks=2048)

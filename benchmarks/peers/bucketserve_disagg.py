@@ -25,8 +25,8 @@ def load(spec: dict[str, Any]) -> tuple[Generate, Reset, str]:
         spec["max_num_batched_tokens"], spec["dtype"],
     )
     caching = spec.get("enable_prefix_caching", True)
-    decode = config.decode.model_copy(update={"enable_prefix_caching": caching})
-    config = config.model_copy(update={"decode": decode})
+    runner = config.runner.model_copy(update={"enable_prefix_caching": caching})
+    config = config.model_copy(update={"runner": runner})
     controller = Controller(config)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, name="controller", daemon=True).start()

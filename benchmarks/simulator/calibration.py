@@ -277,7 +277,8 @@ def measure(
 ) -> tuple[list[float], list[float]]:
     """Median CPU seconds per point (one thread) over `rounds` interleaved rounds of
     `repeats` runs, and the median wall seconds of the same runs."""
-    from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+    from bucketserve.runtime.worker.model_runner import ModelRunner
+    from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
     blocks = max(p.batch * -(-(p.length + 1) // BLOCK_SIZE) for p in points)
     runner = ModelRunner(

@@ -108,7 +108,7 @@ def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, 
     from bucketserve.controller.config import ControllerConfig, DecodeConfig
     from bucketserve.deploy.serve_config import with_tenants
     from bucketserve.gateway.tenant_registry import TenantRegistry
-    from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+    from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
     runner = ModelRunnerConfig(
         model=spec.model, block_size=spec.block_size, num_kv_blocks=spec.num_kv_blocks,

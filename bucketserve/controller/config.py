@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import Annotated, Any, Literal
@@ -13,7 +12,7 @@ from pydantic import AfterValidator, Field, InstanceOf, model_validator
 from bucketserve.bucket_manager.config import BucketManagerConfig
 from bucketserve.kv_worker.config import WorkerConfig
 from bucketserve.runtime.core.scheduler import SchedulerConfig
-from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from bucketserve.utils.settings import Settings, SettingsError
 
 logger = logging.getLogger(__name__)
@@ -209,20 +208,16 @@ class ControllerConfig(Settings):
         (rank) of the same index."""
         if self.colocated:
             return self
-        for key, why in (
-            ("pipeline_parallel_size", "stage i hands the KV of its layers to decode stage i, "
-             "which must hold the same layers"),
-            ("tensor_parallel_size", "rank r hands its KV heads to decode rank r, which must "
-             "hold the same heads"),
-        ):  # fmt: skip
-            prefill, decode = getattr(self.prefill, key), getattr(self.decode, key)
-            if prefill != decode:
-                raise SettingsError(
-                    f"decode.{key}",
-                    f"controller.prefill.{key} ({prefill}) and controller.decode.{key} "
-                    f"({decode}) must be equal: prefill {why}; set both to {prefill} or both "
-                    f"to {decode} (or use controller.topology: colocated)",
-                )
+        prefill, decode = self.prefill.pipeline_parallel_size, self.decode.pipeline_parallel_size
+        if prefill != decode:
+            raise SettingsError(
+                "decode.pipeline_parallel_size",
+                f"controller.prefill.pipeline_parallel_size ({prefill}) and "
+                f"controller.decode.pipeline_parallel_size ({decode}) must be equal: prefill "
+                "stage i hands the KV of its layers to decode stage i, which must hold the "
+                f"same layers; set both to {prefill} or both to {decode} (or use "
+                "controller.topology: colocated)",
+            )
         for role in ("prefill", "decode"):
             tp = self.placement(role).tensor_parallel_size
             pp = self.placement(role).pipeline_parallel_size
@@ -241,6 +236,15 @@ class ControllerConfig(Settings):
                     "controller.mode: ray (in local mode a worker's ranks are its child "
                     "processes, which no KV transport reaches)",
                 )
+        prefill, decode = self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size
+        if prefill != decode:
+            raise SettingsError(
+                "decode.tensor_parallel_size",
+                f"controller.prefill.tensor_parallel_size {prefill} and "
+                f"controller.decode.tensor_parallel_size {decode} differ: each prefill rank "
+                "hands its KV heads to the decode rank of the same index, so set both to "
+                f"{prefill} or both to {decode} (or use controller.topology: colocated)",
+            )
         return self
 
     @property
@@ -264,14 +268,14 @@ class ControllerConfig(Settings):
         runner = self.role_runner("prefill")
         if self.prefill.kv_blocks is None:
             return runner
-        return dataclasses.replace(runner, num_kv_blocks=self.prefill.kv_blocks)
+        return runner.model_copy(update={"num_kv_blocks": self.prefill.kv_blocks})
 
     def role_runner(self, role: str) -> ModelRunnerConfig:
         """The runner config of one role: its placement's `execution` over the model's."""
         placement = self.placement(role)
         if placement.execution is None:
             return self.runner
-        return dataclasses.replace(self.runner, execution=placement.execution)
+        return self.runner.model_copy(update={"execution": placement.execution})
 
     def torch_threads(self, role: str) -> int | None:
         """Per-actor intra-op threads; None in local mode (one process shares one pool)."""

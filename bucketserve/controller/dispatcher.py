@@ -66,7 +66,7 @@ class Dispatcher:
         self.pool = pool
         self.monitor = monitor
         self.buckets = BucketManager(limits.buckets)
-        caching = config.decode.enable_prefix_caching
+        caching = config.runner.enable_prefix_caching
         self.pd = PDScheduler(config.decode.num_workers, limits.block_size, cache_aware=caching)
         self._epochs: dict[str, int] = {}  # each worker's life its index entries are from
         self.handoff_s: float | None = None  # a handoff's calls beyond its compute and KV

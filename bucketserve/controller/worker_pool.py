@@ -209,7 +209,6 @@ class WorkerPool:
             "torch_threads": c.torch_threads(role),
             "cpus": c.cpus(role),
             "pipeline_parallel_size": c.placement(role).pipeline_parallel_size,
-            "enable_prefix_caching": c.decode.enable_prefix_caching,
         }
 
     def _worker_transport(self) -> str:

@@ -25,9 +25,6 @@ class DecodeWorkerConfig(WorkerConfig):
     waits until a running sequence would otherwise get its next token later than this
     fraction of its TPOT target (`bucketserve.decode_worker.pacer`); None never waits. For workers
     whose cores a prefill worker shares.
-    `enable_prefix_caching`: computed full blocks stay cached for later requests (its engine
-    prefills only what is not cached, a handoff sends only the blocks it lacks); on only
-    where the engine's scheduler config also has it on.
     """
 
     name: str = "decode-0"
@@ -37,7 +34,6 @@ class DecodeWorkerConfig(WorkerConfig):
     stall_timeout_s: float | None = None
     prefills: bool = False
     pace: float | None = None
-    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         check_pace("DecodeWorkerConfig.pace", self.pace)

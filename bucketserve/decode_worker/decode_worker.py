@@ -35,7 +35,8 @@ from bucketserve.runtime.core.outputs import RequestOutput
 from bucketserve.runtime.core.sequence import Sequence as Seq
 from bucketserve.runtime.core.slo_admission import tpot_slacks
 from bucketserve.runtime.engine.llm_engine import LLMEngine
-from bucketserve.runtime.worker.model_runner import ModelRunnerConfig, Shape, UnifiedShape
+from bucketserve.runtime.worker.model_runner import Shape, UnifiedShape
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from bucketserve.runtime.worker.tensor_parallel.tp_runner import (
     RankDeadError,
     TensorParallelRunner,
@@ -104,10 +105,8 @@ class DecodeWorker(KVWorker):
             config.stage_options,
             config.engine.tensor_parallel_size,
         )
-        caching = config.enable_prefix_caching and config.engine.scheduler.enable_prefix_caching
-        scheduler = config.engine.scheduler.model_copy(update={"enable_prefix_caching": caching})
         engine_config = dataclasses.replace(
-            config.engine, runner=ModelRunnerConfig(), scheduler=scheduler, tensor_parallel_size=1
+            config.engine, runner=ModelRunnerConfig(), tensor_parallel_size=1
         )
         self.engine = LLMEngine(engine_config, self.runner, pad_fn=self._pad_to, detokenize=False)
         self.block_manager = self.engine.block_manager

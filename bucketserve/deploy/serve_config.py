@@ -37,7 +37,7 @@ from bucketserve.deploy.serve_settings import BucketsSettings, ServeSettings, Sh
 from bucketserve.gateway.gateway_config import GatewayConfig
 from bucketserve.gateway.tenant_registry import TenantRegistry
 from bucketserve.runtime.io.tokenizer import load_chat_template
-from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from bucketserve.utils.settings import SettingsError
 
 _CARD_DEVICES = {"hpu": "hpu", "cuda": "gpu"}  # model.device -> the card its workers need
@@ -286,30 +286,18 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def _runner(s: ServeSettings) -> ModelRunnerConfig:
-    m, kv = s.model, s.kv_cache
-    return ModelRunnerConfig(
-        model=m.path,
-        dtype=m.dtype,
-        quantization=m.quantization,
-        device=m.device,
-        block_size=kv.block_size,
-        num_kv_blocks=kv.num_blocks,
-        kv_memory_fraction=kv.memory_fraction,
-        cpu_kv_cache_bytes=kv.cpu_bytes,
-        max_model_len=s.buckets.max_len or m.max_model_len,  # L_max bounds the longest request
-        seed=m.seed,
-        execution=m.execution,
-        chat_template=m.chat_template and load_chat_template(m.chat_template),
-        tool_call_parser=m.tool_call_parser,
-    )
+    runner = ModelRunnerConfig(**dict(s.model), **dict(s.kv_cache))
+    template = s.model.chat_template
+    return runner.model_copy(update={
+        "max_model_len": s.buckets.max_len or s.model.max_model_len,  # L_max: the longest
+        "chat_template": template and load_chat_template(template),
+    })  # fmt: skip
 
 
 def _controller(s: ServeSettings, runner: ModelRunnerConfig) -> ControllerConfig:
-    """The file's controller section with what other sections give it: the model runner
-    and the decode engines' prefix caching (`kv_cache.enable_prefix_caching`)."""
-    caching = {"enable_prefix_caching": s.kv_cache.enable_prefix_caching}
-    decode = s.controller.decode.model_copy(update=caching)
-    return s.controller.model_copy(update={"runner": runner, "decode": decode})
+    """The file's controller section with the model runner the model and kv_cache sections
+    make."""
+    return s.controller.model_copy(update={"runner": runner})
 
 
 def _shape_buckets(buckets: BucketsSettings, block_size: int) -> dict[str, Any]:

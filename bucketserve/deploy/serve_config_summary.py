@@ -21,7 +21,7 @@ def summarize(config: ServeConfig, model_len: int | None = None) -> str:
         f"device {runner.device}, "
         f"max_model_len {length or 'from the model'})",
         f"kv cache    block size {runner.block_size}, {kv} per decode worker, prefix caching "
-        + ("on" if c.decode.enable_prefix_caching else "off"),
+        + ("on" if c.runner.enable_prefix_caching else "off"),
         f"topology    {c.topology}"
         + (": the decode workers prefill in chunks" if c.colocated else ""),
         f"prefill     {c.num_prefill_workers} worker(s)"

@@ -8,84 +8,19 @@ manager's configs from a validated `ServeSettings`.
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from annotated_types import Ge
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from bucketserve.bucket_manager.config import BatchingConfig, RequestBucketConfig, TenantConfig
-from bucketserve.controller.config import ControllerConfig, Execution
+from bucketserve.controller.config import ControllerConfig
 from bucketserve.gateway.gateway_config import GatewayConfig
+from bucketserve.runtime.worker.runner_config import KVCacheSettings, ModelSettings
 from bucketserve.utils.settings import Settings, SettingsError
 
 # The service's defaults are the configs' own: each default is written once, there.
-CONTROLLER, REQUEST_BUCKETS = ControllerConfig(), RequestBucketConfig()
-RUNNER = CONTROLLER.runner
-
-DEVICES = ("auto", "cpu", "cuda", "cuda:<i>", "hpu")
-
-
-def _device(device: str) -> str:
-    name = device.strip().lower()
-    if name in ("auto", "cpu", "cuda", "hpu") or re.fullmatch(r"cuda:\d+", name):
-        return device
-    raise ValueError(f"must be one of {list(DEVICES)}; got {device!r}")
-
-
-def _chat_template(template: str | None) -> str | None:
-    if template is None or "{{" in template or "{%" in template:
-        return template
-    if not Path(template).expanduser().is_file():
-        raise ValueError(f"{template} is not a file (nor a Jinja template)")
-    return template
-
-
-class ModelSettings(Settings):
-    path: str | None = None
-    """HF model directory or .gguf file (on the head node); null: the embedded
-    SmolLM2-135M-Instruct."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half"] = (
-        RUNNER.dtype
-    )
-    """auto: float32 on CPU, bfloat16 on cuda and hpu."""
-    quantization: Literal["auto", "none"] = RUNNER.quantization
-    """auto: a GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K weights stay in their
-    blocks on CPU workers (eager, float32, no tensor parallelism), other types expanded to
-    float32; none: every weight expanded to float32."""
-    device: Annotated[str, AfterValidator(_device)] = RUNNER.device
-    """auto, cpu, cuda, cuda:<i> or hpu, as each worker sees it."""
-    max_model_len: int | None = Field(None, ge=1)
-    """Longest prompt + output; null: the model's max_position_embeddings."""
-    seed: int = RUNNER.seed
-    """Sampling seed of the workers."""
-    execution: Execution = RUNNER.execution
-    """eager: each step as it comes; graphs: one compiled graph per shape bucket, compiled
-    at warm-up; auto: graphs on hpu and cuda, eager on cpu."""
-    chat_template: Annotated[str | None, AfterValidator(_chat_template)] = None
-    """Jinja chat template file (or the template itself) for chat requests, replacing the
-    model's; null: the model's own. A base model has none: its chat requests get a 400."""
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
-    """How tool calls are read out of the model's text for tool_choice auto: hermes
-    (<tool_call>{...}</tool_call>, Qwen / Hermes templates), llama3_json (a bare
-    {"name", "parameters"} object); null: no parser, and tool_choice auto gets a 400."""
-
-
-class KVCacheSettings(Settings):
-    block_size: int = Field(RUNNER.block_size, ge=1)
-    """Tokens per KV block."""
-    memory_fraction: float = Field(RUNNER.kv_memory_fraction, gt=0, le=1)
-    """Share of the memory free after loading the weights that the KV pool takes."""
-    num_blocks: int | None = Field(None, ge=1)
-    """A fixed pool size per decode worker instead of memory_fraction."""
-    cpu_bytes: int = Field(RUNNER.cpu_kv_cache_bytes, ge=1)
-    """Cap of the pool on CPU workers."""
-    enable_prefix_caching: bool = CONTROLLER.decode.enable_prefix_caching
-    """Keep computed full blocks named by their tokens, so a request whose prompt starts
-    like an earlier one's reuses their KV and computes only the rest (every worker, both
-    shapes); false: every prompt is computed whole."""
-
+REQUEST_BUCKETS = RequestBucketConfig()
 
 class ShapeRange(Settings):
     """[min, step, max] or [min, step, max, limit] of one shape dimension (or a mapping)."""

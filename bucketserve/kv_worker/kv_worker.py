@@ -30,9 +30,10 @@ from bucketserve.kv_worker.worker_env import (
     warmup_selection,
 )
 from bucketserve.runtime.core.block_manager import BlockManager
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig, Shape
+from bucketserve.runtime.worker.model_runner import ModelRunner, Shape
 from bucketserve.runtime.worker.pipeline.pipeline_runner import PipelineRunner
 from bucketserve.runtime.worker.pipeline.stage_clock import StageSpan
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from bucketserve.runtime.worker.tensor_parallel.tp_runner import (
     RankDeadError,
     TensorParallelRunner,

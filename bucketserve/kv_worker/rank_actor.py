@@ -19,7 +19,8 @@ from bucketserve.kv_worker.rank_kv import RankKV, kv_format_of
 from bucketserve.kv_worker.worker_env import accelerator_ids, apply_torch_threads, node_id
 from bucketserve.runtime.distributed.tp_group import TPGroup, backend_for
 from bucketserve.runtime.worker.device import Device
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunner
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from bucketserve.runtime.worker.tensor_parallel.tp_rank import RunnerFactory
 from bucketserve.runtime.worker.tensor_parallel.tp_runner import (
     RankDeadError,
@@ -51,7 +52,7 @@ class RankActor:
     ) -> None:
         apply_torch_threads(torch_threads)
         if config.device.startswith("cuda"):  # the one card Ray gave this actor
-            config = dataclasses.replace(config, device="cuda:0")
+            config = config.model_copy(update={"device": "cuda:0"})
             torch.cuda.set_device(0)
         store = dist.TCPStore(host, port, size, is_master=False)
         tp = TPGroup.create(backend, store, rank, size, group, timeout_s)
@@ -101,7 +102,7 @@ class RayTensorParallelRunner(TensorParallelRunner):
         device_type = Device(config.device).type
         backend = backend_for(device_type)
         if device_type == "cuda":
-            config = dataclasses.replace(config, device="cuda:0")
+            config = config.model_copy(update={"device": "cuda:0"})
         host = ray.util.get_node_ip_address()
         group = f"tp-{name}-{os.getpid()}-{next(_GROUP_IDS)}"
         store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False)

@@ -9,12 +9,13 @@ import ray
 
 from bucketserve.kv_worker.rank_actor import RayTensorParallelRunner
 from bucketserve.kv_worker.worker_env import accelerator_ids, apply_torch_threads, node_id
-from bucketserve.runtime.worker.model_runner import ModelRunnerConfig, Shape
+from bucketserve.runtime.worker.model_runner import Shape
 from bucketserve.runtime.worker.pipeline.stage_clock import StageSpan
 from bucketserve.runtime.worker.pipeline.stage_runner import StageOutput, StageRunner
 from bucketserve.runtime.worker.pipeline.stage_spec import StageSpec
 from bucketserve.runtime.worker.pipeline.stage_step import StageStep
 from bucketserve.runtime.worker.pipeline.tp_stage import TensorParallelStage
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
 SIDE = "side"
 CONCURRENCY_GROUPS = {SIDE: 1}

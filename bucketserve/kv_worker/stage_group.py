@@ -8,12 +8,13 @@ from typing import Any
 
 from bucketserve.kv_worker.rank_actor import RayTensorParallelRunner
 from bucketserve.kv_worker.stage_actor import CONCURRENCY_GROUPS, StageActor, stage_bundle
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig, Shape
+from bucketserve.runtime.worker.model_runner import ModelRunner, Shape
 from bucketserve.runtime.worker.pipeline.pipeline_runner import PipelineRunner
 from bucketserve.runtime.worker.pipeline.stage import StageDeadError
 from bucketserve.runtime.worker.pipeline.stage_clock import StageSpan
 from bucketserve.runtime.worker.pipeline.stage_spec import StageSpec
 from bucketserve.runtime.worker.pipeline.stage_step import StageStep
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from bucketserve.runtime.worker.tensor_parallel.tp_runner import TensorParallelRunner
 
 logger = logging.getLogger(__name__)

@@ -5,15 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bucketserve.kv_worker.config import WorkerConfig
-from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
 
 @dataclass
 class PrefillWorkerConfig(WorkerConfig):
     """`shape_buckets` holds the prompt shapes this worker warms and pads to. Blocks of a
     finished batch stay held under a lease until the decode side acknowledges.
-    `enable_prefix_caching`: computed full blocks stay cached (an LRU of free blocks), so a
-    later prompt with the same leading blocks computes only the rest.
     `tensor_parallel_size` > 1 shards the model over that many ranks (RankActors with
     `stage_options`, else this process's children), each shipping its KV heads to the
     decode worker's rank of its index."""
@@ -23,6 +21,5 @@ class PrefillWorkerConfig(WorkerConfig):
     # fault drill (tests only, no config key): the first life of the worker dies with its
     # first batch's KV that many layers out (0: before any)
     exit_after_layers: int | None = None
-    enable_prefix_caching: bool = True
     cache_shares: dict[str, float] | None = None  # tenant -> bound on evictable blocks
     tensor_parallel_size: int = 1

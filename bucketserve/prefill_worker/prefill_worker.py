@@ -90,7 +90,7 @@ class PrefillWorker(KVWorker):
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks,
             self.runner.block_size,
-            config.enable_prefix_caching,
+            config.runner.enable_prefix_caching,
             config.cache_shares,
         )
         self.eos_token_ids = self.runner.eos_token_ids

@@ -16,7 +16,7 @@ _EXPORTS = {
     "EngineConfig": "bucketserve.runtime.engine.engine_config",
     "EngineStats": "bucketserve.runtime.engine.llm_engine",
     "ModelRunner": "bucketserve.runtime.worker.model_runner",
-    "ModelRunnerConfig": "bucketserve.runtime.worker.model_runner",
+    "ModelRunnerConfig": "bucketserve.runtime.worker.runner_config",
     "RequestOutput": "bucketserve.runtime.core.outputs",
     "CompletionOutput": "bucketserve.runtime.core.outputs",
     "SamplingParams": "bucketserve.runtime.core.sampling_params",
@@ -64,7 +64,8 @@ if TYPE_CHECKING:
     from bucketserve.runtime.engine.llm_engine import EngineStats, LLMEngine
     from bucketserve.runtime.io.detokenizer import Detokenizer
     from bucketserve.runtime.io.tokenizer import Tokenizer
-    from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+    from bucketserve.runtime.worker.model_runner import ModelRunner
+    from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
 
 def __getattr__(name: str) -> Any:

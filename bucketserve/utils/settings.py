@@ -4,6 +4,7 @@ and an error names the key path (`controller.decode.num_workers`) and what is al
 A field's docstring is its description in the generated key reference
 (`docs/configuration.md`). A field declared with `exclude=True` is set by the code that
 builds the config, not by the file: the file may not name it and the reference omits it.
+A field with an alias is that key in the file and its name in code.
 A validator that checks several keys of one section raises
 `SettingsError(key, message)` to pin the error on that key.
 """
@@ -31,7 +32,12 @@ class SettingsError(ValueError):
 
 class Settings(BaseModel):
     model_config = ConfigDict(
-        extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True
+        extra="forbid",
+        strict=True,
+        frozen=True,
+        use_attribute_docstrings=True,
+        validate_by_name=True,  # code passes field names; files give the aliases
+        validate_by_alias=True,
     )
 
     @model_validator(mode="before")
@@ -51,8 +57,8 @@ class Settings(BaseModel):
         if not isinstance(data, dict) or not (info.context or {}).get("file"):
             return data
         for key in data:
-            field = _field(cls, key)
-            if field is not None and field.exclude:
+            field = cls.model_fields.get(key) or _field(cls, key)
+            if field is not None and (field.exclude or field.alias not in (None, key)):
                 raise SettingsError(key, _unknown_key_text(key, file_keys(cls), None))
         return data
 

@@ -34,7 +34,7 @@ def service(loop_thread: LoopThread, tiny_model_dir: Path) -> Iterator[tuple[Any
     from bucketserve.deploy.serve_config import with_tenants
     from bucketserve.gateway.gateway_config import GatewayConfig
     from bucketserve.gateway.server import GatewayServer
-    from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+    from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
     tenants = TenantRegistry.from_dict(TENANTS)
     runner = ModelRunnerConfig(model=str(tiny_model_dir), block_size=4, num_kv_blocks=512)

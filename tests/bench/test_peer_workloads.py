@@ -65,7 +65,7 @@ def test_bucketserve_config_keeps_or_turns_off_prefix_caching(caching: bool) -> 
     server = served._start("bucketserve-colocated-local", Path("/model"), args)
     assert "VLLM_SERVER_DEV_MODE" not in server.env
     config = ServeConfig.load(server.argv[server.argv.index("--config") + 1])
-    assert config.controller.decode.enable_prefix_caching is caching
+    assert config.controller.runner.enable_prefix_caching is caching
     assert config.controller.topology == "colocated"
     assert config.controller.mode == "local"
 

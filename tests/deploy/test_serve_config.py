@@ -154,11 +154,11 @@ def test_prefix_caching_is_on_in_every_worker_unless_the_yaml_turns_it_off(
         assert run_check(argparse.Namespace(file=path)) == 0, capsys.readouterr().err
         assert f"prefix caching {'on' if want else 'off'}" in capsys.readouterr().out
         controller = ServeConfig.load(path).controller
-        assert controller.decode.enable_prefix_caching is want
+        assert controller.runner.enable_prefix_caching is want
         pool = WorkerPool(controller, BucketManagerConfig())
-        assert pool.prefill_config(0).enable_prefix_caching is want
+        assert pool.prefill_config(0).runner.enable_prefix_caching is want
         decode = pool.decode_config(0)
-        assert decode.engine.scheduler.enable_prefix_caching is want
+        assert decode.engine.runner.enable_prefix_caching is want
     path = write(tmp_path, {"kv_cache": {"enable_prefix_caching": "yes"}})
     assert run_check(argparse.Namespace(file=path)) == 1
     err = capsys.readouterr().err

@@ -42,7 +42,7 @@ def controller_config(model_dir: Path, **options: Any) -> Any:
     """The tiny model's service; each Ray actor's intra-op pool is this test process's share
     of the cores (`worker_threads`) unless a placement says."""
     from bucketserve.controller.config import ControllerConfig
-    from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+    from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
     runner = ModelRunnerConfig(
         model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS

@@ -19,7 +19,7 @@ from bucketserve.messages import ServeRequest, WorkerRequest
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.sequence import Sequence
 from bucketserve.runtime.engine.engine_config import EngineConfig
-from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from tests.disagg.helpers import BLOCK_SIZE
 
 

@@ -45,7 +45,8 @@ def test_graphs_mode_1p1d_matches_the_engine(
 ) -> None:
     caplog.set_level(logging.INFO, logger="bucketserve.kv_worker.kv_worker")
     config = controller_config(tiny_model_dir, mode="local", buckets=few_buckets())
-    config.runner = dataclasses.replace(config.runner, execution="graphs")
+    runner = config.runner.model_copy(update={"execution": "graphs"})
+    config = config.model_copy(update={"runner": runner})
 
     async def main() -> None:
         controller = Controller(config)
@@ -79,7 +80,8 @@ def test_colocated_graphs_mode_compiles_prompt_and_decode_buckets_at_warmup(
     caplog.set_level(logging.INFO, logger="bucketserve.kv_worker.kv_worker")
     buckets = few_buckets(prompt_rows=BucketRange(4, 4, 16, 2))
     config = controller_config(tiny_model_dir, mode="local", topology="colocated", buckets=buckets)
-    config.runner = dataclasses.replace(config.runner, execution="graphs")
+    runner = config.runner.model_copy(update={"execution": "graphs"})
+    config = config.model_copy(update={"runner": runner})
 
     async def main() -> None:
         controller = Controller(config)

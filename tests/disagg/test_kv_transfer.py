@@ -20,7 +20,7 @@ from bucketserve.messages import PrefillTask, ReservationError, ServeRequest, Wo
 from bucketserve.prefill_worker.config import PrefillWorkerConfig
 from bucketserve.prefill_worker.prefill_worker import PrefillWorker
 from bucketserve.runtime.engine.engine_config import EngineConfig
-from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from tests.disagg.helpers import BLOCK_SIZE
 
 FORMAT = KVFormat("float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=16)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import threading
@@ -208,7 +207,7 @@ def test_an_unpadded_prefill_takes_a_whole_burst_past_the_warmed_batch_sizes(
     """On the CPU (no padding, no graphs) a burst of 32 goes out as one prefill batch, past the
     largest warmed prompt batch (16): the decode pool starts on all of it at once."""
     config = controller_config(tiny_model_dir, mode="local")
-    runner = dataclasses.replace(config.runner, num_kv_blocks=1024)
+    runner = config.runner.model_copy(update={"num_kv_blocks": 1024})
 
     async def main() -> None:
         controller = Controller(config.model_copy(update={"runner": runner}))

@@ -258,9 +258,10 @@ def test_the_colocated_dispatcher_queues_by_cached_length_and_places_by_cache(
 
 def test_without_prefix_caching_nothing_is_hashed_or_moved(tiny_model_dir: Path) -> None:
     config = controller_config(
-        tiny_model_dir, mode="local", topology="colocated",
-        decode={"num_workers": 2, "enable_prefix_caching": False},
-    )  # fmt: skip
+        tiny_model_dir, mode="local", topology="colocated", decode={"num_workers": 2}
+    )
+    runner = config.runner.model_copy(update={"enable_prefix_caching": False})
+    config = config.model_copy(update={"runner": runner})
     c = Controller(config)
     d0, d1 = IdleHandle("decode-0", 256), IdleHandle("decode-1", 250)
     c.pool.handles = [d0, d1]

@@ -28,7 +28,7 @@ from bucketserve.prefill_worker.config import PrefillWorkerConfig
 from bucketserve.prefill_worker.prefill_worker import PrefillWorker
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.engine.engine_config import EngineConfig
-from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from tests.disagg.helpers import (
     BLOCK_SIZE,
     NUM_KV_BLOCKS,
@@ -89,10 +89,10 @@ def shared_reference(tiny_model_dir: Path) -> list[list[int]]:
 # -- one prefill worker and one decode worker, called directly ---------------------------------
 
 
-def runner(model_dir: Path, execution: str = "eager") -> ModelRunnerConfig:
+def runner(model_dir: Path, execution: str = "eager", caching: bool = True) -> ModelRunnerConfig:
     return ModelRunnerConfig(
         model=str(model_dir), dtype="float32", block_size=BLOCK, num_kv_blocks=POOL,
-        execution=execution,
+        execution=execution, enable_prefix_caching=caching,
     )  # fmt: skip
 
 
@@ -105,18 +105,16 @@ def workers(
     shared = {"inprocess": InProcessTransport(), "carried": CarriedTransport()}.get(transport)
     prefill = PrefillWorker(
         PrefillWorkerConfig(
-            runner=runner(model_dir, "graphs" if prefill_mode == "graphs" else "eager"),
+            runner=runner(model_dir, "graphs" if prefill_mode == "graphs" else "eager", caching),
             transport="inprocess",
             pad_to_shape_buckets=prefill_mode != "eager",
-            enable_prefix_caching=caching,
         ),
         shared,
     )
     decode = DecodeWorker(
         DecodeWorkerConfig(
-            engine=EngineConfig(runner(model_dir)),
+            engine=EngineConfig(runner(model_dir, caching=caching)),
             transport="inprocess",
-            enable_prefix_caching=caching,
         ),
         shared,
     )
@@ -340,10 +338,9 @@ def service_work(max_tokens: int, ignore_eos: bool = False) -> list[tuple[list[i
 
 
 def caching_config(model_dir: Path, caching: bool, **options: Any) -> ControllerConfig:
-    decode = {"enable_prefix_caching": caching}
-    return controller_config(
-        model_dir, mode="local", buckets=small_batches(), decode=decode, **options
-    )
+    config = controller_config(model_dir, mode="local", buckets=small_batches(), **options)
+    runner = config.runner.model_copy(update={"enable_prefix_caching": caching})
+    return config.model_copy(update={"runner": runner})
 
 
 async def two_waves(config: ControllerConfig, work: list) -> tuple[list, Any, dict[str, int]]:

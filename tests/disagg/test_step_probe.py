@@ -11,7 +11,7 @@ from bucketserve.decode_worker.decode_worker import DecodeWorker
 from bucketserve.prefill_worker.config import PrefillWorkerConfig
 from bucketserve.prefill_worker.prefill_worker import PrefillWorker
 from bucketserve.runtime.engine.engine_config import EngineConfig
-from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from tests.disagg.helpers import BLOCK_SIZE
 
 

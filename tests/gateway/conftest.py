@@ -47,7 +47,7 @@ def local_controller_config(model_dir: Path, tenants: list[TenantConfig], **opti
     (whose actors' pools take this test process's share of the cores, `worker_threads`)."""
     from bucketserve.controller.config import ControllerConfig
     from bucketserve.deploy.serve_config import with_tenants
-    from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+    from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
     runner = ModelRunnerConfig(
         model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS

@@ -67,6 +67,7 @@ def test_a_given_template_is_the_served_tokenizers(base_model_dir: Path) -> None
     info, _ = describe_model(config)
     with pytest.raises(ValueError, match="no chat template"):
         info.tokenizer.apply_chat_template(MESSAGES)
-    config.runner.chat_template = TURNS
+    runner = config.runner.model_copy(update={"chat_template": TURNS})
+    config = config.model_copy(update={"runner": runner})
     info, _ = describe_model(config)
     assert info.tokenizer.apply_chat_template(MESSAGES) == "<user> Hi\n"

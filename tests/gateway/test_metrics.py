@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -40,7 +39,7 @@ def own_backend(loop_thread: Any, tiny_model_dir: Path, tenant_registry: Any) ->
     from bucketserve.controller.controller import Controller
 
     config = local_controller_config(tiny_model_dir, tenant_registry.bucket_configs())
-    runner = dataclasses.replace(config.runner, num_kv_blocks=12)
+    runner = config.runner.model_copy(update={"num_kv_blocks": 12})
     config = config.model_copy(update={"runner": runner})
     controller = loop_thread.call(lambda: Controller(config))
     loop_thread.run(controller.start())

@@ -21,7 +21,7 @@ def test_sdk_text_equals_the_engine_on_smollm2(loop_thread: Any, smollm_dir: Pat
     from bucketserve.controller.controller import Controller
     from bucketserve.deploy.serve_config import with_tenants
     from bucketserve.runtime.engine.llm import LLM
-    from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+    from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
     runner = ModelRunnerConfig(model=str(smollm_dir), num_kv_blocks=64)
     config = ControllerConfig(runner=runner, mode="local")

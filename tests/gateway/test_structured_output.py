@@ -48,7 +48,7 @@ def serve(loop_thread: Any, model_dir: Path, topology: str, **gateway: Any) -> I
     from bucketserve.controller.config import ControllerConfig
     from bucketserve.controller.controller import Controller
     from bucketserve.deploy.serve_config import with_tenants
-    from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+    from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
     template, parser = gateway.pop("chat_template", None), gateway.pop("tool_call_parser", None)
     runner = ModelRunnerConfig(

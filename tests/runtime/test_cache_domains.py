@@ -216,16 +216,17 @@ def test_offline_engine_tokens_do_not_depend_on_whose_cache_they_read(
 ) -> None:
     """Two tenants and a salt over one engine: greedy tokens equal the uncached engine's;
     `num_cached_tokens` reports only hits of the request's own domain."""
-    from bucketserve.runtime.core.scheduler import SchedulerConfig
     from bucketserve.runtime.engine.engine_config import EngineConfig
     from bucketserve.runtime.engine.llm_engine import LLMEngine
-    from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+    from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
     prompt = [5 + i for i in range(40)]
     params = SamplingParams(temperature=0, max_tokens=6)
     runner = ModelRunnerConfig(model=str(tiny_model_dir), block_size=BS, num_kv_blocks=64)
     engine = LLMEngine(EngineConfig(runner))
-    reference = LLMEngine(EngineConfig(runner, SchedulerConfig(enable_prefix_caching=False)))
+    reference = LLMEngine(
+        EngineConfig(runner.model_copy(update={"enable_prefix_caching": False}))
+    )
 
     def generate(eng: LLMEngine, tenant: TenantTag | None = None) -> tuple[list[int], int]:
         rid = eng.add_request(prompt, params, **({"tenant": tenant} if tenant else {}))

@@ -10,7 +10,8 @@ import pytest
 
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.engine.llm_engine import LLMEngine
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunner
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=8)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bucketserve.runtime.engine.llm_engine import LLMEngine
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunner
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from tests.runtime.smollm_chat import GREEDY, assert_matches
 from tests.runtime.test_engine import drain_all
 

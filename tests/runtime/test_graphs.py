@@ -13,7 +13,8 @@ from bucketserve.runtime.cpu import gemm_plan, kernels, mkl_sgemm
 from bucketserve.runtime.cpu.graph_ops import is_panels
 from bucketserve.runtime.engine.llm import LLM
 from bucketserve.runtime.worker.device import Device, graph_backend_for, hpu_lazy_mode
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunner
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from tests.runtime.test_model_runner import BLOCK, NUM_BLOCKS, Blocks, generate, new_seqs, prompts
 
 pytestmark = pytest.mark.slow  # compiles graphs
@@ -128,7 +129,7 @@ def test_offline_llm_in_graphs_mode_matches_eager(tiny_model_dir):
 
 def test_execution_mode_and_graph_backend_per_device():
     assert ModelRunnerConfig().execution == "auto"
-    with pytest.raises(ValueError, match="execution must be"):
+    with pytest.raises(ValueError, match=r"execution\n  Input should be 'auto', 'eager' or 'gr"):
         ModelRunnerConfig(execution="jit")
     cpu = Device("cpu")
     assert cpu.graph_backend == "inductor" and not cpu.captures_whole_step

@@ -21,7 +21,8 @@ from bucketserve.runtime.core.scheduler import SchedulerConfig
 from bucketserve.runtime.core.sequence import Sequence
 from bucketserve.runtime.engine.engine_config import EngineConfig
 from bucketserve.runtime.engine.llm_engine import LLMEngine
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunner
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from bucketserve.runtime.worker.step_inputs import InputBuilder
 from tests.runtime.test_engine_prefix_cache import shared_prompts
 

@@ -13,7 +13,8 @@ from bucketserve.runtime.core.sequence import Sequence
 from bucketserve.runtime.io.model_config import RopeScaling
 from bucketserve.runtime.layers.rotary_embedding import rope_inv_freq
 from bucketserve.runtime.models import load_model_config, parse_model_config
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunner
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
 BLOCK = 4
 VOCAB = 49152

@@ -22,7 +22,8 @@ from bucketserve.runtime.engine.llm_engine import LLMEngine
 from bucketserve.runtime.io.model_config import RopeScaling
 from bucketserve.runtime.models import load_model_config, model_class, parse_model_config
 from bucketserve.runtime.models.registry import FAMILIES as SERVED
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunner
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
 pytestmark = pytest.mark.slow  # compiles graphs of every family
 

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.sequence import Sequence
 from bucketserve.runtime.worker.kv_cache import KVCache
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunner
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
 BLOCK = 4
 NUM_BLOCKS = 48
@@ -207,11 +208,11 @@ def test_bad_steps_raise_and_change_nothing(tiny_model_dir, execution):
 
 
 def test_config_errors(tiny_model_dir, tmp_path):
-    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+    with pytest.raises(ValueError, match=r"block_size\n  Input should be greater than or equal"):
         ModelRunnerConfig(block_size=0)
-    with pytest.raises(ValueError, match="num_kv_blocks must be None or >= 1"):
+    with pytest.raises(ValueError, match=r"num_kv_blocks\n  Input should be greater than"):
         ModelRunnerConfig(num_kv_blocks=0)
-    with pytest.raises(ValueError, match=r"kv_memory_fraction must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"kv_memory_fraction\n  Input should be less than"):
         ModelRunnerConfig(kv_memory_fraction=1.5)
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 512"):
         ModelRunner(ModelRunnerConfig(model=str(tiny_model_dir), max_model_len=1024))
@@ -219,10 +220,10 @@ def test_config_errors(tiny_model_dir, tmp_path):
         ModelRunner(ModelRunnerConfig(model=str(tmp_path / "nope")))
     with pytest.raises(ValueError, match=r"has no config\.json"):
         ModelRunner(ModelRunnerConfig(model=str(tmp_path)))
-    with pytest.raises(ValueError, match="unknown device 'tpu'"):
-        ModelRunner(ModelRunnerConfig(model=str(tiny_model_dir), device="tpu"))
-    with pytest.raises(ValueError, match="unknown dtype 'float8'"):
-        ModelRunner(ModelRunnerConfig(model=str(tiny_model_dir), dtype="float8"))
+    with pytest.raises(ValueError, match=r"device\n  Value error, must be one of \['auto', 'cpu'"):
+        ModelRunnerConfig(model=str(tiny_model_dir), device="tpu")
+    with pytest.raises(ValueError, match=r"dtype\n  Input should be 'auto', 'float32'"):
+        ModelRunnerConfig(model=str(tiny_model_dir), dtype="float8")
 
 
 def test_max_model_len_is_enforced(tiny_model_dir):

@@ -11,11 +11,12 @@ import torch
 
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.engine.llm_engine import LLMEngine
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunner
 from bucketserve.runtime.worker.pipeline.pipeline_executor import PipelineExecutor
 from bucketserve.runtime.worker.pipeline.pipeline_stats import PipelineStats, handoff_seconds
 from bucketserve.runtime.worker.pipeline.stage_clock import StageSpan
 from bucketserve.runtime.worker.pipeline.stage_spec import split_layers
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from tests.runtime.test_engine import drain, drain_all, token_prompts
 
 BLOCK = 4

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.engine.llm_engine import LLMEngine
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunner
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
 PROMPT = [17, 230, 4051, 99, 1200, 7, 8, 612, 33, 901, 45, 3, 2999]
 

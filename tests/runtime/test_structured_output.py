@@ -20,7 +20,8 @@ from bucketserve.runtime.core.sequence import FinishReason, Sequence
 from bucketserve.runtime.core.structured_outputs import StructuredOutputsParams as Spec
 from bucketserve.runtime.engine.llm import LLM
 from bucketserve.runtime.engine.llm_engine import LLMEngine
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunner
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
 BLOCK = 4
 

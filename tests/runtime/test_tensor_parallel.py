@@ -23,7 +23,7 @@ from bucketserve.runtime.core.sequence import Sequence
 from bucketserve.runtime.engine.llm_engine import LLMEngine
 from bucketserve.runtime.models import load_model_config, parse_model_config
 from bucketserve.runtime.models.causal_lm import check_tensor_parallel
-from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from bucketserve.runtime.worker.tensor_parallel.tp_runner import (
     RankDeadError,
     TensorParallelRunner,

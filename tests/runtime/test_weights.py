@@ -21,7 +21,8 @@ from bucketserve.runtime.layers.linear import Linear
 from bucketserve.runtime.layers.packing import describe_weights
 from bucketserve.runtime.loader.gguf_converter import GGUFConverter, llama3_rope_scaling
 from bucketserve.runtime.loader.model_files import convert_gguf, resolve_model
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunner
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from tests.conftest import TINY_CONFIG
 from tests.gguf_reads import one_parse_per_gguf
 from tests.runtime.conftest import SMALL_VOCAB

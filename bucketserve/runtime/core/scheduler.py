@@ -55,9 +55,6 @@ class SchedulerConfig(Settings):
     late_yield_s: float | None = Field(None, gt=0)
     """Seconds past its TTFT deadline a prompt yields (and is held for running TPOTs)
     before it takes its place back; null: no bound."""
-    enable_prefix_caching: bool = Field(True, exclude=True)
-    """A prompt whose leading full blocks are cached starts after them (`BlockManager`);
-    the config file's key is `kv_cache.enable_prefix_caching`."""
     cache_shares: dict[str, Annotated[float, Gt(0), Le(1)]] | None = Field(None, exclude=True)
     """Tenant name -> the fraction of the evictable cached blocks it may hold while others
     want room (`BlockManager`); tenants not named are not bounded. Set from the tenants."""

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from bucketserve.runtime.core.scheduler import SchedulerConfig
-from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
 
 @dataclass
@@ -48,7 +47,7 @@ class EngineConfig:
         into the component configs; an unknown name raises ValueError listing the known."""
         parts: dict[str, dict[str, Any]] = {"runner": {}, "scheduler": {}, "engine": {}}
         owners = {
-            **{f.name: "runner" for f in dataclasses.fields(ModelRunnerConfig)},
+            **dict.fromkeys(ModelRunnerConfig.model_fields, "runner"),
             **dict.fromkeys(SchedulerConfig.model_fields, "scheduler"),
             "pipeline_depth": "engine",
             "pipeline_parallel_size": "engine",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,8 +29,13 @@ class LLM:
     """
 
     def __init__(
-        self, model: str | None = None, *, runner: ModelRunner | None = None, **config: Any
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        runner: ModelRunner | None = None,
+        **config: Any,
     ) -> None:
+        model = None if model is None else os.fspath(model)
         self.engine = LLMEngine.from_kwargs(runner=runner, model=model, **config)
 
     def close(self) -> None:

@@ -22,9 +22,10 @@ from bucketserve.runtime.core.scheduler_output import SchedulerOutput
 from bucketserve.runtime.core.sequence import Priority, Sequence
 from bucketserve.runtime.core.tenant_tag import DEFAULT_TENANT, TenantTag
 from bucketserve.runtime.engine.engine_config import EngineConfig
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunner
 from bucketserve.runtime.worker.pipeline.pipeline_executor import PipelineExecutor, make_executor
 from bucketserve.runtime.worker.pipeline.pipeline_runner import PipelineRunner
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from bucketserve.runtime.worker.tensor_parallel.tp_runner import TensorParallelRunner
 
 Shape = tuple[int, int, int]
@@ -77,7 +78,9 @@ class LLMEngine:
                 "pipeline_parallel_size (tensor_parallel_size) builds the engine's own stages "
                 "(ranks); pass either it or an existing runner, not both"
             )
-        if runner is not None and config.runner != ModelRunnerConfig():
+        # the prefix cache is the engine's: an engine over a given runner may turn it off
+        runner_options = config.runner.model_copy(update={"enable_prefix_caching": True})
+        if runner is not None and runner_options != ModelRunnerConfig():
             raise ValueError(
                 "model runner options (model, num_kv_blocks, ...) configure a new runner; "
                 "pass either them or an existing runner, not both"
@@ -88,7 +91,8 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks,
             self.runner.block_size,
-            enable_prefix_caching=config.scheduler.enable_prefix_caching,
+            enable_prefix_caching=config.runner.enable_prefix_caching
+            and self.runner.config.enable_prefix_caching,
             cache_shares=config.scheduler.cache_shares,
         )
         self.scheduler = Scheduler(

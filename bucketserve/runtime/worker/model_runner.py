@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -14,20 +13,20 @@ from bucketserve.runtime.core.sequence import Sequence
 from bucketserve.runtime.cpu.block_gemm import runs_blocks
 from bucketserve.runtime.distributed.tp_group import TPGroup
 from bucketserve.runtime.io.model_config import ModelConfig
-from bucketserve.runtime.io.quantized import QUANTIZATION_MODES
 from bucketserve.runtime.io.tokenizer import Tokenizer
 from bucketserve.runtime.io.weights import iter_safetensors
 from bucketserve.runtime.layers.packing import describe_weights, pack_weights
 from bucketserve.runtime.loader.model_files import resolve_model
 from bucketserve.runtime.models import load_model_config, model_class
 from bucketserve.runtime.worker.compiled_graphs import CompiledGraphs, GraphStats
-from bucketserve.runtime.worker.device import EXECUTION_MODES, Device
+from bucketserve.runtime.worker.device import Device
 from bucketserve.runtime.worker.kv_cache import KVCache
 from bucketserve.runtime.worker.prompt_logprobs import (
     PromptSpan,
     prompt_spans,
     record_prompt_logprobs,
 )
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from bucketserve.runtime.worker.sampler import Sampler
 from bucketserve.runtime.worker.step_inputs import InputBuilder, Shape, StepInputs, UnifiedShape
 from bucketserve.runtime.worker.structured_output import GrammarMask, StructuredOutputManager
@@ -40,67 +39,6 @@ LayerHook = Callable[[int], None]
 # The GEMM row count packed weights are laid out for: a decode batch. Any row count
 # runs on them; prefill chunks (hundreds of rows) lose nothing measurable.
 _PACK_BATCH_HINT = 64
-
-
-@dataclass
-class ModelRunnerConfig:
-    """`model`: None (embedded SmolLM2), a HF directory or a .gguf file.
-
-    The KV pool holds `num_kv_blocks` blocks if given, else
-    `kv_memory_fraction` of the memory free after loading the model (on CPU
-    at most `cpu_kv_cache_bytes`). `execution`: "eager" runs each step as it
-    comes; "graphs" runs every step padded to a shape bucket, one static-shape
-    compiled graph per bucket (`CompiledGraphs`); "auto" is graphs on hpu and
-    cuda, eager on cpu (there padding costs more than a compiled graph saves).
-    Once unified shapes `(tokens, shared blocks, unique blocks, is_causal)` are warmed in
-    graphs mode, every step runs as one, prompt chunks and decode rows together.
-    `chat_template` (a file or the Jinja text) replaces the model's own chat template;
-    `tool_call_parser` names how the model writes tool calls in its text (the gateway reads
-    them with it).
-    `quantization`: "auto" keeps a GGUF's quantized weights in their blocks where the CPU
-    kernels multiply them (eager float32 on CPU, no tensor parallelism), "none" expands every
-    weight to float32.
-    """
-
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_memory_fraction: float = 0.8
-    cpu_kv_cache_bytes: int = 1 << 30
-    max_model_len: int | None = None
-    seed: int = 0
-    execution: str = "auto"
-    chat_template: str | None = None
-    tool_call_parser: str | None = None
-    quantization: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.quantization not in QUANTIZATION_MODES:
-            raise ValueError(
-                f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}"
-            )
-        if self.execution not in ("auto", *EXECUTION_MODES):
-            raise ValueError(
-                f"execution must be 'auto', 'eager' or 'graphs', got {self.execution!r}"
-            )
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
-        if self.num_kv_blocks is not None and (
-            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1
-        ):
-            raise ValueError(f"num_kv_blocks must be None or >= 1, got {self.num_kv_blocks!r}")
-        if not 0.0 < self.kv_memory_fraction <= 1.0:
-            raise ValueError(
-                f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}"
-            )
-        if self.cpu_kv_cache_bytes < 1:
-            raise ValueError(
-                f"cpu_kv_cache_bytes must be positive, got {self.cpu_kv_cache_bytes!r}"
-            )
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be None or >= 1, got {self.max_model_len!r}")
 
 
 class ModelRunner:

@@ -18,7 +18,6 @@ from bucketserve.runtime.loader.model_files import resolve_model
 from bucketserve.runtime.models import load_model_config
 from bucketserve.runtime.worker.model_runner import (
     LayerHook,
-    ModelRunnerConfig,
     Shape,
     eos_token_ids,
 )
@@ -31,6 +30,7 @@ from bucketserve.runtime.worker.pipeline.stage_spec import StageSpec, split_laye
 from bucketserve.runtime.worker.pipeline.stage_step import StageStep
 from bucketserve.runtime.worker.pipeline.tp_stage import TensorParallelStageRunner
 from bucketserve.runtime.worker.prompt_logprobs import prompt_spans
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
 StageFactory = Callable[[ModelRunnerConfig, StageSpec], Stage]
 

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 
 import torch
 
 from bucketserve.runtime.core.logprobs import TokenLogprob
 from bucketserve.runtime.distributed.tp_group import TPGroup
 from bucketserve.runtime.io.weights import iter_safetensors
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunner
 from bucketserve.runtime.worker.pipeline.stage_clock import StageClock
 from bucketserve.runtime.worker.pipeline.stage_model import StageModel
 from bucketserve.runtime.worker.pipeline.stage_spec import StageSpec
 from bucketserve.runtime.worker.pipeline.stage_step import StageStep
 from bucketserve.runtime.worker.prompt_logprobs import prompt_spans, record_prompt_logprobs
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from bucketserve.runtime.worker.step_inputs import Shape
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,8 @@ class StageRunner(ModelRunner):
         self, config: ModelRunnerConfig, spec: StageSpec, tp: TPGroup | None = None
     ) -> None:
         self.spec = spec
-        super().__init__(replace(config, execution="eager"), tp)  # no graphs across a stage yet
+        eager = config.model_copy(update={"execution": "eager"})  # no graphs across a stage yet
+        super().__init__(eager, tp)
         self.clock = StageClock(spec.index)
 
     @property

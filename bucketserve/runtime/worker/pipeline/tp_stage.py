@@ -9,11 +9,11 @@ from typing import Any
 import torch
 
 from bucketserve.runtime.distributed.tp_group import TPGroup
-from bucketserve.runtime.worker.model_runner import ModelRunnerConfig
 from bucketserve.runtime.worker.pipeline.stage import StageDeadError
 from bucketserve.runtime.worker.pipeline.stage_runner import StageOutput, StageRunner
 from bucketserve.runtime.worker.pipeline.stage_spec import StageSpec
 from bucketserve.runtime.worker.pipeline.stage_step import StageStep
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from bucketserve.runtime.worker.tensor_parallel.step_seq import StepSeq
 from bucketserve.runtime.worker.tensor_parallel.tp_rank import RunnerFactory
 from bucketserve.runtime.worker.tensor_parallel.tp_runner import TensorParallelRunner

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from bucketserve.runtime.distributed.tp_group import TPGroup
-from bucketserve.runtime.worker.model_runner import ModelRunner, ModelRunnerConfig
+from bucketserve.runtime.worker.model_runner import ModelRunner
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 
 logger = logging.getLogger(__name__)
 

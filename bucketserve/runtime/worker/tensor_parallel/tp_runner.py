@@ -10,7 +10,7 @@ import os
 import time
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -23,9 +23,9 @@ from bucketserve.runtime.worker.device import Device
 from bucketserve.runtime.worker.model_runner import (
     LayerHook,
     ModelRunner,
-    ModelRunnerConfig,
     Shape,
 )
+from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
 from bucketserve.runtime.worker.step_inputs import UnifiedShape
 from bucketserve.runtime.worker.tensor_parallel.step_seq import StepSeq
 from bucketserve.runtime.worker.tensor_parallel.tp_rank import STOP, RunnerFactory, rank_main
@@ -66,7 +66,7 @@ class TensorParallelRunner(ModelRunner):
         device_type = Device(config.device).type
         backend = backend_for(device_type)
         if device_type == "cuda":  # rank r on card r
-            config = replace(config, device="cuda:0")
+            config = config.model_copy(update={"device": "cuda:0"})
         threads = torch_threads or max(1, (os.cpu_count() or 1) // size)
         name = f"tp-{os.getpid()}-{next(_GROUP_IDS)}"
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
@@ -77,7 +77,7 @@ class TensorParallelRunner(ModelRunner):
             parent, child = ctx.Pipe()
             rank_config = config
             if device_type == "cuda":
-                rank_config = replace(config, device=f"cuda:{rank}")
+                rank_config = config.model_copy(update={"device": f"cuda:{rank}"})
             args = (rank_config, rank, size, backend, store.port, name, timeout_s, threads, child,
                     self._rank_runner())  # fmt: skip
             process = ctx.Process(target=rank_main, args=args, daemon=True, name=f"{name}-{rank}")
