@@ -93,13 +93,13 @@ class RequestState:
         tag = tenant.tag(r.cache_salt) if tenant else TenantTag(cache_salt=r.cache_salt)
         return WorkerRequest(r, list(self.output_token_ids), priority, left, tpot, tag)
 
-    def bucket_request(self, max_tokens: int) -> BucketRequest:
-        """What the bucket manager queues: this state (as the payload) under the request's
+    def bucket_request(self, max_tokens: int) -> BucketRequest[RequestState]:
+        """What the bucket manager queues: this state (its item) under the request's
         id, its tokens so far as the prompt to prefill."""
         r = self.request
         return BucketRequest(
             r.request_id, self.num_tokens, max_tokens, r.tenant, r.arrival_time, r.priority,
-            payload=self, samples=self.n,
+            item=self, samples=self.n,
         )
 
     def accept(self, delta: TokenDelta, outputs: OutputProcessor) -> StreamDelta | None:
