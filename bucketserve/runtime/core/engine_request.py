@@ -82,15 +82,15 @@ class EngineRequest:
             )
         reason = seq.finish_reason.value if seq.finish_reason is not None else None
         new = seq.output_token_ids[len(sample.token_ids) :]
-        delta = processor.process(seq.seq_id, new, reason)
-        if delta.stopped:
+        kept, text, finish_reason, stop = processor.process(seq.seq_id, new, reason)
+        if stop is not None:
             if not seq.is_finished:
                 scheduler.abort(seq.seq_id)
-            seq.finish_reason, seq.stop_reason = FinishReason.STOP, delta.stop_reason
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
         start = len(sample.token_ids)
-        sample.token_ids += delta.token_ids
-        sample.text += delta.text
-        sample.ended = delta.finished
+        sample.token_ids += kept
+        sample.text += text
+        sample.ended = finish_reason is not None
         delta_logprobs = None
         if wants_logprobs:
             delta_logprobs = [
@@ -101,12 +101,12 @@ class EngineRequest:
             index=index,
             text=sample.text,
             token_ids=list(sample.token_ids),
-            delta_text=delta.text,
-            delta_token_ids=delta.token_ids,
-            finished=delta.finished,
-            finish_reason=seq.finish_reason if delta.finished else None,
+            delta_text=text,
+            delta_token_ids=kept,
+            finished=sample.ended,
+            finish_reason=seq.finish_reason if sample.ended else None,
             stop_reason=seq.stop_reason,
-            changed=bool(delta.token_ids) or delta.finished,
+            changed=bool(kept) or sample.ended,
             logprobs=None if delta_logprobs is None else list(sample.logprobs),
             delta_logprobs=delta_logprobs,
         )
