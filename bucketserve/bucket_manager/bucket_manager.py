@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Hashable, Iterator
-from typing import NamedTuple
+from typing import Generic, NamedTuple
 
 from bucketserve.bucket_manager.adaptive_buckets import AdaptiveBuckets
 from bucketserve.bucket_manager.batching_controller import BatchingController
@@ -13,7 +13,7 @@ from bucketserve.bucket_manager.config import BatchingConfig, BucketManagerConfi
 from bucketserve.bucket_manager.monitor import BucketMetrics, BucketMonitor
 from bucketserve.bucket_manager.policy import OrderKey
 from bucketserve.bucket_manager.prefill_batch import PrefillBatch
-from bucketserve.bucket_manager.request import BucketRequest
+from bucketserve.bucket_manager.request import BucketRequest, T
 from bucketserve.bucket_manager.request_bucket import RequestBucket
 from bucketserve.bucket_manager.shape_buckets import ShapeBuckets
 from bucketserve.bucket_manager.tenant import Tenant
@@ -26,7 +26,7 @@ class _Entry(NamedTuple):
     key: OrderKey
 
 
-class BucketManager:
+class BucketManager(Generic[T]):
     """Request buckets (Algorithm 1) per tenant policy, batched within the decode pool's room.
 
     A batch comes from one tenant and one request bucket. A request that has
@@ -76,14 +76,14 @@ class BucketManager:
     def __contains__(self, request_id: Hashable) -> bool:
         return request_id in self._entries
 
-    def add(self, request: BucketRequest) -> None:
+    def add(self, request: BucketRequest[T]) -> None:
         """Assign a request to its bucket (Algorithm 1, lines 2-8)."""
         if not isinstance(request, BucketRequest):
             raise ValueError(f"add() takes a BucketRequest, got {type(request).__name__}")
         self._check_new(request)
         self._enqueue(request, next(self._seq))
 
-    def remove(self, request_id: Hashable) -> BucketRequest | None:
+    def remove(self, request_id: Hashable) -> BucketRequest[T] | None:
         """Take a queued request out (cancellation); None when it is not queued."""
         entry = self._entries.get(request_id)
         if entry is None:
@@ -99,7 +99,9 @@ class BucketManager:
         self.n_max = self.controller.n_max(free_blocks, mean_blocks)
         return self.buckets.adjust(self.n_max)
 
-    def next_batch(self, free_blocks: int, block_size: int, now: float) -> PrefillBatch | None:
+    def next_batch(
+        self, free_blocks: int, block_size: int, now: float
+    ) -> PrefillBatch[T] | None:
         """The next prefill batch for a decode pool with `free_blocks` free blocks, or None."""
         if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
             raise ValueError(f"now must be a finite number of seconds, got {now!r}")
@@ -131,7 +133,7 @@ class BucketManager:
         self.monitor.record(batch)
         return batch
 
-    def requeue(self, batch: PrefillBatch) -> None:
+    def requeue(self, batch: PrefillBatch[T]) -> None:
         """Put a batch back where its requests were (a failed reservation or an expired lease)."""
         if not isinstance(batch, PrefillBatch):
             raise ValueError(f"requeue() takes a PrefillBatch, got {type(batch).__name__}")
@@ -295,7 +297,7 @@ class BucketManager:
 
     def _make_batch(
         self, tenant: Tenant, bucket: RequestBucket, entries: list[_Entry], block_size: int
-    ) -> PrefillBatch:
+    ) -> PrefillBatch[T]:
         requests = tuple(e.request for e in entries)
         lengths = [r.effective_len for r in requests]
         # the cached prefix is context the queries attend to, in the shapes' blocks

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic
 
 from bucketserve.bucket_manager.bucket_file import ShapeBucket
 from bucketserve.bucket_manager.policy import OrderKey
-from bucketserve.bucket_manager.request import BucketRequest
+from bucketserve.bucket_manager.request import BucketRequest, T
 
 
 @dataclass(frozen=True)
-class PrefillBatch:
+class PrefillBatch(Generic[T]):
     """`kv_blocks_per_request[i]` is what the decode pool must reserve for `requests[i]`.
 
     `shape` is the warmed prompt bucket the batch pads to, or its own unpadded
@@ -21,7 +22,7 @@ class PrefillBatch:
 
     batch_id: int
     tenant: str
-    requests: tuple[BucketRequest, ...]
+    requests: tuple[BucketRequest[T], ...]
     bucket: tuple[int, int]
     shape: ShapeBucket
     graph_miss: bool

@@ -5,14 +5,17 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeVar
 
 from bucketserve.utils.checks import check_int
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
-class BucketRequest:
-    """A request waiting for prefill. `payload` rides along untouched (e.g. the runtime Sequence).
+class BucketRequest(Generic[T]):
+    """A request waiting for prefill. `item` is its owner's, carried untouched (the
+    controller's RequestState).
 
     Lower `priority` is served first within its tenant. `samples` (n > 1) generate from
     one prompt, sharing its KV blocks.
@@ -30,7 +33,7 @@ class BucketRequest:
     tenant: str = "default"
     arrival_time: float = 0.0
     priority: int = 0
-    payload: Any = field(default=None, compare=False, repr=False)
+    item: T = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
     samples: int = 1
     cached_len: int = 0
     block_hashes: tuple[int, ...] = field(default=(), compare=False, repr=False)

@@ -94,7 +94,7 @@ class Controller:
         self._state = "new"
 
     @property
-    def buckets(self) -> BucketManager:
+    def buckets(self) -> BucketManager[RequestState]:
         return self.dispatcher.buckets
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -174,7 +174,7 @@ class Controller:
         self.monitor.submitted()
         return state.stream
 
-    def _shed_if_late(self, state: RequestState, queued: BucketRequest) -> None:
+    def _shed_if_late(self, state: RequestState, queued: BucketRequest[RequestState]) -> None:
         """Refuse `state` now if its tenant sheds and its forecast TTFT, corrected by how far
         forecasts fell from first tokens so far, misses its target, or no decode worker's
         running requests could absorb its prompt within their TPOT targets."""

@@ -65,7 +65,7 @@ class Dispatcher:
         self.limits = limits
         self.pool = pool
         self.monitor = monitor
-        self.buckets = BucketManager(limits.buckets)
+        self.buckets: BucketManager[RequestState] = BucketManager(limits.buckets)
         caching = config.runner.enable_prefix_caching
         self.pd = PDScheduler(config.decode.num_workers, limits.block_size, cache_aware=caching)
         self._epochs: dict[str, int] = {}  # each worker's life its index entries are from
@@ -75,14 +75,16 @@ class Dispatcher:
 
     # -- the queue ---------------------------------------------------------------------------
 
-    def queue(self, state: RequestState, request: BucketRequest | None = None) -> None:
+    def queue(
+        self, state: RequestState, request: BucketRequest[RequestState] | None = None
+    ) -> None:
         """Queue `state` for a prefill of everything it has so far (`request`: its
         `bucket_request`, when the caller has it already)."""
         state.phase, state.decode_worker = "queued", None
         self.buckets.add(request or self.bucket_request(state))
         self.wake()
 
-    def bucket_request(self, state: RequestState) -> BucketRequest:
+    def bucket_request(self, state: RequestState) -> BucketRequest[RequestState]:
         """`state` as the bucket manager queues it: its tokens so far as the prompt, the
         prefix the best worker holds of them as cached."""
         left = state.request.sampling_params.max_tokens - len(state.output_token_ids)
@@ -141,7 +143,9 @@ class Dispatcher:
             actual = state.first_token_at - state.request.arrival_time
             self.ttft_bias.observe(state.forecast_ttft_s, actual)
 
-    def _with_prefix(self, request: BucketRequest, state: RequestState) -> BucketRequest:
+    def _with_prefix(
+        self, request: BucketRequest[RequestState], state: RequestState
+    ) -> BucketRequest[RequestState]:
         """`request` with its blocks' hashes, and the prefix the worker that would compute it
         best holds as its cached length (none for prompt logprobs: every position computes)."""
         tokens = [*state.request.prompt_token_ids, *state.output_token_ids]
@@ -170,12 +174,12 @@ class Dispatcher:
         """The workers' prefix caches were reset: nothing is believed cached anywhere."""
         self.pd.reset_prefix_cache()
 
-    def put_back(self, batch: PrefillBatch, count: bool) -> list[Outcome]:
+    def put_back(self, batch: PrefillBatch[RequestState], count: bool) -> list[Outcome]:
         """A batch that never reached prefill goes back where its requests were; those that
         have failed too often (`count`: this was a failed try) end instead."""
         keep, ended = [], []
         for i, request in enumerate(batch.requests):
-            state: RequestState = request.payload
+            state = request.item
             if state.done:
                 continue
             if count:
@@ -346,15 +350,15 @@ class Dispatcher:
             if handle.stats is not None:
                 index.set_capacity(key(i, handle), handle.stats.num_total_blocks)
 
-    def _next_batch(self, decode: WorkerHandle) -> PrefillBatch | None:
+    def _next_batch(self, decode: WorkerHandle) -> PrefillBatch[RequestState] | None:
         return self.buckets.next_batch(decode.free_blocks, self.limits.block_size, time.monotonic())
 
     def _take(
-        self, batch: PrefillBatch, decode: WorkerHandle, phase: str, path: str
+        self, batch: PrefillBatch[RequestState], decode: WorkerHandle, phase: str, path: str
     ) -> list[RequestState]:
         """The batch's requests (each queued entry carries its RequestState), now in `phase`
         on their way to `decode`, prefilled on `path` (local: by `decode` itself)."""
-        states: list[RequestState] = [r.payload for r in batch.requests]
+        states = [r.item for r in batch.requests]
         now = time.monotonic()
         for state in states:
             state.phase, state.decode_worker = phase, decode.name

@@ -93,13 +93,13 @@ class RequestState:
         tag = tenant.tag(r.cache_salt) if tenant else TenantTag(cache_salt=r.cache_salt)
         return WorkerRequest(r, list(self.output_token_ids), priority, left, tpot, tag)
 
-    def bucket_request(self, max_tokens: int) -> BucketRequest:
-        """What the bucket manager queues: this state (as the payload) under the request's
+    def bucket_request(self, max_tokens: int) -> BucketRequest[RequestState]:
+        """What the bucket manager queues: this state (its item) under the request's
         id, its tokens so far as the prompt to prefill."""
         r = self.request
         return BucketRequest(
             r.request_id, self.num_tokens, max_tokens, r.tenant, r.arrival_time, r.priority,
-            payload=self, samples=self.n,
+            item=self, samples=self.n,
         )
 
     def accept(self, delta: TokenDelta, outputs: OutputProcessor) -> StreamDelta | None:
@@ -120,23 +120,22 @@ class RequestState:
         skip = have - delta.token_offset
         tokens = delta.token_ids[skip:]
         reason = (delta.finish_reason or "stop") if delta.finished else None
-        out = outputs.process(self.key(index), tokens, reason)
-        tokens_so_far.extend(out.token_ids)
-        logprobs = self._logprobs(delta, skip, len(out.token_ids))
+        kept, text, finish_reason, _ = outputs.process(self.key(index), tokens, reason)
+        tokens_so_far.extend(kept)
+        logprobs = self._logprobs(delta, skip, len(kept))
         prompt_logprobs = self._prompt_logprobs(delta)
-        if out.token_ids and self.first_token_at is None:
+        if kept and self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        if out.finished:
+        if finish_reason is not None:
             return self.end(
-                index, out.finish_reason or "stop", delta.error, out.token_ids, out.text,
-                logprobs, prompt_logprobs,
+                index, finish_reason, delta.error, kept, text, logprobs, prompt_logprobs
             )
-        if not out.token_ids and prompt_logprobs is None:
+        if not kept and prompt_logprobs is None:
             return None
         return StreamDelta(
             self.request_id,
-            token_ids=out.token_ids,
-            text=out.text,
+            token_ids=kept,
+            text=text,
             logprobs=logprobs,
             index=index,
             prompt_logprobs=prompt_logprobs,

@@ -21,6 +21,7 @@ from bucketserve.kv_worker.worker_env import actor_restarted
 from bucketserve.messages import PrefillResult, PrefillTask, TokenDelta, WorkerRequest, WorkerStats
 from bucketserve.prefill_worker.config import PrefillWorkerConfig
 from bucketserve.runtime.core.block_manager import BlockManager
+from bucketserve.runtime.core.engine_request import EngineRequest
 from bucketserve.runtime.core.logprobs import logprob_of
 from bucketserve.runtime.core.sequence import Sequence, finish_reason
 from bucketserve.runtime.worker.tensor_parallel.tp_runner import (
@@ -420,13 +421,14 @@ class PrefillWorker(KVWorker):
 
 
 def _sequence(request: WorkerRequest) -> Sequence:
-    return Sequence(
-        request.prompt_token_ids,
-        request.sampling_params,
-        seq_id=request.request_id,
-        output_token_ids=request.output_token_ids,
+    """The request's sample 0, which computes the prompt (and the tokens it streamed before
+    a re-prefill) for every sample."""
+    seq = EngineRequest.new(
+        request.prompt_token_ids, request.sampling_params, request.request_id,
         tenant=request.tenant,
-    )
+    ).seq
+    seq.token_ids.extend(request.output_token_ids)
+    return seq
 
 
 def _target_blocks(task: PrefillTask) -> dict[str, tuple[int, ...]]:

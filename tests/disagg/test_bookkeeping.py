@@ -95,7 +95,7 @@ def test_the_admitted_request_is_one_object_from_the_controller_to_the_workers()
     assert state.worker_request().tpot_s is None
     assert sent.output_token_ids == [7]
     entry = state.bucket_request(max_tokens=3)
-    assert entry.payload is state
+    assert entry.item is state
     assert (entry.request_id, entry.prompt_len, entry.tenant) == ("r", 5, "t")
 
 

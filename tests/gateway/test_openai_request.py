@@ -7,43 +7,49 @@ import logging
 import pytest
 
 from bucketserve.gateway.errors import InvalidArgumentError
-from bucketserve.gateway.openai.serving import OpenAIRequest
+from bucketserve.gateway.openai.serving import OpenAIFormat, parse_request
+from bucketserve.gateway.tools.request_tools import RequestTools
+
+
+def formatted(body: object, chat: bool) -> OpenAIFormat:
+    """The response writer of `body`: what it takes of stream_options and logprobs."""
+    req, inp = parse_request(body, chat)
+    return OpenAIFormat(req, RequestTools.of(inp), "r", "m")
 
 
 def test_completion_body() -> None:
-    req = OpenAIRequest.parse(
-        {
-            "model": "m",
-            "prompt": "Hello",
-            "max_tokens": 7,
-            "temperature": 0,
-            "stop": "\n",
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "top_k": 5,
-            "priority": 2,
-            "user": "someone",
-            "n": 1,
-            "logprobs": None,
-        },
-        chat=False,
-    )
-    assert (req.model, req.stream, req.include_usage, req.chat) == ("m", True, True, False)
-    assert req.input.prompt == "Hello"
-    assert req.input.sampling == {"max_tokens": 7, "temperature": 0, "stop": ["\n"], "top_k": 5}
-    assert req.input.priority == 2
+    body = {
+        "model": "m",
+        "prompt": "Hello",
+        "max_tokens": 7,
+        "temperature": 0,
+        "stop": "\n",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "top_k": 5,
+        "priority": 2,
+        "user": "someone",
+        "n": 1,
+        "logprobs": None,
+    }
+    req, inp = parse_request(body, chat=False)
+    fmt = formatted(body, chat=False)
+    assert (req.model, req.stream, fmt.include_usage, fmt.chat) == ("m", True, True, False)
+    assert inp.prompt == "Hello"
+    assert inp.sampling == {"max_tokens": 7, "temperature": 0, "stop": ["\n"], "top_k": 5}
+    assert inp.priority == 2
 
 
 def test_completion_defaults_to_sixteen_tokens_chat_to_the_rest_of_the_context() -> None:
-    completion = OpenAIRequest.parse({"prompt": "x"}, chat=False)
-    assert completion.input.sampling == {"max_tokens": 16}
-    chat = OpenAIRequest.parse({"messages": [{"role": "user", "content": "x"}]}, chat=True)
-    assert chat.input.sampling == {}
+    _, completion = parse_request({"prompt": "x"}, chat=False)
+    assert completion.sampling == {"max_tokens": 16}
+    _, chat = parse_request({"messages": [{"role": "user", "content": "x"}]}, chat=True)
+    assert chat.sampling == {}
 
 
 def test_chat_body_text_parts_developer_role_and_max_completion_tokens() -> None:
     parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]
-    req = OpenAIRequest.parse(
+    _, inp = parse_request(
         {
             "messages": [
                 {"role": "developer", "content": "Be brief."},
@@ -55,17 +61,17 @@ def test_chat_body_text_parts_developer_role_and_max_completion_tokens() -> None
         },
         chat=True,
     )
-    assert req.input.messages == [
+    assert inp.messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi there"},
     ]
-    assert req.input.sampling["max_tokens"] == 9
+    assert inp.sampling["max_tokens"] == 9
 
 
 def test_prompt_forms() -> None:
-    assert OpenAIRequest.parse({"prompt": [5, 6]}, False).input.prompt_token_ids == [5, 6]
-    assert OpenAIRequest.parse({"prompt": ["one"]}, False).input.prompt == "one"
-    assert OpenAIRequest.parse({"prompt": [[7]]}, False).input.prompt_token_ids == [7]
+    assert parse_request({"prompt": [5, 6]}, False)[1].prompt_token_ids == [5, 6]
+    assert parse_request({"prompt": ["one"]}, False)[1].prompt == "one"
+    assert parse_request({"prompt": [[7]]}, False)[1].prompt_token_ids == [7]
 
 
 BAD_BODIES = [
@@ -130,49 +136,45 @@ BAD_BODIES = [
 @pytest.mark.parametrize(("body", "chat", "message"), BAD_BODIES)
 def test_bad_bodies(body: object, chat: bool, message: str) -> None:
     with pytest.raises(InvalidArgumentError) as info:
-        OpenAIRequest.parse(body, chat)
+        parse_request(body, chat)
     assert info.value.message == message
 
 
 def test_n_and_echo_with_logprobs_become_sampling_fields() -> None:
-    req = OpenAIRequest.parse({"prompt": "x", "echo": True, "logprobs": 2, "n": 3}, chat=False)
-    assert (req.n, req.echo, req.logprobs) == (3, True, 2)
-    assert req.input.sampling["n"] == 3 and req.input.sampling["prompt_logprobs"] == 2
-    plain = OpenAIRequest.parse({"prompt": "x", "logprobs": 2}, chat=False)
-    assert "prompt_logprobs" not in plain.input.sampling and "n" not in plain.input.sampling
+    body = {"prompt": "x", "echo": True, "logprobs": 2, "n": 3}
+    req, inp = parse_request(body, chat=False)
+    assert (req.n, req.echo, formatted(body, chat=False).logprobs) == (3, True, 2)
+    assert inp.sampling["n"] == 3 and inp.sampling["prompt_logprobs"] == 2
+    _, plain = parse_request({"prompt": "x", "logprobs": 2}, chat=False)
+    assert "prompt_logprobs" not in plain.sampling and "n" not in plain.sampling
 
 
 def test_neutral_values_are_accepted() -> None:
     neutral = {"n": 1, "frequency_penalty": 0.0, "presence_penalty": 0, "logit_bias": {}}
     body = {"prompt": "x", "echo": False, "best_of": 1, "suffix": None, **neutral}
-    assert OpenAIRequest.parse(body, chat=False).input.prompt == "x"
+    assert parse_request(body, chat=False)[1].prompt == "x"
 
 
 def test_vllm_bench_bodies_are_accepted() -> None:
     """What `vllm bench serve` sends with --backend vllm / openai, and openai-chat."""
-    completion = OpenAIRequest.parse(
-        {
-            "model": "m", "prompt": "Hi", "repetition_penalty": 1.0, "max_tokens": 8,
-            "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True, "temperature": 0.0,
-        },
-        chat=False,
-    )
-    assert completion.input.sampling == {
+    body = {
+        "model": "m", "prompt": "Hi", "repetition_penalty": 1.0, "max_tokens": 8,
+        "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+        "ignore_eos": True, "temperature": 0.0,
+    }
+    assert parse_request(body, chat=False)[1].sampling == {
         "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "repetition_penalty": 1.0
     }
+    completion = formatted(body, chat=False)
     assert (completion.include_usage, completion.continuous_usage) == (True, False)
-    chat = OpenAIRequest.parse(
-        {
-            "model": "m", "messages": [{"role": "user", "content": [{"type": "text",
-                                                                    "text": "Hi"}]}],
-            "temperature": 0.0, "max_completion_tokens": 8, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-            "min_tokens": 0, "min_p": 0.0, "n": 1,
-        },
-        chat=True,
-    )
-    assert chat.input.messages == [{"role": "user", "content": "Hi"}]
+    body = {
+        "model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        "temperature": 0.0, "max_completion_tokens": 8, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "min_tokens": 0, "min_p": 0.0, "n": 1,
+    }
+    assert parse_request(body, chat=True)[1].messages == [{"role": "user", "content": "Hi"}]
+    chat = formatted(body, chat=True)
     assert (chat.include_usage, chat.continuous_usage) == (True, True)
 
 
@@ -182,8 +184,8 @@ def test_unknown_fields_are_ignored_with_a_debug_log(caplog: pytest.LogCaptureFi
         "prompt": "x", "temprature": 0, "stream": True,
         "stream_options": {"include_usage": True, "chunk_size": 3},
     }
-    req = OpenAIRequest.parse(body, chat=False)
-    assert req.input.sampling == {"max_tokens": 16}
+    _, inp = parse_request(body, chat=False)
+    assert inp.sampling == {"max_tokens": 16}
     assert caplog.messages == [
         "CompletionRequest: ignoring unknown fields ['temprature', 'stream_options.chunk_size']"
     ]
@@ -192,18 +194,18 @@ def test_unknown_fields_are_ignored_with_a_debug_log(caplog: pytest.LogCaptureFi
 def test_output_constraints_and_logit_bias_become_sampling_fields() -> None:
     schema = {"type": "object"}
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-    req = OpenAIRequest.parse({"prompt": "x", "response_format": fmt, "logit_bias": {"7": 5}},
-                              chat=False)
-    assert req.input.sampling["structured_outputs"] == {"json": schema}
-    assert req.input.structured_name == "response_format.json_schema.schema"
-    assert req.input.sampling["logit_bias"] == {"7": 5.0}
-    guided = OpenAIRequest.parse({"prompt": "x", "guided_choice": ["a", "b"]}, chat=False)
-    assert guided.input.sampling["structured_outputs"] == {"choice": ["a", "b"]}
+    _, inp = parse_request({"prompt": "x", "response_format": fmt, "logit_bias": {"7": 5}},
+                           chat=False)
+    assert inp.sampling["structured_outputs"] == {"json": schema}
+    assert inp.structured_name == "response_format.json_schema.schema"
+    assert inp.sampling["logit_bias"] == {"7": 5.0}
+    _, guided = parse_request({"prompt": "x", "guided_choice": ["a", "b"]}, chat=False)
+    assert guided.sampling["structured_outputs"] == {"choice": ["a", "b"]}
     tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
     named = {"type": "function", "function": {"name": "f"}}
-    chat = OpenAIRequest.parse(
+    _, chat = parse_request(
         {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "tool_choice": named},
         chat=True,
     )
-    assert chat.input.sampling["structured_outputs"] == {"json": schema}
-    assert chat.input.tools == [tool]
+    assert chat.sampling["structured_outputs"] == {"json": schema}
+    assert chat.tools == [tool]

@@ -23,10 +23,10 @@ def test_text_follows_the_tokens_and_is_flushed_at_the_finish(tok):
     outputs.add("r", tok.encode("Say:"), SamplingParams())
     deltas = [outputs.process("r", [t]) for t in ids[:-1]]
     last = outputs.process("r", ids[-1:], "length")
-    assert not any(d.finished for d in deltas) and last.finished
-    assert (last.finish_reason, last.stop_reason, last.stopped) == ("length", None, False)
-    assert "".join(d.text for d in [*deltas, last]) == TEXT
-    assert [t for d in [*deltas, last] for t in d.token_ids] == ids
+    assert not any(finish is not None for _, _, finish, _ in deltas) and last[2] is not None
+    assert (last[2], last[3]) == ("length", None)
+    assert "".join(text for _, text, _, _ in [*deltas, last]) == TEXT
+    assert [t for kept, _, _, _ in [*deltas, last] for t in kept] == ids
     assert "r" not in outputs  # dropped with its final delta
 
 
@@ -34,12 +34,12 @@ def test_a_stop_string_ends_the_request_and_drops_the_tokens_after_it(tok):
     ids = tok.encode(TEXT, add_special_tokens=False)
     outputs = OutputProcessor(tok)
     outputs.add("r", [], SamplingParams(stop=["drums", "never appears"]))
-    delta = outputs.process("r", ids)  # one batch holding the stop and tokens past it
-    assert delta.finished and delta.stopped
-    assert (delta.finish_reason, delta.stop_reason) == ("stop", "drums")
-    assert delta.text == TEXT[: TEXT.index("drums")]
+    kept, text, finish, stop = outputs.process("r", ids)  # the stop and tokens past it
+    assert finish is not None and stop is not None
+    assert (finish, stop) == ("stop", "drums")
+    assert text == TEXT[: TEXT.index("drums")]
     end = next(i for i in range(len(ids)) if "drums" in tok.decode(ids[: i + 1]))
-    assert delta.token_ids == ids[: end + 1]  # up to the token completing the stop string
+    assert kept == ids[: end + 1]  # up to the token completing the stop string
     assert "r" not in outputs
 
 
@@ -47,17 +47,17 @@ def test_a_cancelled_request_releases_no_held_text(tok):
     outputs = OutputProcessor(tok)
     outputs.add("r", [], SamplingParams(stop=["sunny day"]))
     ids = tok.encode("It is sunny", add_special_tokens=False)
-    held = outputs.process("r", ids)
-    assert held.text == "It is "  # "sunny" could begin the stop string: held back
-    final = outputs.process("r", [], "cancelled")
-    assert final.finished and final.text == "" and final.finish_reason == "cancelled"
+    _, held, _, _ = outputs.process("r", ids)
+    assert held == "It is "  # "sunny" could begin the stop string: held back
+    _, text, finish, _ = outputs.process("r", [], "cancelled")
+    assert finish is not None and text == "" and finish == "cancelled"
 
 
 def test_without_a_tokenizer_only_token_ids_pass_and_stop_strings_are_refused():
     outputs = OutputProcessor(None)
     outputs.add("r", [1, 2], SamplingParams())
-    delta = outputs.process("r", [5, 6], "stop")
-    assert (delta.token_ids, delta.text, delta.finished) == ([5, 6], "", True)
+    kept, text, finish, _ = outputs.process("r", [5, 6], "stop")
+    assert (kept, text, finish is not None) == ([5, 6], "", True)
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         outputs.add("s", [1], SamplingParams(stop=["x"]))
 
@@ -69,8 +69,8 @@ def test_no_stop_string_ends_a_request_before_min_tokens(tok):
     outputs = OutputProcessor(tok)
     outputs.add("r", [], SamplingParams(stop=["weather", "drums"], min_tokens=after + 1,
                                         max_tokens=64))
-    delta = outputs.process("r", ids)
-    assert delta.stopped and delta.stop_reason == "drums"  # "weather" came too early
-    assert delta.text == TEXT[: TEXT.index("drums")]
+    _, text, _, stop = outputs.process("r", ids)
+    assert stop is not None and stop == "drums"  # "weather" came too early
+    assert text == TEXT[: TEXT.index("drums")]
     outputs.add("s", [], SamplingParams(stop=["weather"], min_tokens=after, max_tokens=64))
-    assert outputs.process("s", ids).text == TEXT[: TEXT.index("weather")]
+    assert outputs.process("s", ids)[1] == TEXT[: TEXT.index("weather")]

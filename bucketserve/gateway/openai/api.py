@@ -27,6 +27,7 @@ from bucketserve.gateway.gateway_config import GatewayConfig
 from bucketserve.gateway.generation import Generation
 from bucketserve.gateway.openai.body import M, parse_body, read_text
 from bucketserve.gateway.openai.protocol import (
+    CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -38,11 +39,12 @@ from bucketserve.gateway.openai.protocol import (
 )
 from bucketserve.gateway.openai.serving import (
     OpenAIFormat,
-    OpenAIRequest,
     chat_messages,
     error_event,
+    parse_request,
 )
 from bucketserve.gateway.tenant_registry import parse_bearer
+from bucketserve.gateway.tools.request_tools import RequestTools
 from bucketserve.gateway.tools.tool_parsers import tool_parser
 from bucketserve.messages import StreamDelta
 
@@ -164,19 +166,22 @@ class OpenAIApi:
         api_key = self._tenant(request)
         with self.admission.counted():
             text = await read_text(request, self.config.max_message_bytes)
-            oai = await self._parse(
-                text, partial(OpenAIRequest.parse, chat=chat, limits=self.admission.limits)
+            body, inp = await self._parse(
+                text, partial(parse_request, chat=chat, limits=self.admission.limits)
             )
-            self._check_model(oai.model)
-            if oai.tools is not None:
-                oai.tools.check_parser(self.tool_parser)
-        gen = await deadline.run(self.admission.admit(oai.input, api_key), None)
+            self._check_model(body.model)
+            tools = RequestTools.of(inp)
+            if tools is not None:
+                tools.check_parser(self.tool_parser)
+        gen = await deadline.run(self.admission.admit(inp, api_key), None)
         request[GENERATION] = gen
         prompt_tokens = len(gen.request.prompt_token_ids)
         try:
-            prefix = await self.admission.off_loop(self._prompt_text, gen) if oai.echo else ""
+            echo = isinstance(body, CompletionRequest) and body.echo
+            prefix = await self.admission.off_loop(self._prompt_text, gen) if echo else ""
             fmt = OpenAIFormat(
-                oai,
+                body,
+                tools,
                 gen.request_id,
                 self.model_name,
                 prompt_tokens,
@@ -184,7 +189,7 @@ class OpenAIApi:
                 prefix,
                 self.tool_parser,
             )
-            if oai.stream:
+            if body.stream:
                 return await _stream(request, gen, fmt, deadline)
             await deadline.run(_drain(gen), gen)
         finally:

@@ -1,5 +1,5 @@
 """OpenAI bodies to the gateway's types and back: a `/v1/completions` or
-`/v1/chat/completions` body read into a GenerateInput (OpenAIRequest), and a request's
+`/v1/chat/completions` body read into a GenerateInput (parse_request), and a request's
 StreamDeltas written as OpenAI responses, SSE events and errors (OpenAIFormat).
 
 A field this server does not implement yet is refused unless it holds its neutral value,
@@ -12,7 +12,6 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from bucketserve.gateway.errors import BucketServeError, GenerationError, InvalidArgumentError
@@ -69,58 +68,31 @@ TokenText = Callable[[int], str]
 Logprobs = Sequence[TokenLogprob | None]
 
 
-@dataclass
-class OpenAIRequest:
-    input: GenerateInput
-    chat: bool
-    model: str | None = None
-    stream: bool = False
-    include_usage: bool = False
-    continuous_usage: bool = False  # usage in every chunk (vLLM's continuous_usage_stats)
-    n: int = 1  # choices: samples of the prompt, prefilled once (SamplingParams.n)
-    logprobs: int | None = None  # top logprobs per token (0: the sampled token's only)
-    echo: bool = False  # completions: the prompt's text (and logprobs) before the output
-    tools: RequestTools | None = None  # chat: the request's tools and tool_choice
-
-    @classmethod
-    def parse(
-        cls, body: str | bytes | Any, chat: bool, limits: RequestLimits | None = None
-    ) -> OpenAIRequest:
-        """`body` as JSON text or decoded JSON, its lists and texts within `limits` (the
-        defaults if None); InvalidArgumentError naming the field."""
-        model = ChatCompletionRequest if chat else CompletionRequest
-        req: Body = parse_body(model, body, limits)
-        _check_neutral(req)
-        options = req.stream_options
-        if options is not None and not req.stream:
-            raise InvalidArgumentError("stream_options is only allowed with stream=true")
-        include_usage = options is not None and options.include_usage
-        logprobs = _logprobs(req)
-        inp = _input(req)
-        if logprobs is not None:
-            inp.sampling["logprobs"] = logprobs
-        echo = isinstance(req, CompletionRequest) and req.echo
-        if echo and logprobs is not None:  # the prompt's tokens come with theirs (vLLM's way)
-            inp.sampling["prompt_logprobs"] = logprobs
-        if req.n != 1:
-            inp.sampling["n"] = req.n
-        if req.logit_bias:
-            inp.sampling["logit_bias"] = dict(req.logit_bias)
-        tools = _tools(req, inp) if isinstance(req, ChatCompletionRequest) else None
-        _structured(req, inp, tools)
-        return cls(
-            input=inp,
-            tools=tools,
-            n=req.n,
-            logprobs=logprobs,
-            echo=echo,
-            chat=chat,
-            model=req.model,
-            stream=req.stream,
-            include_usage=include_usage,
-            continuous_usage=include_usage and options is not None
-            and options.continuous_usage_stats,
-        )
+def parse_request(
+    body: str | bytes | Any, chat: bool, limits: RequestLimits | None = None
+) -> tuple[Body, GenerateInput]:
+    """`body` (JSON text or decoded JSON, its lists and texts within `limits`, the defaults
+    if None) validated, and the GenerateInput admission takes of it; InvalidArgumentError
+    naming the field."""
+    model = ChatCompletionRequest if chat else CompletionRequest
+    req: Body = parse_body(model, body, limits)
+    _check_neutral(req)
+    if req.stream_options is not None and not req.stream:
+        raise InvalidArgumentError("stream_options is only allowed with stream=true")
+    logprobs = _logprobs(req)
+    inp = _input(req)
+    if logprobs is not None:
+        inp.sampling["logprobs"] = logprobs
+    echo = isinstance(req, CompletionRequest) and req.echo
+    if echo and logprobs is not None:  # the prompt's tokens come with theirs (vLLM's way)
+        inp.sampling["prompt_logprobs"] = logprobs
+    if req.n != 1:
+        inp.sampling["n"] = req.n
+    if req.logit_bias:
+        inp.sampling["logit_bias"] = dict(req.logit_bias)
+    tools = _tools(req, inp) if isinstance(req, ChatCompletionRequest) else None
+    _structured(req, inp, tools)
+    return req, inp
 
 
 def _check_neutral(req: Body) -> None:
@@ -236,13 +208,15 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 class OpenAIFormat:
-    """The OpenAI JSON of one request's responses. `prompt_tokens` feeds the usage of every
-    chunk when the client asked for continuous usage stats; `token_text(id)` is a token's
-    text in logprobs; `prefix` (echo) comes before each choice's text."""
+    """The OpenAI JSON of one request's responses, as its validated `body` asks for them
+    (`tools`: a chat body's, read from its GenerateInput). `prompt_tokens` feeds the usage
+    of every chunk when the client asked for continuous usage stats; `token_text(id)` is a
+    token's text in logprobs; `prefix` (echo) comes before each choice's text."""
 
     def __init__(
         self,
-        oai: OpenAIRequest,
+        body: Body,
+        tools: RequestTools | None,
         request_id: str,
         model: str,
         prompt_tokens: int = 0,
@@ -250,8 +224,14 @@ class OpenAIFormat:
         prefix: str = "",
         tool_parser: type[CallReader] | None = None,
     ) -> None:
-        self.oai = oai
-        self.id = f"{'chatcmpl' if oai.chat else 'cmpl'}-{request_id}"
+        self.chat = isinstance(body, ChatCompletionRequest)
+        options = body.stream_options
+        self.include_usage = options is not None and options.include_usage
+        # usage in every chunk (vLLM's continuous_usage_stats)
+        self.continuous_usage = self.include_usage and options.continuous_usage_stats
+        self.logprobs = _logprobs(body)  # top logprobs per token (0: the sampled token's only)
+        self.tools = tools
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
         self.model = model
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
@@ -259,7 +239,6 @@ class OpenAIFormat:
         self.prefix = prefix
         self._offsets: dict[int, int] = {}  # choice -> its text's length so far (streaming)
         self.tool_parser = tool_parser
-        tools = oai.tools
         self._calls = tools is not None and tools.stream(tool_parser) is not None
         self._tool_streams: dict[int, ToolStream] = {}
 
@@ -268,7 +247,7 @@ class OpenAIFormat:
     ) -> list[str]:
         """The events before the first delta: each chat choice's role, or each completion
         choice's echoed prompt."""
-        if self.oai.chat:
+        if self.chat:
             return [self._chunk(role="assistant", text="", index=i) for i in range(n)]
         if not self.prefix:
             return []
@@ -303,8 +282,8 @@ class OpenAIFormat:
         index = delta.index
         stream = self._tool_streams.get(index)
         if stream is None:
-            assert self.oai.tools is not None
-            stream = self._tool_streams[index] = self.oai.tools.stream(self.tool_parser)
+            assert self.tools is not None
+            stream = self._tool_streams[index] = self.tools.stream(self.tool_parser)
             assert stream is not None
         text, calls = stream.feed(delta.text)
         if delta.finish_reason is not None and delta.finish_reason != "error":
@@ -331,9 +310,9 @@ class OpenAIFormat:
             out.append(
                 self._chunk(finish_reason=reason, completion_tokens=completion_tokens, index=index)
             )
-        if delta.finished and self.oai.include_usage:
+        if delta.finished and self.include_usage:
             usage = _final_usage(delta)
-            cls = ChatCompletionChunk if self.oai.chat else CompletionResponse
+            cls = ChatCompletionChunk if self.chat else CompletionResponse
             out.append(cls(**self._base(), choices=[], usage=usage).model_dump_json())
         return out
 
@@ -350,10 +329,10 @@ class OpenAIFormat:
     ) -> str:
         """One `data:` event's JSON; its usage is the running count when asked for."""
         usage = (
-            _usage(self.prompt_tokens, completion_tokens) if self.oai.continuous_usage else None
+            _usage(self.prompt_tokens, completion_tokens) if self.continuous_usage else None
         )
-        want = self.oai.logprobs is not None and logprobs is not None and bool(token_ids)
-        if not self.oai.chat:
+        want = self.logprobs is not None and logprobs is not None and bool(token_ids)
+        if not self.chat:
             start = self._offsets.get(index, 0)
             self._offsets[index] = start + len(text or "")
             lp = self._completion_logprobs(token_ids, logprobs, start) if want else None
@@ -386,9 +365,9 @@ class OpenAIFormat:
         the prompt once and every choice's output. An echo with logprobs starts each
         choice's logprobs with the prompt's."""
         usage = _final_usage(final)
-        want = self.oai.logprobs is not None
+        want = self.logprobs is not None
         out: Any
-        if self.oai.chat:
+        if self.chat:
             chat = [
                 self._chat_choice(i, c, final.finish_reason, want) for i, c in enumerate(choices)
             ]
@@ -410,8 +389,8 @@ class OpenAIFormat:
     def _chat_choice(self, i: int, c: Choice, final_reason: str | None, want: bool) -> ChatChoice:
         content: str | None = c.text
         calls: list[ToolCall] = []
-        if self._calls and self.oai.tools is not None:
-            content, calls = self.oai.tools.calls(c.text, self.tool_parser)
+        if self._calls and self.tools is not None:
+            content, calls = self.tools.calls(c.text, self.tool_parser)
         out = [
             ToolCallOut(id=x.id, function=FunctionCallOut(name=x.name, arguments=x.arguments))
             for x in calls

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 from bucketserve.runtime.core.logprobs import TokenLogprob
 from bucketserve.runtime.core.output_processor import OutputProcessor
 from bucketserve.runtime.core.outputs import CompletionOutput, RequestOutput
+from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.core.scheduler import Scheduler
-from bucketserve.runtime.core.sequence import FinishReason, Sequence
+from bucketserve.runtime.core.sequence import FinishReason, Priority, Sequence
+from bucketserve.runtime.core.tenant_tag import DEFAULT_TENANT, TenantTag
 
 
 @dataclass
@@ -32,6 +34,43 @@ class EngineRequest:
     samples: list[SampleState]
     prompt_logprobs: bool = False  # computed here and wanted
     prompt_logprob_list: list[TokenLogprob | None] | None = None  # once the prompt is done
+
+    @classmethod
+    def new(
+        cls,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        arrival_time: float | None = None,
+        prompt_text: str | None = None,
+        priority: Priority = 0,
+        tenant: TenantTag = DEFAULT_TENANT,
+    ) -> EngineRequest:
+        """The one way a request enters the runtime (the engine's, a prefill worker's): its
+        `n` sample sequences, sample 0 named `request_id`, sample i `request_id#i`, each
+        with its settings (`SamplingParams.sample(i)`). ValueError if malformed."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
+        params.validate()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        parts = priority if isinstance(priority, tuple) else (priority,)
+        if not parts or any(isinstance(p, bool) or not isinstance(p, int) for p in parts):
+            raise ValueError(
+                f"priority must be an integer (or a tuple of integers), got {priority!r}"
+            )
+        weight = getattr(tenant, "weight", None)
+        if not isinstance(tenant, TenantTag) or not isinstance(weight, (int, float)) or weight <= 0:
+            raise ValueError(f"tenant must be a TenantTag with a weight > 0, got {tenant!r}")
+        ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
+        settings = [params] if params.n == 1 else [params.sample(i) for i in range(params.n)]
+        samples = [
+            SampleState(
+                Sequence(list(token_ids), p, seq_id, arrival_time, priority=priority, tenant=tenant)
+            )
+            for p, seq_id in zip(settings, ids, strict=True)
+        ]
+        return cls(request_id, prompt_text, samples)
 
     @property
     def seq(self) -> Sequence:
@@ -82,15 +121,15 @@ class EngineRequest:
             )
         reason = seq.finish_reason.value if seq.finish_reason is not None else None
         new = seq.output_token_ids[len(sample.token_ids) :]
-        delta = processor.process(seq.seq_id, new, reason)
-        if delta.stopped:
+        kept, text, finish_reason, stop = processor.process(seq.seq_id, new, reason)
+        if stop is not None:
             if not seq.is_finished:
                 scheduler.abort(seq.seq_id)
-            seq.finish_reason, seq.stop_reason = FinishReason.STOP, delta.stop_reason
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
         start = len(sample.token_ids)
-        sample.token_ids += delta.token_ids
-        sample.text += delta.text
-        sample.ended = delta.finished
+        sample.token_ids += kept
+        sample.text += text
+        sample.ended = finish_reason is not None
         delta_logprobs = None
         if wants_logprobs:
             delta_logprobs = [
@@ -101,12 +140,12 @@ class EngineRequest:
             index=index,
             text=sample.text,
             token_ids=list(sample.token_ids),
-            delta_text=delta.text,
-            delta_token_ids=delta.token_ids,
-            finished=delta.finished,
-            finish_reason=seq.finish_reason if delta.finished else None,
+            delta_text=text,
+            delta_token_ids=kept,
+            finished=sample.ended,
+            finish_reason=seq.finish_reason if sample.ended else None,
             stop_reason=seq.stop_reason,
-            changed=bool(delta.token_ids) or delta.finished,
+            changed=bool(kept) or sample.ended,
             logprobs=None if delta_logprobs is None else list(sample.logprobs),
             delta_logprobs=delta_logprobs,
         )

@@ -5,24 +5,9 @@ one; workers and schedulers deal in token ids and stop *token* ids only."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from bucketserve.runtime.io.detokenizer import Decoder, Detokenizer
-
-
-@dataclass
-class TextDelta:
-    """What a step adds to one request's output. `token_ids` are the new tokens kept (none
-    past a stop string); `stopped`: a stop string (`stop_reason`) ended the request here, so
-    whoever generates its tokens must abort it."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: str | None = None
-    stopped: bool = False
 
 
 class OutputProcessor:
@@ -31,7 +16,7 @@ class OutputProcessor:
     `add` a request when it is admitted, `process` each batch of new token ids (with the
     generator's finish reason once it has one: eos, a stop token id, length, cancelled,
     error), `remove` one that ends without a final batch. A request's state is dropped
-    when its final delta is returned.
+    when `process` ends it.
     """
 
     def __init__(self, tokenizer: Decoder | None) -> None:
@@ -62,12 +47,14 @@ class OutputProcessor:
 
     def process(
         self, request_id: str, token_ids: Sequence[int], finish_reason: str | None = None
-    ) -> TextDelta:
-        """The text `token_ids` add. A stop string inside them ends the request there: the
-        tokens after the one completing it are dropped, its finish reason is `stop`."""
+    ) -> tuple[list[int], str, str | None, str | None]:
+        """What `token_ids` add to the request's output: the tokens kept (none past a stop
+        string), their text, the finish reason once it ended, and the stop string that
+        ended it, if one did. A stop string inside them ends the request there (finish
+        reason `stop`): whoever generates its tokens must abort it."""
         detok = self._detok.get(request_id)
         if detok is None:  # no tokenizer: token ids only
-            return TextDelta(list(token_ids), "", finish_reason is not None, finish_reason)
+            return list(token_ids), "", finish_reason, None
         kept: list[int] = []
         text = ""
         early = self._min_tokens.get(request_id)
@@ -79,13 +66,13 @@ class OutputProcessor:
             text += detok.push(token)
             if detok.stopped:
                 self.remove(request_id)
-                return TextDelta(kept, text, True, "stop", detok.stop_reason, stopped=True)
+                return kept, text, "stop", detok.stop_reason
         if finish_reason is None:
-            return TextDelta(kept, text)
+            return kept, text, None, None
         if finish_reason != "cancelled":
             text += detok.flush()
         self.remove(request_id)
-        return TextDelta(kept, text, True, finish_reason)
+        return kept, text, finish_reason, None
 
     def remove(self, request_id: str) -> None:
         self._detok.pop(request_id, None)

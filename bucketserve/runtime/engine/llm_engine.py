@@ -11,7 +11,7 @@ from numbers import Integral
 from typing import Any
 
 from bucketserve.runtime.core.block_manager import BlockManager
-from bucketserve.runtime.core.engine_request import EngineRequest, SampleState
+from bucketserve.runtime.core.engine_request import EngineRequest
 from bucketserve.runtime.core.executor import ExecutionError
 from bucketserve.runtime.core.grammar_compiler import validate_structured_outputs
 from bucketserve.runtime.core.output_processor import OutputProcessor
@@ -395,36 +395,17 @@ class LLMEngine:
         priority: Priority = 0,
         tenant: TenantTag = DEFAULT_TENANT,
     ) -> EngineRequest:
-        """The request's `n` sample sequences: sample 0 named `request_id`, sample i
-        `request_id#i`, each with its settings (`SamplingParams.sample(i)`)."""
         params = SamplingParams() if sampling_params is None else sampling_params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
-        params.validate()
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        parts = priority if isinstance(priority, tuple) else (priority,)
-        if not parts or any(isinstance(p, bool) or not isinstance(p, int) for p in parts):
-            raise ValueError(
-                f"priority must be an integer (or a tuple of integers), got {priority!r}"
-            )
-        weight = getattr(tenant, "weight", None)
-        if not isinstance(tenant, TenantTag) or not isinstance(weight, (int, float)) or weight <= 0:
-            raise ValueError(f"tenant must be a TenantTag with a weight > 0, got {tenant!r}")
-        ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
-        for seq_id in ids:
+        request = EngineRequest.new(
+            token_ids, params, request_id, arrival_time, prompt_text, priority, tenant
+        )
+        for sample in request.samples:
+            seq_id = sample.seq.seq_id
             if seq_id in self._requests or seq_id in self._owners:
                 raise ValueError(f"request id {seq_id!r} is already in use")
-        settings = [params] if params.n == 1 else [params.sample(i) for i in range(params.n)]
-        samples = [
-            SampleState(
-                Sequence(list(token_ids), p, seq_id, arrival_time, priority=priority, tenant=tenant)
-            )
-            for p, seq_id in zip(settings, ids, strict=True)
-        ]
-        return EngineRequest(request_id, prompt_text, samples)
+        return request
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
