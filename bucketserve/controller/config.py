@@ -12,13 +12,10 @@ from pydantic import AfterValidator, Field, InstanceOf, model_validator
 from bucketserve.bucket_manager.config import BucketManagerConfig
 from bucketserve.kv_worker.config import WorkerConfig
 from bucketserve.runtime.core.scheduler import SchedulerConfig
-from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
+from bucketserve.runtime.worker.runner_config import Execution, ModelRunnerConfig
 from bucketserve.utils.settings import Settings, SettingsError
 
 logger = logging.getLogger(__name__)
-
-Execution = Literal["auto", "eager", "graphs"]
-
 
 def _core_ids(cpus: list[int] | None) -> list[int] | None:
     if cpus is not None and (not cpus or len(set(cpus)) != len(cpus)):

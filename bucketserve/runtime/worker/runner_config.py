@@ -12,6 +12,7 @@ from pydantic import AfterValidator, Field
 from bucketserve.utils.settings import Settings
 
 DEVICES = ("auto", "cpu", "cuda", "cuda:<i>", "hpu")
+Execution = Literal["auto", "eager", "graphs"]
 
 
 def _device(device: str) -> str:
@@ -49,7 +50,7 @@ class ModelSettings(Settings):
     """Longest prompt + output; null: the model's max_position_embeddings."""
     seed: int = 0
     """Sampling seed of the workers."""
-    execution: Literal["auto", "eager", "graphs"] = "auto"
+    execution: Execution = "auto"
     """eager: each step as it comes; graphs: one compiled graph per shape bucket, compiled
     at warm-up; auto: graphs on hpu and cuda, eager on cpu."""
     chat_template: Annotated[str | None, AfterValidator(_chat_template)] = None
