@@ -205,16 +205,17 @@ class ControllerConfig(Settings):
         (rank) of the same index."""
         if self.colocated:
             return self
-        prefill, decode = self.prefill.pipeline_parallel_size, self.decode.pipeline_parallel_size
-        if prefill != decode:
-            raise SettingsError(
-                "decode.pipeline_parallel_size",
-                f"controller.prefill.pipeline_parallel_size ({prefill}) and "
-                f"controller.decode.pipeline_parallel_size ({decode}) must be equal: prefill "
-                "stage i hands the KV of its layers to decode stage i, which must hold the "
-                f"same layers; set both to {prefill} or both to {decode} (or use "
-                "controller.topology: colocated)",
-            )
+        for key, what in (("pipeline_parallel_size", "stage hands the KV of its layers"),
+                          ("tensor_parallel_size", "rank hands its KV heads")):
+            prefill, decode = getattr(self.prefill, key), getattr(self.decode, key)
+            if prefill != decode:
+                raise SettingsError(
+                    f"decode.{key}",
+                    f"controller.prefill.{key} {prefill} and controller.decode.{key} {decode} "
+                    f"differ: each prefill {what} to the decode {what.split()[0]} of the same "
+                    f"index, so set both to {prefill} or both to {decode} (or use "
+                    "controller.topology: colocated)",
+                )
         for role in ("prefill", "decode"):
             tp = self.placement(role).tensor_parallel_size
             pp = self.placement(role).pipeline_parallel_size
@@ -233,15 +234,6 @@ class ControllerConfig(Settings):
                     "controller.mode: ray (in local mode a worker's ranks are its child "
                     "processes, which no KV transport reaches)",
                 )
-        prefill, decode = self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size
-        if prefill != decode:
-            raise SettingsError(
-                "decode.tensor_parallel_size",
-                f"controller.prefill.tensor_parallel_size {prefill} and "
-                f"controller.decode.tensor_parallel_size {decode} differ: each prefill rank "
-                "hands its KV heads to the decode rank of the same index, so set both to "
-                f"{prefill} or both to {decode} (or use controller.topology: colocated)",
-            )
         return self
 
     @property

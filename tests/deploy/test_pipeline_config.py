@@ -38,8 +38,8 @@ def test_unequal_prefill_and_decode_stages_are_refused_naming_both_keys(
         },
     }
     both = (
-        r"controller\.prefill\.pipeline_parallel_size \(2\) and "
-        r"controller\.decode\.pipeline_parallel_size \(3\) must be equal"
+        r"controller\.prefill\.pipeline_parallel_size 2 and "
+        r"controller\.decode\.pipeline_parallel_size 3 differ: each prefill stage hands"
     )
     with pytest.raises(ServeConfigError, match=both):
         ServeConfig.from_dict(data)
