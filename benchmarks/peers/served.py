@@ -217,7 +217,7 @@ def start(
     config.write_text(
         f"model: {{dtype: {args.dtype}, max_model_len: {args.max_model_len}}}\n"
         + ("" if caching else "kv_cache: {enable_prefix_caching: false}\n")
-        + f"controller:\n  shape: {shape}\n  mode: {'local' if local else 'ray'}\n"
+        + f"controller:\n  topology: {shape}\n  mode: {'local' if local else 'ray'}\n"
         f"  decode: {{max_num_seqs: {args.max_num_seqs}"
         f"{', ' + args.decode_config if args.decode_config else ''}}}\n"
         f"gateway: {{http_port: {port}, grpc_port: {free_port()}}}\n"
