@@ -106,7 +106,7 @@ def build_config(args: argparse.Namespace) -> ShapeBucketConfig:
             section = data.get(phase) or {}
             if not isinstance(section, dict):
                 raise ValueError(f"shape_buckets.{phase} must be a mapping")
-            data[phase] = {**section, dim: BucketRange.from_value(values, flag)}
+            data[phase] = {**section, dim: BucketRange.parse(values, flag)}
     return ShapeBucketConfig.from_dict(data)
 
 

@@ -46,68 +46,74 @@ def _build(cls: type, data: Any, where: str, nested: dict[str, Any] | None = Non
     return cls(**kwargs)
 
 
-@dataclass(frozen=True)
-class BucketRange:
-    """(min, step, max, limit) of one shape dimension; the linear strategy ignores limit."""
+class BucketRange(Settings):
+    """[min, step, max] or [min, step, max, limit] of one shape dimension (or a mapping);
+    positional in code, `BucketRange(1, 1, 4, 3)`."""
 
-    min: int
-    step: int
-    max: int
-    limit: int | None = None
-    name: str = field(default="range", compare=False, repr=False)
+    min: int = Field(ge=0)
+    step: int = Field(ge=1)
+    max: int = Field(ge=0)
+    limit: int | None = Field(None, ge=1)
+    """Points of the exponential strategy (the linear one ignores it)."""
 
-    def __post_init__(self) -> None:
-        check_int(f"{self.name}.min", self.min, 0)
-        check_int(f"{self.name}.step", self.step, 1)
-        check_int(f"{self.name}.max", self.max, self.min)
-        if self.limit is not None:
-            check_int(f"{self.name}.limit", self.limit, 1)
+    def __init__(self, *args: int | None, **data: Any) -> None:
+        super().__init__(**dict(zip(("min", "step", "max", "limit"), args, strict=False)), **data)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_list(cls, data: Any) -> Any:
+        if not isinstance(data, (list, tuple)):
+            return data
+        if len(data) not in (3, 4):
+            raise ValueError("must be [min, step, max] or [min, step, max, limit]")
+        return dict(zip(("min", "step", "max", "limit"), data, strict=False))
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BucketRange:
+        if self.max < self.min:
+            raise SettingsError("max", f"must be >= min ({self.min}), got {self.max}")
+        return self
 
     def as_list(self, with_limit: bool = True) -> list[int | None]:
         head: list[int | None] = [self.min, self.step, self.max]
         return [*head, self.limit] if with_limit else head
 
-    @classmethod
-    def from_value(cls, data: Any, where: str) -> BucketRange:
-        """From `[min, step, max, limit]`, `[min, step, max]` or a mapping."""
-        if isinstance(data, (list, tuple)):
-            if len(data) not in (3, 4):
-                raise ValueError(f"{where} must be [min, step, max] or [min, step, max, limit]")
-            return cls(*data, name=where)
-        return _build(cls, {**data, "name": where} if isinstance(data, dict) else data, where)
+
+def _at_least_one(dim: str, rng: BucketRange | None) -> None:
+    if rng is not None and rng.min < 1:
+        raise SettingsError(f"{dim}.min", f"must be >= 1, got {rng.min}")
 
 
-def _named(rng: BucketRange | None, name: str) -> BucketRange | None:
-    if rng is None or rng.name == name:
-        return rng
-    return BucketRange(rng.min, rng.step, rng.max, rng.limit, name=name)
-
-
-@dataclass(frozen=True)
-class PromptShapeConfig:
-    """Prompt shape dimensions; `ctx=None` warms every block count that fits beside the query."""
+class PromptShapeConfig(Settings):
+    """Prompt shape buckets `(batch, query, context blocks)`; a dimension left out takes
+    its default here."""
 
     bs: BucketRange = BucketRange(1, 1, 1, 1)
+    """Batch sizes."""
     query: BucketRange = BucketRange(128, 128, 1024, 11)
+    """Query lengths (tokens)."""
     ctx: BucketRange | None = None
+    """Context blocks beside the query; null: every count that fits."""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "bs", _named(self.bs, "prompt.bs"))
-        object.__setattr__(self, "query", _named(self.query, "prompt.query"))
-        object.__setattr__(self, "ctx", _named(self.ctx, "prompt.ctx"))
-        check_int("prompt.bs.min", self.bs.min, 1)
-        check_int("prompt.query.min", self.query.min, 1)
+    @model_validator(mode="after")
+    def _positive(self) -> PromptShapeConfig:
+        _at_least_one("bs", self.bs)
+        _at_least_one("query", self.query)
+        return self
 
 
-@dataclass(frozen=True)
-class DecodeShapeConfig:
+class DecodeShapeConfig(Settings):
+    """Decode shape buckets `(batch, 1, blocks)`."""
+
     bs: BucketRange = BucketRange(1, 2, 4, 3)
+    """Batch sizes."""
     blocks: BucketRange = BucketRange(128, 128, 5888, 14)
+    """KV blocks of the whole batch."""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "bs", _named(self.bs, "decode.bs"))
-        object.__setattr__(self, "blocks", _named(self.blocks, "decode.blocks"))
-        check_int("decode.bs.min", self.bs.min, 1)
+    @model_validator(mode="after")
+    def _positive(self) -> DecodeShapeConfig:
+        _at_least_one("bs", self.bs)
+        return self
 
 
 @dataclass(frozen=True)
@@ -143,10 +149,12 @@ class ShapeBucketConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks"):
             check_int(f"ShapeBucketConfig.{name}", getattr(self, name), 1)
         if self.strategy in ("exponential", "unified"):
-            ranges = (self.prompt.bs, self.prompt.query, self.decode.bs, self.decode.blocks)
-            for rng in (*ranges, self.prompt.ctx):
+            p, d = self.prompt, self.decode
+            for name, rng in (("prompt.bs", p.bs), ("prompt.query", p.query),
+                              ("decode.bs", d.bs), ("decode.blocks", d.blocks),
+                              ("prompt.ctx", p.ctx)):  # fmt: skip
                 if rng is not None and rng.limit is None:
-                    raise ValueError(f"{rng.name}.limit is required by the exponential strategy")
+                    raise ValueError(f"{name}.limit is required by the exponential strategy")
         if self.strategy == "file" and self.bucket_file() is None:
             raise ValueError(
                 "ShapeBucketConfig.file is required by the 'file' strategy "
@@ -172,17 +180,11 @@ class ShapeBucketConfig:
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "shape_buckets") -> ShapeBucketConfig:
-        rng = BucketRange.from_value
-        prompt_nested = {"bs": rng, "query": rng, "ctx": rng}
-        decode_nested = {"bs": rng, "blocks": rng}
         return _build(
             cls,
             data,
             where,
-            {
-                "prompt": lambda d, w: _build(PromptShapeConfig, d, w, prompt_nested),
-                "decode": lambda d, w: _build(DecodeShapeConfig, d, w, decode_nested),
-            },
+            {"prompt": PromptShapeConfig.parse, "decode": DecodeShapeConfig.parse},
         )
 
 

@@ -17,7 +17,8 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from bucketserve import envs
-from bucketserve.deploy.serve_settings import ServeSettings, ShapeRange
+from bucketserve.bucket_manager.config import BucketRange
+from bucketserve.deploy.serve_settings import ServeSettings
 from bucketserve.utils.settings import describe
 
 HEADER = """\
@@ -97,8 +98,9 @@ def render() -> str:
 
 
 def _key(path: str, field: FieldInfo) -> Key:
-    if _plain(field.annotation) is ShapeRange:
-        kind = "[min, step, max] or [min, step, max, limit], or null"
+    if _plain(field.annotation) is BucketRange:
+        kind = "[min, step, max] or [min, step, max, limit]"
+        kind += ", or null" if _is_optional(field.annotation) else ""
     else:
         hint = field.annotation
         if field.metadata:
@@ -112,12 +114,12 @@ def _key(path: str, field: FieldInfo) -> Key:
 
 
 def _section(hint: Any) -> type[BaseModel] | None:
-    """The model a field opens as a section of its own (a list of them too); ShapeRange is a
-    value."""
+    """The model a field opens as a section of its own (a list of them too); a BucketRange is
+    a value."""
     inner = _plain(hint)
     if _is_list(hint):
         inner = _plain(typing.get_args(_plain(hint))[0])
-    if isinstance(inner, type) and issubclass(inner, BaseModel) and inner is not ShapeRange:
+    if isinstance(inner, type) and issubclass(inner, BaseModel) and inner is not BucketRange:
         return inner
     return None
 
@@ -130,11 +132,17 @@ def _plain(hint: Any) -> Any:
     return hint
 
 
+def _is_optional(hint: Any) -> bool:
+    return type(None) in typing.get_args(hint)
+
+
 def _is_list(hint: Any) -> bool:
     return typing.get_origin(_plain(hint)) is list
 
 
 def _yaml(value: Any) -> str:
+    if isinstance(value, BucketRange):
+        return json.dumps(value.as_list(with_limit=value.limit is not None))
     if isinstance(value, BaseModel):
         return ""
     return json.dumps(value) if not isinstance(value, str) else value

@@ -23,9 +23,6 @@ import yaml
 from bucketserve.bucket_manager.config import (
     BatchingConfig,
     BucketManagerConfig,
-    BucketRange,
-    DecodeShapeConfig,
-    PromptShapeConfig,
     RequestBucketConfig,
     ShapeBucketConfig,
     TenantConfig,
@@ -33,7 +30,7 @@ from bucketserve.bucket_manager.config import (
 from bucketserve.controller.config import ControllerConfig, PlacementConfig
 from bucketserve.controller.service_limits import ServiceLimits
 from bucketserve.deploy.serve_config_error import ServeConfigError
-from bucketserve.deploy.serve_settings import BucketsSettings, ServeSettings, ShapeRange
+from bucketserve.deploy.serve_settings import BucketsSettings, ServeSettings
 from bucketserve.gateway.gateway_config import GatewayConfig
 from bucketserve.gateway.tenant_registry import TenantRegistry
 from bucketserve.runtime.io.tokenizer import load_chat_template
@@ -309,10 +306,9 @@ def _shape_buckets(buckets: BucketsSettings, block_size: int) -> dict[str, Any]:
     if buckets.file is not None:
         given["file"] = buckets.file
     try:
-        if buckets.prompt is not None:
-            given["prompt"] = PromptShapeConfig(**_ranges(buckets.prompt, "prompt"))
-        if buckets.decode is not None:
-            given["decode"] = DecodeShapeConfig(**_ranges(buckets.decode, "decode"))
+        for phase in ("prompt", "decode"):
+            if getattr(buckets, phase) is not None:
+                given[phase] = getattr(buckets, phase)
         ShapeBucketConfig(**given, block_size=block_size)
     except ValueError as exc:  # names its field: "decode.blocks.limit is required by ..."
         message = str(exc)
@@ -321,15 +317,6 @@ def _shape_buckets(buckets: BucketsSettings, block_size: int) -> dict[str, Any]:
         path = f"buckets.{key}" if key else f"buckets.{match.group(1)}" if match else "buckets"
         raise ServeConfigError(path, message) from None
     return given
-
-
-def _ranges(shapes: Any, phase: str) -> dict[str, BucketRange]:
-    ranges: dict[str, ShapeRange | None] = dict(shapes)
-    return {
-        dim: BucketRange(r.min, r.step, r.max, r.limit, name=f"{phase}.{dim}")
-        for dim, r in ranges.items()
-        if r is not None
-    }
 
 
 def _set(data: dict[str, Any], path: str, value: Any) -> None:

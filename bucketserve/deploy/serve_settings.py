@@ -13,7 +13,13 @@ from typing import Annotated, Any, Literal
 from annotated_types import Ge
 from pydantic import Field, field_validator, model_validator
 
-from bucketserve.bucket_manager.config import BatchingConfig, RequestBucketConfig, TenantConfig
+from bucketserve.bucket_manager.config import (
+    BatchingConfig,
+    DecodeShapeConfig,
+    PromptShapeConfig,
+    RequestBucketConfig,
+    TenantConfig,
+)
 from bucketserve.controller.config import ControllerConfig
 from bucketserve.gateway.gateway_config import GatewayConfig
 from bucketserve.runtime.worker.runner_config import KVCacheSettings, ModelSettings
@@ -22,52 +28,6 @@ from bucketserve.utils.settings import Settings, SettingsError
 # The service's defaults are the configs' own: each default is written once, there.
 REQUEST_BUCKETS = RequestBucketConfig()
 
-class ShapeRange(Settings):
-    """[min, step, max] or [min, step, max, limit] of one shape dimension (or a mapping)."""
-
-    min: int = Field(ge=0)
-    step: int = Field(ge=1)
-    max: int = Field(ge=0)
-    limit: int | None = Field(None, ge=1)
-    """Points of the exponential strategy (the linear one ignores it)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_list(cls, data: Any) -> Any:
-        if not isinstance(data, list):
-            return data
-        if len(data) not in (3, 4):
-            raise ValueError("must be [min, step, max] or [min, step, max, limit]")
-        return dict(zip(("min", "step", "max", "limit"), data, strict=False))
-
-    @model_validator(mode="after")
-    def _ordered(self) -> ShapeRange:
-        if self.max < self.min:
-            raise SettingsError("max", f"must be >= min ({self.min}), got {self.max}")
-        return self
-
-
-class PromptShapes(Settings):
-    """Prompt shape buckets `(batch, query, context blocks)`; a dimension left out takes
-    the bucket manager's default."""
-
-    bs: ShapeRange | None = None
-    """Batch sizes."""
-    query: ShapeRange | None = None
-    """Query lengths (tokens)."""
-    ctx: ShapeRange | None = None
-    """Context blocks beside the query; null: every count that fits."""
-
-
-class DecodeShapes(Settings):
-    """Decode shape buckets `(batch, 1, blocks)`."""
-
-    bs: ShapeRange | None = None
-    """Batch sizes."""
-    blocks: ShapeRange | None = None
-    """KV blocks of the whole batch."""
-
-
 class BucketsSettings(Settings):
     strategy: Literal["exponential", "linear", "file", "unified"] = "exponential"
     """Shape buckets: exponential, linear or file; unified: every decode-worker step (prompt
@@ -75,10 +35,10 @@ class BucketsSettings(Settings):
     is_causal) buckets from the engine's max_num_seqs, max_num_batched_tokens and pool."""
     file: str | None = None
     """The bucket file of the file strategy (or $BUCKETSERVE_BUCKET_FILE)."""
-    prompt: PromptShapes | None = None
+    prompt: PromptShapeConfig | None = None
     """Prompt shape ranges; null: derived from the model (batch 1..16, query
     block_size..max_model_len, two per doubling)."""
-    decode: DecodeShapes | None = None
+    decode: DecodeShapeConfig | None = None
     """Decode shape ranges; null: derived from the model (batch 1..max_num_seqs)."""
     theta: float = Field(REQUEST_BUCKETS.theta, gt=0, le=1)
     """θ: split a request bucket when more than this share of it lies below its middle."""

@@ -47,7 +47,7 @@ def test_file_strategy_and_errors(tmp_path, capsys):
         f"error: {path}:2:7: expected ',' between the three tuple elements, got '3'\n"
     )
     assert main(["buckets", "--prompt-seq", "128", "128"]) == 2
-    assert "--prompt-seq must be [min, step, max]" in capsys.readouterr().err
+    assert "--prompt-seq: must be [min, step, max]" in capsys.readouterr().err
 
 
 def test_module_entry_point():

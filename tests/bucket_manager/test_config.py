@@ -24,9 +24,9 @@ from bucketserve.bucket_manager import (
             "prompt.query.limit is required by the exponential strategy",
         ),
         (lambda: ShapeBucketConfig(block_size=0), "block_size must be an integer >= 1"),
-        (lambda: PromptShapeConfig(bs=BucketRange(0, 1, 4)), "prompt.bs.min must be an integer"),
-        (lambda: BucketRange(10, 1, 5), "range.max must be an integer >= 10, got 5"),
-        (lambda: BucketRange(1, 0, 5), "range.step must be an integer >= 1, got 0"),
+        (lambda: PromptShapeConfig(bs=BucketRange(0, 1, 4)), "bs.min: must be >= 1, got 0"),
+        (lambda: BucketRange(10, 1, 5), r"max: must be >= min \(10\), got 5"),
+        (lambda: BucketRange(1, 0, 5), r"step\n  Input should be greater than or equal to 1"),
         (lambda: RequestBucketConfig(theta=1.5), r"theta must be a number in \[0.0, 1.0\]"),
         (lambda: RequestBucketConfig(shape_edge_snap=0.6), "shape_edge_snap must be a number in"),
         (lambda: RequestBucketConfig(max_len=True), "max_len must be an integer >= 2, got True"),
@@ -82,10 +82,10 @@ def test_from_dict_builds_the_nested_shape_config():
     ("data", "message"),
     [
         ({"prompts": {}}, r"shape_buckets: unknown keys \['prompts'\]; allowed keys are"),
-        ({"prompt": {"query": [10, 1, 5, 3]}}, "prompt.query.max must be"),
-        ({"prompt": {"query": [1, 2]}}, r"prompt.query must be \[min"),
-        ({"prompt": {"qery": [1, 2, 4]}}, r"shape_buckets.prompt: unknown keys \['qery'\]"),
-        ({"decode": 5}, "shape_buckets.decode must be a mapping, got int"),
+        ({"prompt": {"query": [10, 1, 5, 3]}}, r"prompt\.query\.max: must be >= min \(10\)"),
+        ({"prompt": {"query": [1, 2]}}, r"shape_buckets.prompt.query: must be \[min"),
+        ({"prompt": {"qery": [1, 2, 4]}}, r"shape_buckets\.prompt\.qery: unknown key 'qery' \("),
+        ({"decode": 5}, "shape_buckets.decode: must be a mapping, got an integer 5"),
     ],
 )
 def test_from_dict_rejects_unknown_keys_and_bad_values(data, message):
