@@ -79,8 +79,8 @@ class BucketRange(Settings):
         return [*head, self.limit] if with_limit else head
 
 
-def _at_least_one(dim: str, rng: BucketRange | None) -> None:
-    if rng is not None and rng.min < 1:
+def _at_least_one(dim: str, rng: BucketRange) -> None:
+    if rng.min < 1:
         raise SettingsError(f"{dim}.min", f"must be >= 1, got {rng.min}")
 
 

@@ -27,7 +27,7 @@ from bucketserve.bucket_manager.config import (
     ShapeBucketConfig,
     TenantConfig,
 )
-from bucketserve.controller.config import ControllerConfig, PlacementConfig
+from bucketserve.controller.config import ControllerConfig
 from bucketserve.controller.service_limits import ServiceLimits
 from bucketserve.deploy.serve_config_error import ServeConfigError
 from bucketserve.deploy.serve_settings import BucketsSettings, ServeSettings
@@ -120,7 +120,7 @@ class ServeConfig:
     def _check_card(self, role: str) -> None:
         device = self.controller.runner.device.split(":")[0]
         needs = _CARD_DEVICES.get(device)
-        accelerator = self.placement(role).accelerator
+        accelerator = self.controller.placement(role).accelerator
         if needs and accelerator not in ("auto", needs):
             raise ServeConfigError(
                 f"controller.{role}.accelerator",
@@ -152,15 +152,12 @@ class ServeConfig:
 
     # -- views --------------------------------------------------------------------------------
 
-    def placement(self, role: str) -> PlacementConfig:
-        return self.controller.placement(role)
-
     def actor_resources(self, role: str) -> dict[str, float]:
         """What one worker of `role` asks Ray for, as its placement group does: one card
         and `num_cpus` per rank of every stage, plus, with pipeline stages, the worker's
         own card-less bundle; `auto` picks the card kind cluster.resources names (HPU
         before GPU)."""
-        placement = self.placement(role)
+        placement = self.controller.placement(role)
         accelerator = placement.accelerator
         if accelerator == "auto":
             have = self.cluster_resources
@@ -224,7 +221,7 @@ class ServeConfig:
         roles = ("decode",) if self.controller.colocated else ("prefill", "decode")
         for role in roles:
             try:
-                check_tensor_parallel(model, self.placement(role).tensor_parallel_size)
+                check_tensor_parallel(model, self.controller.placement(role).tensor_parallel_size)
             except ValueError as exc:
                 raise self._error(f"controller.{role}.tensor_parallel_size", str(exc)) from None
 

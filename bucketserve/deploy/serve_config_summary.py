@@ -46,7 +46,7 @@ def summarize(config: ServeConfig, model_len: int | None = None) -> str:
 
 def _asks(config: ServeConfig, role: str) -> str:
     asks = config.actor_resources(role)
-    accelerator = config.placement(role).accelerator
+    accelerator = config.controller.placement(role).accelerator
     text = ", ".join(f"{k} {v:g}" for k, v in asks.items()) or "nothing"
     return f"{text} (accelerator {accelerator})"
 
