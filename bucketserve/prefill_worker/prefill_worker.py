@@ -423,9 +423,10 @@ class PrefillWorker(KVWorker):
 def _sequence(request: WorkerRequest) -> Sequence:
     """The request's sample 0, which computes the prompt (and the tokens it streamed before
     a re-prefill) for every sample."""
+    params = request.sampling_params
+    sample0 = params if params.n == 1 else params.sample(0)  # only it is built here
     seq = EngineRequest.new(
-        request.prompt_token_ids, request.sampling_params, request.request_id,
-        tenant=request.tenant,
+        request.prompt_token_ids, sample0, request.request_id, tenant=request.tenant
     ).seq
     seq.token_ids.extend(request.output_token_ids)
     return seq
