@@ -9,7 +9,9 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,19 +126,44 @@ class ServeProcess:
         except OSError:
             return False
 
+    @contextlib.contextmanager
+    def explained(self) -> Iterator[None]:
+        """An exception inside carries what the service said last: a test that fails on a
+        dropped connection tells whether the service died, how, and why."""
+        try:
+            yield
+        except Exception as exc:
+            raise AssertionError(f"{exc!r}\n{self.report()}") from exc
+
+    def report(self, lines: int = 40) -> str:
+        """Whether the service runs (else its exit status), the end of its log, its Ray
+        driver's and its raylet's."""
+        code = self.proc.poll()
+        state = "is running" if code is None else f"exited with status {code}"
+        parts = [f"the service {state}; the end of {self.log}:", _tail(self.log, lines)]
+        ray_dir = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray"
+        for driver in ray_dir.glob(f"session_*/logs/python-core-driver-*_{self.pid}.log"):
+            for path in (driver, driver.with_name("raylet.out")):
+                parts += [f"the end of {path}:", _tail(path, lines)]
+        return "\n".join(parts)
+
     def close(self) -> None:
         """Stop it whatever its state: Ctrl-C, then SIGKILL to its session if it lingers."""
         if self.proc.poll() is None:
             with contextlib.suppress(subprocess.TimeoutExpired, ProcessLookupError):
                 self.interrupt(timeout_s=60)
-        self._kill_session(self.proc, set(self.seen))
+        self._kill_session(self.proc, self.seen)
 
     @staticmethod
-    def _kill_session(proc: subprocess.Popen[str], pids: set[int] = frozenset()) -> None:
-        for process in psutil.process_iter(["pid"]):
+    def _kill_session(proc: subprocess.Popen[str], seen: dict[int, float] | None = None) -> None:
+        """SIGKILL to every process of its session, and to those met in its tree (the same
+        processes: a pid a later process took is left alone)."""
+        seen = seen or {}
+        for process in psutil.process_iter(["pid", "create_time"]):
             pid = process.info["pid"]
             try:
-                if pid != os.getpid() and (pid in pids or os.getsid(pid) == proc.pid):
+                met = seen.get(pid) == process.info["create_time"]
+                if pid != os.getpid() and (met or os.getsid(pid) == proc.pid):
                     process.kill()
             except (OSError, psutil.Error):
                 continue
@@ -167,6 +194,13 @@ def worker_processes(root_pid: int | None = None) -> dict[int, str]:
         if command and command[0].startswith(WORKER_TITLES):
             found[process.pid] = command[0].split()[0].split(".")[0]
     return found
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"({exc.strerror})"
 
 
 def _read_banner(proc: subprocess.Popen[str], log: Path, deadline: float) -> str:

@@ -89,20 +89,24 @@ def test_a_worker_killed_mid_stream_loses_nothing(
     end with the fault-free text; every KV block is free after."""
     (victim,) = service.wait_for_workers()
     http_text: list[str] = []
+    http_errors: list[Exception] = []
     http_started = threading.Event()
 
     def http_stream() -> None:
-        for chunk in oai(service).completions.create(
-            model=service.model_name, prompt=PROMPT, max_tokens=TOKENS, temperature=0,
-            stream=True, extra_body={"ignore_eos": True},
-        ):
-            http_started.set()
-            http_text.extend(c.text for c in chunk.choices)
+        try:
+            for chunk in oai(service).completions.create(
+                model=service.model_name, prompt=PROMPT, max_tokens=TOKENS, temperature=0,
+                stream=True, extra_body={"ignore_eos": True},
+            ):
+                http_started.set()
+                http_text.extend(c.text for c in chunk.choices)
+        except Exception as exc:  # reported with the service's log below
+            http_errors.append(exc)
 
     thread = threading.Thread(target=http_stream)
     thread.start()
     chunks, killed = [], False
-    with Client(service.grpc_target) as client:
+    with service.explained(), Client(service.grpc_target) as client:
         for chunk in client.stream(PROMPT, GREEDY):
             chunks.append(chunk)
             streamed = sum(len(c.token_ids) for c in chunks)
@@ -110,6 +114,7 @@ def test_a_worker_killed_mid_stream_loses_nothing(
                 os.kill(victim, signal.SIGKILL)
                 killed = True
     thread.join(timeout=600)
+    assert not http_errors, f"{http_errors[0]!r}\n{service.report()}"
     assert killed and not thread.is_alive()
     assert chunks[-1].finish_reason == "length" and chunks[-1].error is None
     assert "".join(c.text for c in chunks) == reference
@@ -123,7 +128,7 @@ def test_ctrl_c_cancels_what_runs_and_leaves_no_process(service: ServeProcess) -
     its final message, the service exits 0, and none of its processes (Ray's GCS, raylet,
     agents, workers) outlives it."""
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-    with Client(service.grpc_target) as client:
+    with service.explained(), Client(service.grpc_target) as client:
         stream = client.stream(PROMPT, long)
         next(stream)
         result: list[int] = []

@@ -186,7 +186,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=12), n=st.integers(1, 4))
     def reserve(self, tokens: list[int], n: int):
-        need = n - len(self.bm._hits_of(tokens, [])[:n])
+        hits = self.bm._hits_of(tokens, [])[:n]
+        # a hit no one holds sits in the free list (evictable): taking it costs a free block
+        need = n - len(hits) + sum(1 for b in hits if self.bm._ref_counts[b] == 0)
         if need > self.bm.num_free_blocks:
             return
         blocks, cached = self.bm.reserve_prefix(tokens, n)
