@@ -150,7 +150,7 @@ def system_setup(name: str, spec: ServiceSpec) -> tuple[Any, list[dict] | None, 
         config = with_tenants(base, TenantRegistry.from_dict(tenants).bucket_configs())
         return config, tenants, [TenantShare("chat", 1.0, "chat-key")]
     config = with_tenants(base, [TenantConfig(name="default", **targets)])
-    one_bucket = dataclasses.replace(config.buckets.request_buckets, max_buckets=1)
+    one_bucket = config.buckets.request_buckets.model_copy(update={"max_buckets": 1})
     batching = config.buckets.batching.model_copy(update={"fit_batch_buckets": name == "fcfs-fit"})
     fcfs = {"scheduling_policy": "fcfs", "slo_admission": name == "fcfs-slo"}
     config = config.model_copy(

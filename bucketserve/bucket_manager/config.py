@@ -1,49 +1,29 @@
-"""Config of the bucket manager, one class per component.
-
-Every dataclass validates in `__post_init__` and raises ValueError naming the field and the
-allowed values (the bucket manager is also a library: the simulator and the benchmarks
-build these directly); `TenantConfig` is the config file's own model.
-`ShapeBucketConfig.from_dict` reads the shape-bucket mappings of `bucketserve buckets`'
-flags and files.
+"""Config of the bucket manager, one model per component: the config file's `buckets` and
+`tenants` sections are these (`BucketsSettings` joins the shape and request keys), and the
+simulator and the benchmarks build them directly. `BucketManagerConfig` bundles them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field, fields, replace
-from typing import Annotated, Any, Literal
+import typing
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_validator
 
 from bucketserve import envs
 from bucketserve.runtime.core.tenant_tag import TenantTag
-from bucketserve.utils.checks import check_choice, check_int, check_number
 from bucketserve.utils.settings import Settings, SettingsError
 
 BUCKET_FILE_ENV = "BUCKETSERVE_BUCKET_FILE"
-STRATEGIES = ("exponential", "linear", "file", "unified")
+ShapeStrategy = Literal["exponential", "linear", "file", "unified"]
+STRATEGIES = typing.get_args(ShapeStrategy)
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 BURST_SECONDS = 10.0  # default token_burst: this many seconds of token_rate_limit
 # keys whose plaintext ships with the project (bucketserve/deploy/serve.yaml): anyone has them
 DEMO_API_KEYS = ("interactive-demo-key", "batch-demo-key")
-
-
-def _build(cls: type, data: Any, where: str, nested: dict[str, Any] | None = None) -> Any:
-    """`cls(**data)` after checking the keys; `nested` maps a key to its own builder."""
-    if isinstance(data, cls):
-        return data
-    if not isinstance(data, dict):
-        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown}; allowed keys are {sorted(known)}")
-    kwargs = dict(data)
-    for key, build in (nested or {}).items():
-        if key in kwargs and kwargs[key] is not None:
-            kwargs[key] = build(kwargs[key], f"{where}.{key}")
-    return cls(**kwargs)
 
 
 class BucketRange(Settings):
@@ -116,50 +96,50 @@ class DecodeShapeConfig(Settings):
         return self
 
 
-@dataclass(frozen=True)
-class ShapeBucketConfig:
+class ShapeBucketConfig(Settings):
     """Shape buckets `(batch, query, context blocks)` for prompt and decode.
 
     The defaults are [Bucketing]'s start-up examples (36 prompt, 42 decode
-    buckets; 375 unified ones). `file` may instead come from the environment variable
-    BUCKETSERVE_BUCKET_FILE; it is read only when `strategy == "file"`.
-
-    `strategy == "unified"` adds the doc's unified buckets `(query, shared blocks, unique
-    blocks, is_causal)`, which every step of an engine pads to, prompt chunks and decode
-    rows together: their points come from `max_num_seqs` and `max_num_batched_tokens` (an
-    engine's step limits) and `num_blocks` (its KV pool), which a decode worker sets to
-    its own. The prompt and decode ranges still give the prefill batches' shapes, spaced
-    exponentially.
+    buckets; 375 unified ones). `strategy == "unified"` adds the doc's unified buckets
+    `(query, shared blocks, unique blocks, is_causal)`, which every step of an engine pads
+    to, prompt chunks and decode rows together: their points come from `max_num_seqs` and
+    `max_num_batched_tokens` (an engine's step limits) and `num_blocks` (its KV pool),
+    which a decode worker sets to its own. The prompt and decode ranges still give the
+    prefill batches' shapes, spaced exponentially. The model's and the engine's numbers
+    (`block_size` to `num_blocks`) are set by the code (a service from its model and
+    pool, `bucketserve buckets` from its flags).
     """
 
-    strategy: str = "exponential"
-    block_size: int = 128
-    max_model_len: int = 1024
-    prompt: PromptShapeConfig = field(default_factory=PromptShapeConfig)
-    decode: DecodeShapeConfig = field(default_factory=DecodeShapeConfig)
+    strategy: ShapeStrategy = "exponential"
+    """Shape buckets: exponential, linear or file; unified: every decode-worker step (prompt
+    chunks and decode rows together) pads to (query, shared blocks, unique blocks,
+    is_causal) buckets from the engine's max_num_seqs, max_num_batched_tokens and pool."""
     file: str | None = None
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
-    num_blocks: int = 5781
+    """The bucket file of the file strategy (or $BUCKETSERVE_BUCKET_FILE)."""
+    prompt: PromptShapeConfig = PromptShapeConfig()
+    decode: DecodeShapeConfig = DecodeShapeConfig()
+    block_size: int = Field(128, ge=1, exclude=True)
+    max_model_len: int = Field(1024, ge=1, exclude=True)
+    max_num_seqs: int = Field(32, ge=1, exclude=True)
+    max_num_batched_tokens: int = Field(2048, ge=1, exclude=True)
+    num_blocks: int = Field(5781, ge=1, exclude=True)
 
-    def __post_init__(self) -> None:
-        check_choice("ShapeBucketConfig.strategy", self.strategy, STRATEGIES)
-        check_int("ShapeBucketConfig.block_size", self.block_size, 1)
-        check_int("ShapeBucketConfig.max_model_len", self.max_model_len, 1)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks"):
-            check_int(f"ShapeBucketConfig.{name}", getattr(self, name), 1)
+    @model_validator(mode="after")
+    def _strategy_inputs(self) -> Self:
         if self.strategy in ("exponential", "unified"):
-            p, d = self.prompt, self.decode
-            for name, rng in (("prompt.bs", p.bs), ("prompt.query", p.query),
-                              ("decode.bs", d.bs), ("decode.blocks", d.blocks),
-                              ("prompt.ctx", p.ctx)):  # fmt: skip
-                if rng is not None and rng.limit is None:
-                    raise ValueError(f"{name}.limit is required by the exponential strategy")
+            for phase in ("prompt", "decode"):
+                ranges = getattr(self, phase)
+                for dim in () if ranges is None else type(ranges).model_fields:
+                    rng = getattr(ranges, dim)
+                    if rng is not None and rng.limit is None:
+                        raise SettingsError(
+                            f"{phase}.{dim}.limit", "is required by the exponential strategy"
+                        )
         if self.strategy == "file" and self.bucket_file() is None:
-            raise ValueError(
-                "ShapeBucketConfig.file is required by the 'file' strategy "
-                f"(or set the environment variable {BUCKET_FILE_ENV})"
+            raise SettingsError(
+                "file", f"is required by the 'file' strategy (or set ${BUCKET_FILE_ENV})"
             )
+        return self
 
     def bucket_file(self) -> str | None:
         return self.file or envs.BUCKETSERVE_BUCKET_FILE or None
@@ -171,42 +151,35 @@ class ShapeBucketConfig:
         strategies do not read them: returned unchanged)."""
         if self.strategy != "unified":
             return self
-        return replace(
-            self,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            num_blocks=num_blocks,
-        )
+        return self.model_copy(update={
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "num_blocks": num_blocks,
+        })  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "shape_buckets") -> ShapeBucketConfig:
-        return _build(
-            cls,
-            data,
-            where,
-            {"prompt": PromptShapeConfig.parse, "decode": DecodeShapeConfig.parse},
-        )
+        """`bucketserve buckets`' mapping (a file's keys and the engine's numbers its flags
+        give); SettingsError names the key."""
+        return cls.parse(data, where, file=False)
 
 
-@dataclass(frozen=True)
-class RequestBucketConfig:
+class RequestBucketConfig(Settings):
     """Algorithm 1: request buckets over prompt lengths `[0, max_len)`.
 
-    `shape_edge_snap`: a split point moves to the nearest warmed prompt query
-    length when that edge lies within this fraction of the bucket's width of the
-    midpoint (0 disables; no config key: tests and benchmarks set it).
+    `shape_edge_snap` (set by tests and benchmarks): a split point moves to the nearest
+    warmed prompt query length when that edge lies within this fraction of the bucket's
+    width of the midpoint (0 disables).
     """
 
-    max_len: int = 1024
-    theta: float = 0.5
-    max_buckets: int = 64
-    shape_edge_snap: float = 0.125
-
-    def __post_init__(self) -> None:
-        check_int("RequestBucketConfig.max_len", self.max_len, 2)
-        check_number("RequestBucketConfig.theta", self.theta, 0.0, 1.0)
-        check_int("RequestBucketConfig.max_buckets", self.max_buckets, 1)
-        check_number("RequestBucketConfig.shape_edge_snap", self.shape_edge_snap, 0.0, 0.5)
+    theta: float = Field(0.5, gt=0, le=1)
+    """θ: split a request bucket when more than this share of it lies below its middle."""
+    max_len: int | None = Field(None, ge=2)
+    """L_max: request buckets cover [0, L_max); sets model.max_model_len. null: the
+    model's length."""
+    max_buckets: int = Field(64, ge=1)
+    """Most request buckets."""
+    shape_edge_snap: float = Field(0.125, ge=0, le=0.5, exclude=True)
 
 
 def hash_api_key(api_key: str) -> str:
@@ -368,6 +341,10 @@ class BucketManagerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenants", tuple(self.tenants))
+        if self.request_buckets.max_len is None:  # the model's length
+            length = {"max_len": max(self.shape_buckets.max_model_len, 2)}
+            requests = self.request_buckets.model_copy(update=length)
+            object.__setattr__(self, "request_buckets", requests)
         if not self.tenants:
             raise ValueError("BucketManagerConfig.tenants must name at least one tenant")
         names = [t.name for t in self.tenants]

@@ -10,10 +10,11 @@ from annotated_types import Ge, Gt
 from pydantic import AfterValidator, Field, InstanceOf, model_validator
 
 from bucketserve.bucket_manager.config import BucketManagerConfig
-from bucketserve.kv_worker.config import WorkerConfig
+from bucketserve.kv_worker.config import WorkerSettings
 from bucketserve.runtime.core.scheduler import SchedulerConfig
+from bucketserve.runtime.engine.engine_config import ParallelConfig
 from bucketserve.runtime.worker.runner_config import Execution, ModelRunnerConfig
-from bucketserve.utils.settings import Settings, SettingsError
+from bucketserve.utils.settings import SettingsError
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ def _core_ids(cpus: list[int] | None) -> list[int] | None:
     return cpus
 
 
-class PlacementConfig(Settings):
+class PlacementConfig(ParallelConfig):
     """How many workers of one role, and where their Ray actors go (the config file's
     `controller.prefill` and `controller.decode` sections extend it). A worker with
     `pipeline_parallel_size` > 1 is a group of stage actors next to its own actor, which
@@ -47,13 +48,6 @@ class PlacementConfig(Settings):
     cpus: Annotated[list[Annotated[int, Ge(0)]] | None, AfterValidator(_core_ids)] = None
     """Pin each actor to these core ids, e.g. [0]; disjoint lists per role partition one
     machine."""
-    pipeline_parallel_size: int = Field(1, ge=1)
-    """Pipeline stages per worker: a group of that many stage actors, one card each."""
-    tensor_parallel_size: int = Field(1, ge=1)
-    """Ranks per worker, each layer sharded over them: a Ray actor per rank, one card each,
-    in one placement group (packed as stage_packing says); with pipeline_parallel_size > 1
-    each stage is a group of that many ranks (colocated topology only). In the disaggregated
-    topology it needs mode ray and the same size for prefill and decode."""
     stage_packing: Literal["PACK", "STRICT_PACK"] = "PACK"
     """How a worker's stage actors (or tensor-parallel ranks) are placed: PACK (one node
     where possible) or STRICT_PACK (only on one node)."""
@@ -75,8 +69,6 @@ class DecodeConfig(PlacementConfig, SchedulerConfig):
     engine's keys are `SchedulerConfig`'s, with the service's defaults where they differ
     from the offline engine's (vLLM's)."""
 
-    pipeline_depth: int = Field(1, ge=1)
-    """Microbatches in flight (1: synchronous schedule / submit / finish / update)."""
     pace: float | None = Field(None, gt=0, le=1)
     """Disaggregated, prefill on the same cores: while a prefill batch for the worker runs,
     a step waits until a request would get its next token later than this fraction of its
@@ -95,7 +87,7 @@ class DecodeConfig(PlacementConfig, SchedulerConfig):
     whole prompt (vLLM's knob, off there by default); 0: off, as in the offline `LLM`."""
 
 
-class ControllerConfig(Settings):
+class ControllerConfig(WorkerSettings):
     """The config file's `controller` section, and what the Controller starts with: the
     model runner every worker builds (`runner`, from the `model` and `kv_cache` sections)
     and the bucket manager's config (`buckets`; None derives request and shape buckets
@@ -122,8 +114,6 @@ class ControllerConfig(Settings):
     or auto."""
     max_restarts: int = Field(-1, ge=-1)
     """Restarts of a dead worker actor (-1: forever)."""
-    lease_ttl_s: float = Field(WorkerConfig.lease_ttl_s, gt=0)
-    """Blocks held for a handoff are freed if not acknowledged within this."""
     worker_timeout_s: float = Field(120.0, gt=0)
     """A worker call or decode step taking longer is hung: the worker is restarted."""
     max_queued_requests: int = Field(4096, ge=1)
@@ -135,11 +125,6 @@ class ControllerConfig(Settings):
     placement_timeout_s: float = Field(300.0, gt=0)
     """How long to wait for Ray to place the workers (an autoscaler adds nodes); then serve
     with those placed."""
-    pad_to_shape_buckets: Literal["auto"] | bool = WorkerConfig.pad_to_shape_buckets
-    """Pad batches to shape buckets: auto (on hpu and cuda, not on CPU), true or false."""
-    warmup: Literal["auto", "all", "smallest", "none"] = WorkerConfig.warmup
-    """Which shape buckets to compile at start (auto: all when padding, else the
-    smallest)."""
     prefill: PrefillConfig = PrefillConfig()
     """The prefill workers (the disaggregated topology starts them) and where they go."""
     decode: DecodeConfig = DecodeConfig()

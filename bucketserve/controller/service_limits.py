@@ -143,10 +143,10 @@ def _size_for_model(
 ) -> BucketManagerConfig:
     """`config` with its shape buckets' block size and length, and its request buckets'
     length range, set to the model's, so every admitted prompt has a bucket."""
-    shapes = dataclasses.replace(
-        config.shape_buckets, block_size=block_size, max_model_len=max_model_len
+    shapes = config.shape_buckets.model_copy(
+        update={"block_size": block_size, "max_model_len": max_model_len}
     )
-    requests = dataclasses.replace(config.request_buckets, max_len=max(max_model_len, 2))
+    requests = config.request_buckets.model_copy(update={"max_len": max(max_model_len, 2)})
     return dataclasses.replace(config, shape_buckets=shapes, request_buckets=requests)
 
 

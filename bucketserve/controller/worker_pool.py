@@ -20,10 +20,11 @@ from bucketserve.controller.worker_handle import (
     WorkerHandle,
 )
 from bucketserve.decode_worker.config import DecodeWorkerConfig
+from bucketserve.kv_worker.config import WorkerSettings
 from bucketserve.kv_worker.worker_env import omp_env
 from bucketserve.messages import WorkerStats
 from bucketserve.prefill_worker.config import PrefillWorkerConfig
-from bucketserve.runtime.engine.engine_config import EngineConfig
+from bucketserve.runtime.engine.engine_config import EngineConfig, ParallelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +172,6 @@ class WorkerPool:
         runner = self.config.prefill_runner()
         return PrefillWorkerConfig(
             runner=runner,
-            tensor_parallel_size=self.config.prefill.tensor_parallel_size,
             cache_shares=self._cache_shares(),
             **self._shared("prefill", index),
         )
@@ -185,10 +185,8 @@ class WorkerPool:
         c = self.config
         return DecodeWorkerConfig(
             engine=EngineConfig(
-                c.role_runner("decode"),
-                c.decode.model_copy(update={"cache_shares": self._cache_shares()}),
-                c.decode.pipeline_depth,
-                tensor_parallel_size=c.decode.tensor_parallel_size,
+                runner=c.role_runner("decode"),
+                scheduler=c.decode.model_copy(update={"cache_shares": self._cache_shares()}),
             ),
             **self._shared("decode", index),
             stall_timeout_s=c.worker_timeout_s,
@@ -199,16 +197,15 @@ class WorkerPool:
     def _shared(self, role: str, index: int) -> dict[str, Any]:
         """The WorkerConfig fields both roles take from the controller's config."""
         c = self.config
+        placement = c.placement(role)
         return {
+            **{k: getattr(c, k) for k in WorkerSettings.model_fields},
+            **{k: getattr(placement, k) for k in ParallelConfig.model_fields},
             "name": f"{role}-{index}",
             "shape_buckets": self.buckets.shape_buckets,
-            "pad_to_shape_buckets": c.pad_to_shape_buckets,
-            "warmup": c.warmup,
             "transport": self._worker_transport(),
-            "lease_ttl_s": c.lease_ttl_s,
             "torch_threads": c.torch_threads(role),
             "cpus": c.cpus(role),
-            "pipeline_parallel_size": c.placement(role).pipeline_parallel_size,
         }
 
     def _worker_transport(self) -> str:
@@ -291,7 +288,7 @@ class WorkerPool:
                 if _placement_group(group):  # one per worker: head + stages, or the ranks
                     pg, options, stage_options = group.create()
                     self._placement_groups.append(pg)
-                    config = dataclasses.replace(config, stage_options=stage_options)
+                    config = config.model_copy(update={"stage_options": stage_options})
                 actor = ray.remote(classes[role]).options(**options).remote(config)
                 handles.append(RayWorkerHandle(f"{role}-{i}", role, actor))
         return handles

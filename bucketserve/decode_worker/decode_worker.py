@@ -103,11 +103,9 @@ class DecodeWorker(KVWorker):
             config.cpus,
             config.pipeline_parallel_size,
             config.stage_options,
-            config.engine.tensor_parallel_size,
+            config.tensor_parallel_size,
         )
-        engine_config = dataclasses.replace(
-            config.engine, runner=ModelRunnerConfig(), tensor_parallel_size=1
-        )
+        engine_config = config.engine.model_copy(update={"runner": ModelRunnerConfig()})
         self.engine = LLMEngine(engine_config, self.runner, pad_fn=self._pad_to, detokenize=False)
         self.block_manager = self.engine.block_manager
         if config.shape_buckets.strategy == "unified":  # sized for this engine and its pool

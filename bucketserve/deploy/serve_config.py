@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +23,12 @@ from bucketserve.bucket_manager.config import (
     BatchingConfig,
     BucketManagerConfig,
     RequestBucketConfig,
-    ShapeBucketConfig,
     TenantConfig,
 )
 from bucketserve.controller.config import ControllerConfig
 from bucketserve.controller.service_limits import ServiceLimits
 from bucketserve.deploy.serve_config_error import ServeConfigError
-from bucketserve.deploy.serve_settings import BucketsSettings, ServeSettings
+from bucketserve.deploy.serve_settings import ServeSettings
 from bucketserve.gateway.gateway_config import GatewayConfig
 from bucketserve.gateway.tenant_registry import TenantRegistry
 from bucketserve.runtime.io.tokenizer import load_chat_template
@@ -52,7 +50,6 @@ class ServeConfig:
     request_buckets: RequestBucketConfig
     batching: BatchingConfig
     shape_buckets: dict[str, Any]  # strategy, file, prompt, decode as given (validated)
-    max_len: int | None = None  # L_max as given
     cluster_resources: dict[str, float] = field(default_factory=dict)
     flags: dict[str, str] = field(default_factory=dict)
 
@@ -99,14 +96,9 @@ class ServeConfig:
             gateway=s.gateway,
             tenants=tenants,
             controller=_controller(s, runner),
-            request_buckets=RequestBucketConfig(
-                theta=buckets.theta,
-                max_buckets=buckets.max_buckets,
-                **({} if buckets.max_len is None else {"max_len": buckets.max_len}),
-            ),
+            request_buckets=buckets.request_buckets(),
             batching=buckets.batching,
-            shape_buckets=_shape_buckets(buckets, runner.block_size),
-            max_len=buckets.max_len,
+            shape_buckets=buckets.shape_keys(),
             cluster_resources=dict(s.cluster.resources),
             flags=flags or {},
         )
@@ -189,7 +181,7 @@ class ServeConfig:
         base = ServiceLimits.bucket_config(self.controller, max_len)  # the derived defaults
         buckets = BucketManagerConfig(
             request_buckets=self.request_buckets,
-            shape_buckets=dataclasses.replace(base.shape_buckets, **shape),
+            shape_buckets=base.shape_buckets.model_copy(update=shape),
             batching=self.batching,
         )
         config = self.controller.model_copy(update={"buckets": buckets})
@@ -210,7 +202,7 @@ class ServeConfig:
         try:
             return ServiceLimits.max_model_len(self.controller, model)
         except ValueError as exc:
-            key = "buckets.max_len" if self.max_len is not None else "model.max_model_len"
+            key = "buckets.max_len" if self.request_buckets.max_len else "model.max_model_len"
             raise self._error(key, str(exc)) from None
 
     def _check_tensor_parallel(self, model: Any) -> None:
@@ -292,28 +284,6 @@ def _controller(s: ServeSettings, runner: ModelRunnerConfig) -> ControllerConfig
     """The file's controller section with the model runner the model and kv_cache sections
     make."""
     return s.controller.model_copy(update={"runner": runner})
-
-
-def _shape_buckets(buckets: BucketsSettings, block_size: int) -> dict[str, Any]:
-    """The shape-bucket keys given, checked by ShapeBucketConfig itself (with the prompt and
-    decode ranges the model derives standing in for any not given)."""
-    given: dict[str, Any] = {}
-    if "strategy" in buckets.model_fields_set:
-        given["strategy"] = buckets.strategy
-    if buckets.file is not None:
-        given["file"] = buckets.file
-    try:
-        for phase in ("prompt", "decode"):
-            if getattr(buckets, phase) is not None:
-                given[phase] = getattr(buckets, phase)
-        ShapeBucketConfig(**given, block_size=block_size)
-    except ValueError as exc:  # names its field: "decode.blocks.limit is required by ..."
-        message = str(exc)
-        match = re.search(r"\b((?:prompt|decode)(?:\.\w+)*)", message)
-        key = next((k for k in ("strategy", "file") if f"ShapeBucketConfig.{k} " in message), None)
-        path = f"buckets.{key}" if key else f"buckets.{match.group(1)}" if match else "buckets"
-        raise ServeConfigError(path, message) from None
-    return given
 
 
 def _set(data: dict[str, Any], path: str, value: Any) -> None:

@@ -8,7 +8,7 @@ manager's configs from a validated `ServeSettings`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from annotated_types import Ge
 from pydantic import Field, field_validator, model_validator
@@ -18,6 +18,7 @@ from bucketserve.bucket_manager.config import (
     DecodeShapeConfig,
     PromptShapeConfig,
     RequestBucketConfig,
+    ShapeBucketConfig,
     TenantConfig,
 )
 from bucketserve.controller.config import ControllerConfig
@@ -25,30 +26,30 @@ from bucketserve.gateway.gateway_config import GatewayConfig
 from bucketserve.runtime.worker.runner_config import KVCacheSettings, ModelSettings
 from bucketserve.utils.settings import Settings, SettingsError
 
-# The service's defaults are the configs' own: each default is written once, there.
-REQUEST_BUCKETS = RequestBucketConfig()
 
-class BucketsSettings(Settings):
-    strategy: Literal["exponential", "linear", "file", "unified"] = "exponential"
-    """Shape buckets: exponential, linear or file; unified: every decode-worker step (prompt
-    chunks and decode rows together) pads to (query, shared blocks, unique blocks,
-    is_causal) buckets from the engine's max_num_seqs, max_num_batched_tokens and pool."""
-    file: str | None = None
-    """The bucket file of the file strategy (or $BUCKETSERVE_BUCKET_FILE)."""
+class BucketsSettings(ShapeBucketConfig, RequestBucketConfig):
+    """The `buckets` section: the shape buckets' keys and the request buckets' (each
+    declared by its model), with the prompt and decode ranges derived from the model where
+    the file leaves them out."""
+
     prompt: PromptShapeConfig | None = None
     """Prompt shape ranges; null: derived from the model (batch 1..16, query
     block_size..max_model_len, two per doubling)."""
     decode: DecodeShapeConfig | None = None
     """Decode shape ranges; null: derived from the model (batch 1..max_num_seqs)."""
-    theta: float = Field(REQUEST_BUCKETS.theta, gt=0, le=1)
-    """θ: split a request bucket when more than this share of it lies below its middle."""
-    max_len: int | None = Field(None, ge=2)
-    """L_max: request buckets cover [0, L_max); sets model.max_model_len. null: the
-    model's length."""
-    max_buckets: int = Field(REQUEST_BUCKETS.max_buckets, ge=1)
-    """Most request buckets."""
     batching: BatchingConfig = BatchingConfig()
     """Prefill batches: memory-safe size (Eq. 5-6) and token budget."""
+
+    def request_buckets(self) -> RequestBucketConfig:
+        keys = RequestBucketConfig.model_fields
+        return RequestBucketConfig(**{k: getattr(self, k) for k in keys})
+
+    def shape_keys(self) -> dict[str, Any]:
+        """The shape-bucket keys the file gives (the model derives the others)."""
+        given = {k: getattr(self, k) for k in ("file", "prompt", "decode")}
+        if "strategy" in self.model_fields_set:
+            given["strategy"] = self.strategy
+        return {k: v for k, v in given.items() if v is not None}
 
 
 class ClusterSettings(Settings):

@@ -63,11 +63,12 @@ class Settings(BaseModel):
         return data
 
     @classmethod
-    def parse(cls, data: Any, where: str = "") -> Self:
-        """`data` (read from a file) validated; SettingsError for its first bad key, its
-        path under `where`."""
+    def parse(cls, data: Any, where: str = "", file: bool = True) -> Self:
+        """`data` (read from a file, unless `file` is false: then the code's keys are
+        allowed too) validated; SettingsError for its first bad key, its path under
+        `where`."""
         try:
-            return cls.model_validate({} if data is None else data, context={"file": True})
+            return cls.model_validate({} if data is None else data, context={"file": file})
         except ValidationError as exc:
             error = exc.errors(include_url=False)[0]
             path, message = explain(cls, data, error, where)

@@ -127,7 +127,7 @@ def test_config_keys_and_sizing_for_an_engine():
     assert plain.for_engine(8, 128, 100) is plain  # the other strategies read none of them
     with pytest.raises(ValueError, match="num_blocks"):
         ShapeBucketConfig(strategy="unified", num_blocks=0)
-    with pytest.raises(ValueError, match="limit is required"):
+    with pytest.raises(ValueError, match="limit: is required"):
         ShapeBucketConfig.from_dict({"strategy": "unified", "decode": {"bs": [1, 1, 4]}})
 
 

@@ -37,12 +37,24 @@ def long_reference(tiny_model_dir: Path, long_work: Work) -> list[list[int]]:
 
 
 @pytest.fixture(scope="package")
-def ray_cards() -> Iterator[None]:
+def _ray_session() -> Iterator[None]:
+    """Ends the Ray session `ray_cards` started, after the package's tests."""
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+@pytest.fixture
+def ray_cards(_ray_session: None) -> None:
     """One local Ray session, 4 CPUs and 4 fake Gaudi cards (`resources={"HPU": 4}`), for
-    the Ray tests of this package: started once, not once a module. Tests that do not ask
+    the Ray tests of this package: started once, not once a module, and again after a
+    module that ran a Ray of its own (test_multinode's two nodes). Tests that do not ask
     for cards place every actor on CPU."""
     import ray
 
+    if ray.is_initialized() and ray.cluster_resources().get("HPU") == 4:
+        return
     ray.shutdown()
     ray.init(
         address="local",
@@ -52,5 +64,3 @@ def ray_cards() -> Iterator[None]:
         log_to_driver=False,
         configure_logging=False,
     )
-    yield
-    ray.shutdown()

@@ -27,15 +27,10 @@ def few_buckets(prompt_rows: BucketRange = PROMPT_ROWS):
     workload's prompts, each under 64 tokens) and the decode bucket: every batch fits a
     bucket, and warm-up compiles no more (a cold inductor cache takes seconds a shape)."""
     buckets = small_batches(4)
-    shapes = dataclasses.replace(
-        buckets.shape_buckets,
-        prompt=PromptShapeConfig(
-            bs=prompt_rows,
-            query=BucketRange(64, 64, 64, 1),
-            ctx=BucketRange(0, 1, 0, 1),
-        ),
-        decode=DECODE,
+    prompt = PromptShapeConfig(
+        bs=prompt_rows, query=BucketRange(64, 64, 64, 1), ctx=BucketRange(0, 1, 0, 1)
     )
+    shapes = buckets.shape_buckets.model_copy(update={"prompt": prompt, "decode": DECODE})
     return dataclasses.replace(buckets, shape_buckets=shapes)
 
 

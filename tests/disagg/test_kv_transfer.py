@@ -82,7 +82,7 @@ def test_kv_moves_layer_by_layer_into_the_reserved_blocks(
     )
     decode = DecodeWorker(
         DecodeWorkerConfig(
-            engine=EngineConfig(runner(tiny_model_dir, "float32")), transport="inprocess"
+            engine=EngineConfig(runner=runner(tiny_model_dir, "float32")), transport="inprocess"
         ),
         transport,
     )
@@ -183,7 +183,7 @@ def test_each_worker_runs_its_torch_work_on_one_thread_whichever_thread_calls(
         PrefillWorkerConfig(runner=runner(tiny_model_dir, "float32")), transport
     )
     decode = DecodeWorker(
-        DecodeWorkerConfig(engine=EngineConfig(runner(tiny_model_dir, "float32"))), transport
+        DecodeWorkerConfig(engine=EngineConfig(runner=runner(tiny_model_dir, "float32"))), transport
     )
     threads: dict[str, set[int]] = {"execute": set(), "import": set()}
 

@@ -144,14 +144,13 @@ def test_a_prefill_failing_at_any_layer_of_a_handoff_loses_nothing_and_leaks_not
     (in-process transport): the first batch fails before any, after one, or after both;
     its reservation is given back (lease released in any state), the batch re-prefilled,
     and every output is the engine's, every block free again."""
-    import dataclasses
 
     from bucketserve.controller.worker_pool import WorkerPool
 
     built = WorkerPool.prefill_config
     monkeypatch.setattr(
         WorkerPool, "prefill_config",
-        lambda self, i: dataclasses.replace(built(self, i), exit_after_layers=after),
+        lambda self, i: built(self, i).model_copy(update={"exit_after_layers": after}),
     )  # fmt: skip
     config = controller_config(tiny_model_dir, mode="local")
 

@@ -113,7 +113,7 @@ def workers(
     )
     decode = DecodeWorker(
         DecodeWorkerConfig(
-            engine=EngineConfig(runner(model_dir, caching=caching)),
+            engine=EngineConfig(runner=runner(model_dir, caching=caching)),
             transport="inprocess",
         ),
         shared,

@@ -5,7 +5,6 @@ on CPU)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,7 @@ def test_object_store_1p1d_matches_the_engine_and_survives_a_decode_kill(
     built = WorkerPool.prefill_config
     monkeypatch.setattr(
         WorkerPool, "prefill_config",
-        lambda self, i: dataclasses.replace(built(self, i), exit_after_layers=1),
+        lambda self, i: built(self, i).model_copy(update={"exit_after_layers": 1}),
     )  # fmt: skip
 
     async def main() -> None:

@@ -21,7 +21,7 @@ def runner(model_dir: Path) -> ModelRunnerConfig:
 
 def test_a_decode_worker_that_prefills_has_step_prices_after_warm_up(tiny_model_dir: Path) -> None:
     for prefills in (True, False):
-        engine = EngineConfig(runner(tiny_model_dir))
+        engine = EngineConfig(runner=runner(tiny_model_dir))
         worker = DecodeWorker(DecodeWorkerConfig(engine=engine, prefills=prefills))
         try:
             before = worker.stats()

@@ -88,7 +88,7 @@ def test_colocated_decode_ranks_reach_the_engine_and_a_model_that_cannot_split_i
 
     config = load(2).controller_config()
     decode = WorkerPool(config, BucketManagerConfig()).decode_config(0)
-    assert decode.engine.tensor_parallel_size == 2 and decode.prefills
+    assert decode.tensor_parallel_size == 2 and decode.prefills
     assert load(2).actor_resources("decode") == {"CPU": 2.0}  # both ranks
     # the tiny model has 4 attention heads: the runtime's own refusal, named by the key
     with pytest.raises(ServeConfigError, match=r"controller\.decode\.tensor_parallel_size: "
@@ -106,7 +106,7 @@ def test_colocated_decode_ranks_reach_the_engine_and_a_model_that_cannot_split_i
     })  # fmt: skip
     pool = WorkerPool(disaggregated.controller_config(), BucketManagerConfig())
     assert pool.prefill_config(0).tensor_parallel_size == 2
-    assert pool.decode_config(0).engine.tensor_parallel_size == 2
+    assert pool.decode_config(0).tensor_parallel_size == 2
     assert disaggregated.actor_resources("prefill") == {"CPU": 2.0}
 
 

@@ -41,7 +41,7 @@ def test_tp2_pp2_loads_and_reaches_the_decode_worker_as_a_stage_group(
         "controller": {"decode": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}},
     }).controller_config()  # fmt: skip
     decode = WorkerPool(config, BucketManagerConfig()).decode_config(0)
-    assert decode.engine.tensor_parallel_size == 2 and decode.pipeline_parallel_size == 2
+    assert decode.tensor_parallel_size == 2 and decode.pipeline_parallel_size == 2
     group = _group_placement(worker_resources(TP2_PP2, "hpu"), TP2_PP2)
     assert isinstance(group, StageGroupPlacement) and len(group.bundles()) == 5  # head + 4
 

@@ -223,9 +223,9 @@ def test_offline_engine_tokens_do_not_depend_on_whose_cache_they_read(
     prompt = [5 + i for i in range(40)]
     params = SamplingParams(temperature=0, max_tokens=6)
     runner = ModelRunnerConfig(model=str(tiny_model_dir), block_size=BS, num_kv_blocks=64)
-    engine = LLMEngine(EngineConfig(runner))
+    engine = LLMEngine(EngineConfig(runner=runner))
     reference = LLMEngine(
-        EngineConfig(runner.model_copy(update={"enable_prefix_caching": False}))
+        EngineConfig(runner=runner.model_copy(update={"enable_prefix_caching": False}))
     )
 
     def generate(eng: LLMEngine, tenant: TenantTag | None = None) -> tuple[list[int], int]:

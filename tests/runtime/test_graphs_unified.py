@@ -222,7 +222,7 @@ def test_a_colocated_decode_worker_pads_every_step_to_its_unified_buckets(tiny_m
 
     runner = ModelRunnerConfig(model=str(tiny_model_dir), block_size=BLOCK, num_kv_blocks=64)
     config = DecodeWorkerConfig(
-        engine=EngineConfig(runner, LIMITS),
+        engine=EngineConfig(runner=runner, scheduler=LIMITS),
         shape_buckets=SHAPES,
         pad_to_shape_buckets=True,
         prefills=True,

@@ -55,6 +55,8 @@ class SchedulerConfig(Settings):
     late_yield_s: float | None = Field(None, gt=0)
     """Seconds past its TTFT deadline a prompt yields (and is held for running TPOTs)
     before it takes its place back; null: no bound."""
+    pipeline_depth: int = Field(1, ge=1)
+    """Microbatches in flight (1: synchronous schedule / submit / finish / update)."""
     cache_shares: dict[str, Annotated[float, Gt(0), Le(1)]] | None = Field(None, exclude=True)
     """Tenant name -> the fraction of the evictable cached blocks it may hold while others
     want room (`BlockManager`); tenants not named are not bounded. Set from the tenants."""

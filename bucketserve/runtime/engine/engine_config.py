@@ -1,45 +1,42 @@
-"""The in-process engine's configuration: model runner + scheduler + pipeline depth."""
+"""The in-process engine's configuration: model runner + scheduler + parallelism."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import Field
 
 from bucketserve.runtime.core.scheduler import SchedulerConfig
 from bucketserve.runtime.worker.runner_config import ModelRunnerConfig
+from bucketserve.utils.settings import Settings
 
 
-@dataclass
-class EngineConfig:
-    """`pipeline_depth` is the microbatch queue's size (1 = synchronous steps).
-    `pipeline_parallel_size` splits the layers over that many stages (threads of this
-    process, `stage_torch_threads` intra-op threads each); the queue then holds at least
-    one microbatch per stage. `tensor_parallel_size` shards every layer over that many
-    ranks: this process (the head: scheduler, block manager, sampling) and spawned
-    processes (`stage_torch_threads` intra-op threads each, else the cores shared out).
-    Both > 1: each stage is a group of that many ranks, its head on the stage's thread."""
+class ParallelConfig(Settings):
+    """How one worker (or the offline engine) splits the model: pipeline stages and
+    tensor-parallel ranks (the config file's `controller.prefill` / `controller.decode`
+    keys)."""
 
-    runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    pipeline_depth: int = 1
-    pipeline_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    stage_torch_threads: int | None = None
+    pipeline_parallel_size: int = Field(1, ge=1)
+    """Pipeline stages per worker: a group of that many stage actors, one card each."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Ranks per worker, each layer sharded over them: a Ray actor per rank, one card each,
+    in one placement group (packed as stage_packing says); with pipeline_parallel_size > 1
+    each stage is a group of that many ranks (colocated topology only). In the disaggregated
+    topology it needs mode ray and the same size for prefill and decode."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.pipeline_depth, int) or self.pipeline_depth < 1:
-            raise ValueError(
-                f"pipeline_depth must be a positive integer, got {self.pipeline_depth!r}"
-            )
-        pp = self.pipeline_parallel_size
-        if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
-            raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
-        tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-        threads = self.stage_torch_threads
-        if threads is not None and (not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"stage_torch_threads must be None or >= 1, got {threads!r}")
+
+class EngineConfig(ParallelConfig):
+    """The continuous-batching engine: its model runner, its scheduler (whose
+    `pipeline_depth` sizes the microbatch queue) and its parallelism. Pipeline stages are
+    threads of this process (`stage_torch_threads` intra-op threads each), and the queue
+    then holds at least one microbatch per stage; tensor-parallel ranks are this process
+    (the head: scheduler, block manager, sampling) and spawned processes
+    (`stage_torch_threads` intra-op threads each, else the cores shared out). Both > 1:
+    each stage is a group of that many ranks, its head on the stage's thread."""
+
+    runner: ModelRunnerConfig = Field(default_factory=ModelRunnerConfig, exclude=True)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, exclude=True)
+    stage_torch_threads: int | None = Field(None, ge=1, exclude=True)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -49,10 +46,7 @@ class EngineConfig:
         owners = {
             **dict.fromkeys(ModelRunnerConfig.model_fields, "runner"),
             **dict.fromkeys(SchedulerConfig.model_fields, "scheduler"),
-            "pipeline_depth": "engine",
-            "pipeline_parallel_size": "engine",
-            "tensor_parallel_size": "engine",
-            "stage_torch_threads": "engine",
+            **dict.fromkeys(("stage_torch_threads", *ParallelConfig.model_fields), "engine"),
         }
         unknown = sorted(set(kwargs) - set(owners))
         if unknown:

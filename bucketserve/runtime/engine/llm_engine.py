@@ -104,7 +104,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.detokenize = detokenize
         self.executor = make_executor(
-            self.runner, pad_fn, config.pipeline_depth, self._execute_fn(pad_fn)
+            self.runner, pad_fn, config.scheduler.pipeline_depth, self._execute_fn(pad_fn)
         )
         self.lock = threading.RLock()
         # a share of the running batch per microbatch, so every pipeline stage has work
