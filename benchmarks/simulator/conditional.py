@@ -34,8 +34,7 @@ HANDOFF_RATES = {"mixed": (4.0, 8.0), "long": (2.0, 4.0)}  # below saturation: T
 
 def system(mode: str, layerwise: bool = True) -> SystemConfig:
     return SystemConfig(
-        remote_prefill=mode, layerwise=layerwise, tpot_target_s=SLO.tpot_s,
-        max_batches_per_prefill=2,
+        remote_prefill=mode, layerwise=layerwise, max_batches_per_prefill=2,
     )  # fmt: skip
 
 

@@ -74,10 +74,8 @@ class Simulator:
         max_batches_per_prefill: int = 1,
         remote_prefill: str = "always",
         layerwise: bool = False,
-        tpot_target_s: float | None = None,
     ) -> None:
         check_choice("pad", pad, PAD_MODES)
-        self.tpot_target_s = tpot_target_s
         check_choice("remote_prefill", remote_prefill, PREFILL_PATHS)
         self.remote_prefill = remote_prefill
         self.layerwise = layerwise
@@ -145,6 +143,7 @@ class Simulator:
         self.counts["cached_tokens"] = 0  # prompt tokens a prefill found cached
         self.counts["unshipped_tokens"] = 0  # prompt tokens a decode worker held already
         self.counts["local_prefills"] = 0  # requests their decode worker prefilled
+        self.counts["held_for_prefill"] = 0  # batches held back for a prefill slot
 
     # -- driving -----------------------------------------------------------------------------
 
@@ -204,6 +203,14 @@ class Simulator:
         return hashes, self.pd.expected_cached(self.pd.prefill_cache, hashes, len(tokens))
 
     def _dispatch(self) -> None:
+        held: list[PrefillBatch] = []  # cheaper remote, waiting for a prefill slot
+        try:
+            self._dispatch_remote_or_local(held)
+        finally:
+            for batch in held:
+                self.batcher.requeue(batch)
+
+    def _dispatch_remote_or_local(self, held: list[PrefillBatch]) -> None:
         while len(self.batcher) and (self._idle or self.remote_prefill != "always"):
             start = _stamp()
             worker = self.pick_decode()
@@ -224,6 +231,10 @@ class Simulator:
                 if local is not None:
                     self._prefill_locally(worker, local)
                 if batch is None:
+                    continue
+                if not self._idle:
+                    held.append(batch)
+                    self.counts["held_for_prefill"] += 1
                     continue
             worker, prefill = self._place(batch, worker)
             # as the service's Handoff: requests that end at their first token reserve nothing
@@ -260,14 +271,6 @@ class Simulator:
         marginal = (mixed - step) / chunk
         per_token = self.cost.transfer_time(1000, self.cluster.link_spec) / 1000
         queued = sum(self.pd.prefill_queued.values()) * self.cluster.block_size
-        target = self.tpot_target_s
-        slacks = [
-            target * (s.sampling_params.max_tokens - 1)
-            - (self.loop.now - self.records[s.seq_id].first_token)
-            - (s.sampling_params.max_tokens - s.num_output_tokens) * step
-            for s in running
-            if target is not None and self.records[s.seq_id].first_token is not None
-        ]
         return PathCosts(
             prefill_token_s=self._token_s,
             prefill_backlog_tokens=queued / len(self.prefill),
@@ -280,7 +283,6 @@ class Simulator:
             decode_backlog_tokens=decode.prompt_tokens_to_come,
             decode_running=len(running),
             step_tokens=self._step_tokens,
-            tpot_slack_s=min((s for s in slacks if s >= 0), default=None),
         )
 
     def _prefill_locally(self, decode: DecodeWorker, batch: PrefillBatch) -> None:

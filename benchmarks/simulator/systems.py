@@ -58,7 +58,6 @@ class SystemConfig:
     max_batches_per_prefill: int = 1
     remote_prefill: str = "always"  # the service's controller.remote_prefill
     layerwise: bool = False  # K/V leaves each layer as it is computed
-    tpot_target_s: float | None = None  # every request's, which routing may spend
 
     def tenant(self) -> TenantConfig:
         if self.offline:
@@ -109,7 +108,6 @@ def build(name: str, cluster: ClusterConfig, system: SystemConfig | None = None)
             max_batches_per_prefill=system.max_batches_per_prefill,
             remote_prefill=system.remote_prefill,
             layerwise=system.layerwise,
-            tpot_target_s=system.tpot_target_s,
         )
     batcher = FcfsBatcher(
         cluster.max_num_seqs, cluster.model_spec.max_len, system.fcfs_max_batched_tokens

@@ -213,7 +213,16 @@ class Dispatcher:
     def _dispatch_disaggregated(self) -> list[Flight]:
         """Each batch's requests go to a prefill worker and hand their KV over, or straight
         to their decode worker's engine, as `controller.remote_prefill` and each path's cost
-        say (`PDScheduler.route`)."""
+        say (`PDScheduler.route`); those cheaper remote while no prefill worker has a slot
+        wait in the bucket manager for the next."""
+        held: list[PrefillBatch[RequestState]] = []
+        try:
+            return self._dispatch_remote_or_local(held)
+        finally:
+            for batch in held:
+                self.buckets.requeue(batch)
+
+    def _dispatch_remote_or_local(self, held: list[PrefillBatch[RequestState]]) -> list[Flight]:
         pd, flights, mode = self.pd, [], self.config.remote_prefill
         limit = self.config.prefill.max_batches
         while len(self.buckets):
@@ -233,6 +242,9 @@ class Dispatcher:
             if local is not None:
                 flights.append(self._prefill_locally(decode, local))
             if batch is None:
+                continue
+            if p is None:
+                held.append(batch)
                 continue
             if skips_cached:
                 names = [h.name for h in prefills]
@@ -309,7 +321,6 @@ class Dispatcher:
             decode_backlog_tokens=stats.prompt_tokens_to_come if stats else 0,
             decode_running=stats.running if stats else 0,
             step_tokens=self.config.decode.max_num_batched_tokens,
-            tpot_slack_s=stats.tpot_slack_s if stats else None,
         )
 
     def pick_decode(self) -> WorkerHandle | None:

@@ -46,9 +46,11 @@ class PathCosts:
     computes it within its steps (at most `step_tokens` prompt tokens a step,
     `decode_token_s` a prompt token; None: priced as on a prefill worker) behind
     `decode_backlog_tokens` queued there; with `decode_running` requests decoding, each
-    step also costs `decode_step_s` and each of them waits for those tokens too, beyond
-    `tpot_slack_s` (the least of the seconds their TPOT targets can still absorb; None: no
-    targets, every second waited counts)."""
+    step also costs `decode_step_s` and each of them waits for those tokens too. That wait
+    counts in full even where their TPOT targets could absorb it: the decode worker's time
+    is also what every request queued for its room waits on, and priced within the targets'
+    slack, `auto` kept prompts local while the prefill workers idled
+    (`benchmarks/simulator/conditional.py`)."""
 
     prefill_token_s: float | None
     prefill_backlog_tokens: float = 0.0
@@ -62,7 +64,6 @@ class PathCosts:
     decode_backlog_tokens: float = 0.0
     decode_running: int = 0
     step_tokens: int = 2048
-    tpot_slack_s: float | None = None
 
     def remote_s(self, tokens: float, backlog: float) -> float:
         """Until the first token of a prompt of `tokens` sent to a prefill worker behind
@@ -79,8 +80,11 @@ class PathCosts:
         if not self.decode_running:  # an idle engine's steps are the prompts alone
             return total * token_s
         steps = math.ceil(total / self.step_tokens)
-        delay = max(0.0, tokens * token_s - (self.tpot_slack_s or 0.0))
-        return total * token_s + steps * self.decode_step_s + self.decode_running * delay
+        return (
+            total * token_s
+            + steps * self.decode_step_s
+            + self.decode_running * tokens * token_s
+        )
 
 
 class PDScheduler:
@@ -311,14 +315,16 @@ class PDScheduler:
         those a prefill worker prefills, either None when empty. `always` and `never` send
         all one way; `auto` takes, request by request in batch order, the path with the
         smaller cost (`PathCosts.local_s` against `remote_s`, each request's own tokens
-        added to the backlog of the path it took), local whenever no prefill worker takes
-        a batch now, remote while the prefill side has no measurement (it is where prompts
-        went until now)."""
+        added to the backlog of the path it took). While the prefill side has no
+        measurement, `auto` sends all remote (where prompts went until now), or all local
+        when no prefill worker takes a batch now. With a measurement and no prefill worker
+        open, the remote requests are those cheaper even behind the prefill side's whole
+        queue: the caller holds them back for the next free slot."""
         positions = list(range(len(batch)))
-        if mode == "never" or (mode == "auto" and not costs.prefill_open):
+        if mode == "never":
             return batch, None
         if mode == "always" or costs.prefill_token_s is None:
-            return None, batch
+            return (batch, None) if mode == "auto" and not costs.prefill_open else (None, batch)
         local, remote = [], []
         prefill_backlog, decode_backlog = costs.prefill_backlog_tokens, costs.decode_backlog_tokens
         for i in positions:

@@ -79,15 +79,20 @@ def test_auto_prices_each_request_on_both_paths() -> None:
     assert [ids(p) for p in pd.route(b, some, "auto")] == [["r0"], ["r1"]]
 
 
-def test_the_running_requests_tpot_slack_absorbs_a_local_prefill() -> None:
-    """With 40 decoding, a 2000-token prompt stalls each of them 0.2 s: remote, unless their
-    TPOT targets have that much to spare; then it costs them nothing and stays."""
-    pd, tight = PDScheduler(1, 16), costs(decode_running=40, tpot_slack_s=0.01)
-    spare = costs(decode_running=40, tpot_slack_s=0.5)
-    assert spare.local_s(2000, 0) == pytest.approx(2000 * 0.1 * MS + 4 * 2 * MS)
-    assert tight.local_s(2000, 0) == pytest.approx(0.2 + 4 * 2 * MS + 40 * (0.2 - 0.01))
-    assert ids(pd.route(batch(2000), tight, "auto")[1]) == ["r0"]
-    assert ids(pd.route(batch(2000), spare, "auto")[0]) == ["r0"]
+def test_a_busy_prefill_side_gets_what_is_cheaper_there_even_behind_its_queue() -> None:
+    """No prefill slot open, 4,000 tokens queued there, 40 decoding: a 16-token prompt
+    stays local (67.6 ms against 412 ms), a 2,000-token one, which would stall all 40 for
+    0.2 s, is returned remote for the dispatcher to hold until a slot opens; before any
+    measurement everything goes local."""
+    pd = PDScheduler(1, 16)
+    closed = costs(prefill_open=False, decode_running=40, prefill_backlog_tokens=4000)
+    assert closed.local_s(16, 0) == pytest.approx(16 * 0.1 * MS + 2 * MS + 40 * 16 * 0.1 * MS)
+    remote_s = 4016 * 0.1 * MS + 16 * 0.05 * MS / 32 + 10 * MS
+    assert closed.remote_s(16, 4000) == pytest.approx(remote_s)
+    local, remote = pd.route(batch(16, 2000), closed, "auto")
+    assert (ids(local), ids(remote)) == (["r0"], ["r1"])
+    unmeasured = costs(prefill_open=False, prefill_token_s=None, decode_running=40)
+    assert [ids(p) for p in pd.route(batch(16, 2000), unmeasured, "auto")] == [["r0", "r1"], []]
 
 
 def test_the_transfer_counts_whole_unless_it_is_layer_wise() -> None:
