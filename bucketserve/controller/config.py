@@ -6,11 +6,12 @@ import logging
 import os
 from typing import Annotated, Any, Literal
 
-from annotated_types import Ge, Gt
-from pydantic import AfterValidator, Field, InstanceOf, model_validator
+from annotated_types import Gt
+from pydantic import Field, InstanceOf, model_validator
 
 from bucketserve.bucket_manager.config import BucketManagerConfig
-from bucketserve.kv_worker.config import WorkerSettings
+from bucketserve.decode_worker.config import PacingSettings
+from bucketserve.kv_worker.config import ProcessSettings, WorkerSettings
 from bucketserve.runtime.core.scheduler import SchedulerConfig
 from bucketserve.runtime.engine.engine_config import ParallelConfig
 from bucketserve.runtime.worker.runner_config import Execution, ModelRunnerConfig
@@ -18,13 +19,8 @@ from bucketserve.utils.settings import SettingsError
 
 logger = logging.getLogger(__name__)
 
-def _core_ids(cpus: list[int] | None) -> list[int] | None:
-    if cpus is not None and (not cpus or len(set(cpus)) != len(cpus)):
-        raise ValueError(f"must be null or a list of distinct core ids >= 0; got {cpus!r}")
-    return cpus
 
-
-class PlacementConfig(ParallelConfig):
+class PlacementConfig(ParallelConfig, ProcessSettings):
     """How many workers of one role, and where their Ray actors go (the config file's
     `controller.prefill` and `controller.decode` sections extend it). A worker with
     `pipeline_parallel_size` > 1 is a group of stage actors next to its own actor, which
@@ -43,11 +39,6 @@ class PlacementConfig(ParallelConfig):
     """Ray CPUs per actor."""
     resources: dict[str, Annotated[float, Gt(0)]] = Field(default_factory=dict)
     """Extra Ray resources per actor, e.g. {prefill_node: 1} to pin the role to nodes."""
-    torch_threads: int | None = Field(None, ge=1)
-    """Intra-op threads per actor; null: all the node's cores, or len(cpus)."""
-    cpus: Annotated[list[Annotated[int, Ge(0)]] | None, AfterValidator(_core_ids)] = None
-    """Pin each actor to these core ids, e.g. [0]; disjoint lists per role partition one
-    machine."""
     stage_packing: Literal["PACK", "STRICT_PACK"] = "PACK"
     """How a worker's stage actors (or tensor-parallel ranks) are placed: PACK (one node
     where possible) or STRICT_PACK (only on one node)."""
@@ -64,16 +55,11 @@ class PrefillConfig(PlacementConfig):
     """Batches in flight at one prefill worker (two: it never idles between them)."""
 
 
-class DecodeConfig(PlacementConfig, SchedulerConfig):
+class DecodeConfig(PlacementConfig, SchedulerConfig, PacingSettings):
     """The decode workers, their continuous-batching engines and where they go: the
     engine's keys are `SchedulerConfig`'s, with the service's defaults where they differ
     from the offline engine's (vLLM's)."""
 
-    pace: float | None = Field(None, gt=0, le=1)
-    """Disaggregated, prefill on the same cores: while a prefill batch for the worker runs,
-    a step waits until a request would get its next token later than this fraction of its
-    TPOT target (e.g. 0.8), so the prefill worker gets the cores
-    (`bucketserve.decode_worker.pacer`); null: never waits."""
     scheduling_policy: Literal["fcfs", "priority"] = "priority"
     """fcfs, or priority: by tenant priority, then request priority (so in the colocated
     topology tenant priorities still order the prompts waiting for the token budget)."""

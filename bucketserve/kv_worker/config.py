@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from annotated_types import Ge
+from pydantic import AfterValidator, Field
 
 from bucketserve.bucket_manager.config import ShapeBucketConfig
 from bucketserve.runtime.engine.engine_config import ParallelConfig
@@ -23,18 +24,33 @@ class WorkerSettings(Settings):
     smallest)."""
 
 
-class WorkerConfig(WorkerSettings, ParallelConfig):
+def _core_ids(cpus: list[int] | None) -> list[int] | None:
+    if cpus is not None and (not cpus or len(set(cpus)) != len(cpus)):
+        raise ValueError(f"must be null or a list of distinct core ids >= 0; got {cpus!r}")
+    return cpus
+
+
+class ProcessSettings(Settings):
+    """A worker actor's process: its intra-op threads and the cores it runs on."""
+
+    torch_threads: int | None = Field(None, ge=1)
+    """Intra-op threads per actor; null: all the node's cores, or len(cpus)."""
+    cpus: Annotated[list[Annotated[int, Ge(0)]] | None, AfterValidator(_core_ids)] = None
+    """Pin each actor to these core ids, e.g. [0]; disjoint lists per role partition one
+    machine."""
+
+
+class WorkerConfig(WorkerSettings, ParallelConfig, ProcessSettings):
     """One worker actor's configuration, built by the worker pool from a checked
-    ControllerConfig: the settings every worker shares, its role's parallelism, and what
-    the pool resolves for this actor (`torch_threads` and `cpus`: None leaves the
-    process's pool and affinity alone; `transport`; `stage_options`, the Ray options of
-    each stage or rank actor, its placement group included: without them the stages are
-    threads and the ranks child processes of the worker's process). With
-    `pipeline_parallel_size` > 1 the worker is the head of a group of that many stages."""
+    ControllerConfig: the settings every worker shares, its role's parallelism and
+    process settings (`torch_threads` and `cpus` as the pool resolved them for this actor:
+    None leaves the process's thread pool and affinity alone), and the actor's own
+    `name`, KV `transport` and `stage_options` (the Ray options of each stage or rank
+    actor, its placement group included: without them the stages are threads and the
+    ranks child processes of the worker's process). With `pipeline_parallel_size` > 1 the
+    worker is the head of a group of that many stages."""
 
     name: str = Field("worker-0", exclude=True)
     shape_buckets: ShapeBucketConfig = Field(default_factory=ShapeBucketConfig, exclude=True)
     transport: str = Field("ray", exclude=True)
-    torch_threads: int | None = Field(None, exclude=True)
-    cpus: list[int] | None = Field(None, exclude=True)
     stage_options: dict[str, Any] | None = Field(None, exclude=True)

@@ -66,6 +66,8 @@ def test_a_pace_outside_0_1_is_refused_with_what_to_set(pace: object) -> None:
         ServeConfigError, match=r"controller\.decode\.pace: must be a number in \(0, 1\] or null"
     ):
         ServeConfig.from_dict(data)
+    with pytest.raises(ValueError, match=r"pace\n  Input should be"):
+        DecodeWorkerConfig(pace=pace)
 
 
 def test_the_colocated_topology_refuses_decode_pace() -> None:
