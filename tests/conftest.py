@@ -2,18 +2,47 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bucketserve.controller.local_ray import GCS_PORT_WAIT
 from tests.worker_threads import share_cores_between_workers
 
 # Under pytest-xdist this process's torch, and what it starts, takes its share of the cores.
 share_cores_between_workers()
+# Every Ray a test starts, directly or in a service, waits for its GCS as a serve does.
+os.environ.setdefault(*GCS_PORT_WAIT)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def heap_returned_after_each_file() -> Iterator[None]:
+    """Give the heap a file freed back to the system: glibc keeps freed memory in its
+    per-thread arenas, and a test worker that ran a few dozen files of models, KV pools and
+    compiled graphs held about as much freed as live, on a machine the services under test
+    share."""
+    yield
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 (glibc only: musl and macOS have none)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _glibc()
 
 # Markers of the tests that take tens of seconds each (real weights, Ray, compiled graphs).
 HEAVY_MARKERS = ("slow", "smollm", "gemma")

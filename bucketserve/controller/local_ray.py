@@ -14,6 +14,8 @@ logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 AUTH_MODE = "RAY_AUTH_MODE"
+# Ray waits 30 s for its GCS to bind; a busy 2-core machine can take longer
+GCS_PORT_WAIT = ("RAY_gcs_server_port_wait_time_s", "180")
 
 
 def start_local_ray(**kwargs: Any) -> None:
@@ -23,6 +25,7 @@ def start_local_ray(**kwargs: Any) -> None:
     import ray
 
     _require_token_auth()
+    os.environ.setdefault(*GCS_PORT_WAIT)
     options = {**kwargs, "_node_ip_address": LOOPBACK, "include_dashboard": False}
     with _single_node():
         ray.init(address="local", **options)
