@@ -23,8 +23,8 @@ def test_local_2_stage_groups_match_one_stage(tiny_model_factory) -> None:
     reference = reference_outputs(model, work)
 
     async def main() -> None:
-        config = controller_config(
-            model, mode="local", buckets=small_batches(),
+        config = controller_config(  # every prompt through the prefill stages
+            model, mode="local", buckets=small_batches(), remote_prefill="always",
             prefill=TWO, decode=TWO,
         )
         controller = Controller(config)
