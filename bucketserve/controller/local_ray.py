@@ -16,20 +16,36 @@ LOOPBACK = "127.0.0.1"
 AUTH_MODE = "RAY_AUTH_MODE"
 # Ray waits 30 s for its GCS to bind; a busy 2-core machine can take longer
 GCS_PORT_WAIT = ("RAY_gcs_server_port_wait_time_s", "180")
+START_ATTEMPTS = 3
 
 
 def start_local_ray(**kwargs: Any) -> None:
     """`ray.init` of a new one-node instance on loopback. `kwargs` go to `ray.init` (a
     config's `ray_init_kwargs`); the address, the node address and the dashboard are set
     here. Ray's `RAY_ADDRESS`, if set, is ignored: no cluster address means a Ray of our own."""
-    import ray
-
     _require_token_auth()
-    os.environ.setdefault(*GCS_PORT_WAIT)
     options = {**kwargs, "_node_ip_address": LOOPBACK, "include_dashboard": False}
     with _single_node():
-        ray.init(address="local", **options)
+        init_local(**options)
     _owner_only(Path.home() / ".ray" / "auth_token")
+
+
+def init_local(**options: Any) -> None:
+    """`ray.init(address="local", **options)`, started again when Ray's own daemons miss
+    its start-up deadlines (the raylet's 30 s cannot be raised), as on a busy 2-core
+    machine."""
+    import ray
+
+    os.environ.setdefault(*GCS_PORT_WAIT)
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            ray.init(address="local", **options)
+            return
+        except Exception as exc:  # Ray raises a bare Exception or RuntimeError for these
+            if "timed out" not in str(exc).lower() or attempt == START_ATTEMPTS:
+                raise
+            logger.warning("Ray did not start in time (%s); starting it again", exc)
+            ray.shutdown()
 
 
 def _owner_only(token_file: Path) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from bucketserve.bucket_manager.config import BucketManagerConfig
 from bucketserve.controller.config import ControllerConfig
+from bucketserve.controller.local_ray import init_local
 from bucketserve.controller.worker_handle import WorkerHandle
 from bucketserve.controller.worker_pool import WorkerPool
 
@@ -161,8 +162,8 @@ def hpu4_probe() -> Any:
             return list(ray.get_runtime_context().get_accelerator_ids().get("HPU", []))
 
     ray.shutdown()
-    ray.init(address="local", num_cpus=4, resources={"HPU": 4}, include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
+    init_local(num_cpus=4, resources={"HPU": 4}, include_dashboard=False, log_to_driver=False,
+               configure_logging=False)
     yield Probe
     ray.shutdown()
 
@@ -247,3 +248,32 @@ def test_a_tp2_pp2_worker_gets_four_distinct_cards(hpu4_probe) -> None:
         for probe in probes:
             ray.kill(probe)
         remove_placement_group(pg)
+
+
+def test_a_ray_that_misses_its_start_deadline_is_started_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray's raylet must register within 30 s, which a busy 2-core machine can miss: the
+    start is tried again (up to START_ATTEMPTS), other failures are raised at once."""
+    import ray
+
+    from bucketserve.controller import local_ray
+
+    calls: list[dict] = []
+    failures = ["The current node timed out during startup."]
+
+    def init(**options: object) -> None:
+        calls.append(options)
+        if failures:
+            raise Exception(failures.pop())  # as Ray raises it
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    init_local(num_cpus=1)
+    assert len(calls) == 2 and calls[-1] == {"address": "local", "num_cpus": 1}
+    failures[:] = ["bad resources"]
+    with pytest.raises(Exception, match="bad resources"):
+        init_local(num_cpus=1)
+    failures[:] = ["timed out"] * local_ray.START_ATTEMPTS
+    with pytest.raises(Exception, match="timed out"):
+        init_local(num_cpus=1)

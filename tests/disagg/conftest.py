@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bucketserve.controller.local_ray import init_local
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from tests.disagg.helpers import mixed_workload, reference_outputs
 
@@ -56,8 +57,7 @@ def ray_cards(_ray_session: None) -> None:
     if ray.is_initialized() and ray.cluster_resources().get("HPU") == 4:
         return
     ray.shutdown()
-    ray.init(
-        address="local",
+    init_local(
         num_cpus=4,
         resources={"HPU": 4},
         include_dashboard=False,
