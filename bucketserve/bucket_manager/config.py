@@ -128,13 +128,12 @@ class ShapeBucketConfig(Settings):
     def _strategy_inputs(self) -> Self:
         if self.strategy in ("exponential", "unified"):
             for phase in ("prompt", "decode"):
-                ranges = getattr(self, phase)
-                for dim in () if ranges is None else type(ranges).model_fields:
-                    rng = getattr(ranges, dim)
-                    if rng is not None and rng.limit is None:
-                        raise SettingsError(
-                            f"{phase}.{dim}.limit", "is required by the exponential strategy"
-                        )
+                ranges = getattr(self, phase)  # None in BucketsSettings: the model's
+                unbounded = [d for d, r in dict(ranges or {}).items() if r and r.limit is None]
+                if unbounded:
+                    raise SettingsError(
+                        f"{phase}.{unbounded[0]}.limit", "is required by the exponential strategy"
+                    )
         if self.strategy == "file" and self.bucket_file() is None:
             raise SettingsError(
                 "file", f"is required by the 'file' strategy (or set ${BUCKET_FILE_ENV})"

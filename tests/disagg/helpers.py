@@ -9,7 +9,11 @@ import random
 from pathlib import Path
 from typing import Any
 
-from bucketserve.messages import ServeRequest, StreamDelta
+from bucketserve.controller.controller import Controller
+from bucketserve.controller.request_state import RequestState
+from bucketserve.controller.request_stream import RequestStream
+from bucketserve.controller.worker_handle import WorkerHandle
+from bucketserve.messages import ServeRequest, StreamDelta, WorkerStats
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from tests.worker_threads import worker_threads
 
@@ -143,3 +147,39 @@ async def generate_killing(controller: Any, work: list, role: str) -> list:
         await first.wait()
     await controller.kill_worker(f"{role}-0")
     return await run
+
+
+class IdleHandle(WorkerHandle):
+    """A live worker that reports stats and is never called (the dispatcher's choices are
+    what a test looks at)."""
+
+    def __init__(self, name: str, free: int, role: str = "decode") -> None:
+        super().__init__(name, role)
+        self.alive = True
+        self.stats = WorkerStats(name, role, "node", free, NUM_KV_BLOCKS)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        raise AssertionError(f"{self.name} was called: {method}")
+
+    async def start(self) -> None: ...
+
+    async def kill(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def queue(controller: Controller, rid: str, tokens: list[int]) -> RequestState:
+    params = SamplingParams(temperature=0, max_tokens=4)
+    state = RequestState(ServeRequest(rid, tokens, params), RequestStream(rid, _no))
+    controller._requests[rid] = state
+    controller.dispatcher.queue(state)
+    return state
+
+
+async def _no(request_id: str) -> bool:
+    return False
+
+
+def dispatch(controller: Controller) -> None:
+    for flight in controller.dispatcher.dispatch():
+        asyncio.run(flight.aclose())  # never flown: the placement is what is looked at

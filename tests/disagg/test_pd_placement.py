@@ -15,17 +15,15 @@ from bucketserve.bucket_manager import BucketRequest, PrefillBatch, TenantConfig
 from bucketserve.controller.controller import Controller
 from bucketserve.controller.pd_scheduler import PDScheduler
 from bucketserve.controller.prefix_index import PrefixIndex
-from bucketserve.controller.request_state import RequestState
-from bucketserve.controller.request_stream import RequestStream
-from bucketserve.controller.worker_handle import WorkerHandle
-from bucketserve.messages import ServeRequest, WorkerStats
 from bucketserve.runtime.core.block_hash import block_hashes
 from bucketserve.runtime.core.sampling_params import SamplingParams
 from tests.disagg.helpers import (
-    NUM_KV_BLOCKS,
+    IdleHandle,
     assert_drained,
     controller_config,
+    dispatch,
     generate,
+    queue,
     reference_outputs,
     tokens,
 )
@@ -188,41 +186,6 @@ def test_load_weight_is_checked():
 
 
 # -- the Dispatcher --------------------------------------------------------------------------
-
-
-class IdleHandle(WorkerHandle):
-    """A live decode worker that reports stats and is never called."""
-
-    def __init__(self, name: str, free: int) -> None:
-        super().__init__(name, "decode")
-        self.alive = True
-        self.stats = WorkerStats(name, "decode", "node", free, NUM_KV_BLOCKS)
-
-    async def _call(self, method: str, *args: Any) -> Any:
-        raise AssertionError(f"{self.name} was called: {method}")
-
-    async def start(self) -> None: ...
-
-    async def kill(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-
-def queue(controller: Controller, rid: str, tokens: list[int]) -> RequestState:
-    params = SamplingParams(temperature=0, max_tokens=4)
-    state = RequestState(ServeRequest(rid, tokens, params), RequestStream(rid, _no))
-    controller._requests[rid] = state
-    controller.dispatcher.queue(state)
-    return state
-
-
-async def _no(request_id: str) -> bool:
-    return False
-
-
-def dispatch(controller: Controller) -> None:
-    for flight in controller.dispatcher.dispatch():
-        asyncio.run(flight.aclose())  # never flown: the placement is what is looked at
 
 
 def test_the_colocated_dispatcher_queues_by_cached_length_and_places_by_cache(

@@ -16,7 +16,7 @@ from bucketserve.bucket_manager import BucketRequest, PrefillBatch
 from bucketserve.controller.controller import Controller
 from bucketserve.controller.pd_scheduler import PathCosts, PDScheduler
 from bucketserve.gateway.metrics import _service_metrics
-from tests.disagg.helpers import controller_config, serve_and_drain
+from tests.disagg.helpers import IdleHandle, controller_config, dispatch, queue, serve_and_drain
 
 MS = 1e-3
 
@@ -93,6 +93,32 @@ def test_a_busy_prefill_side_gets_what_is_cheaper_there_even_behind_its_queue() 
     assert (ids(local), ids(remote)) == (["r0"], ["r1"])
     unmeasured = costs(prefill_open=False, prefill_token_s=None, decode_running=40)
     assert [ids(p) for p in pd.route(batch(16, 2000), unmeasured, "auto")] == [["r0", "r1"], []]
+
+
+def test_the_dispatcher_holds_for_a_prefill_slot_what_is_cheaper_remote(
+    tiny_model_dir: Path,
+) -> None:
+    """Both prefill slots taken and 4,000 tokens queued there, 40 requests decoding: an
+    8-token prompt is prefilled locally now, a 300-token one stays queued in the bucket
+    manager; once a slot opens it goes to the prefill worker."""
+    config = controller_config(
+        tiny_model_dir, mode="local", topology="disaggregated", remote_prefill="auto"
+    )
+    c = Controller(config)
+    prefill, decode = IdleHandle("prefill-0", 256, "prefill"), IdleHandle("decode-0", 256)
+    for handle in (prefill, decode):
+        handle.stats.prefill_token_s = 0.1 * MS
+    decode.stats.decode_step_s, decode.stats.running = 2 * MS, 40
+    prefill.inflight = config.prefill.max_batches
+    c.pool.handles = [prefill, decode]
+    c.dispatcher.pd.prefill_sent("prefill-0", 4000 // config.runner.block_size)
+    short, long = queue(c, "short", [5] * 8), queue(c, "long", [6] * 300)
+    dispatch(c)
+    assert (short.decode_worker, short.prefill_path) == ("decode-0", "local")
+    assert long.prefill_path is None and "long" in c.buckets._entries
+    prefill.inflight = 0
+    dispatch(c)
+    assert long.prefill_path == "remote" and "long" not in c.buckets._entries
 
 
 def test_the_transfer_counts_whole_unless_it_is_layer_wise() -> None:
