@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
+from typing import Any
 
 from bucketserve.controller.controller import Controller
 from tests.disagg.helpers import (
@@ -23,7 +25,7 @@ def test_local_2_stage_groups_match_one_stage(tiny_model_factory) -> None:
     reference = reference_outputs(model, work)
 
     async def main() -> None:
-        config = controller_config(  # every prompt through the prefill stages
+        config = controller_config(  # every prompt through the prefill stages, to count them
             model, mode="local", buckets=small_batches(), remote_prefill="always",
             prefill=TWO, decode=TWO,
         )
@@ -31,6 +33,7 @@ def test_local_2_stage_groups_match_one_stage(tiny_model_factory) -> None:
         await controller.start()
         prefill = controller.pool.by_name("prefill-0").worker
         decode = controller.pool.by_name("decode-0").worker
+        hold_until_a_second_batch_enters(prefill.runner)
         outputs, stats = await serve_and_drain(controller, work, "local-pp")
         assert outputs == reference
         assert {w.pipeline_stages for w in stats.workers} == {2}
@@ -40,3 +43,24 @@ def test_local_2_stage_groups_match_one_stage(tiny_model_factory) -> None:
         assert prefill.runner.peak_in_flight == 2 and decode.runner.peak_in_flight == 2
 
     asyncio.run(main())
+
+
+def hold_until_a_second_batch_enters(runner: Any, timeout_s: float = 120.0) -> None:
+    """The first batch leaves the prefill stages only once a second has entered them (or
+    `timeout_s` passed): how fast the stages run, which decides whether two batches ever
+    meet there on a loaded machine, is not what the test checks; whether the controller
+    sends the second batch while the first is still in flight is."""
+    second = threading.Event()
+    submit, result = runner.submit, runner.result
+
+    def submit_and_note(*args: Any, **kwargs: Any) -> Any:
+        microbatch = submit(*args, **kwargs)
+        if runner.peak_in_flight >= 2:
+            second.set()
+        return microbatch
+
+    def result_after_the_second(microbatch: Any) -> Any:
+        second.wait(timeout_s)
+        return result(microbatch)
+
+    runner.submit, runner.result = submit_and_note, result_after_the_second
